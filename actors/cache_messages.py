@@ -1,0 +1,144 @@
+"""Messages of the paged prefix cache: scheduler <-> cache index <-> SSD writer.
+
+KV data crosses actors only as numpy arrays (``BlockData.tensors``): the scheduler snapshots
+its ``mx.array``s to numpy on its own thread, and turns numpy back into MLX there. bfloat16
+tensors travel as their uint16 bit pattern with ``dtypes[name] == "bfloat16"``. This module
+imports neither MLX nor anything that does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from runtime import Message
+
+# Bumped whenever the on-disk block layout changes; files of another version are skipped.
+FORMAT_VERSION = 1
+
+
+class BlockData(msgspec.Struct, frozen=True, kw_only=True):
+    """One block's cache state: per-layer tensors as numpy arrays plus their original dtypes.
+
+    Tensor names: ``"{layer}.keys"``/``"{layer}.values"`` for KV layers (shape
+    [1, kv_heads, n_tokens, head_dim]); ``"{layer}.state.{j}"`` for recurrent-state layers (the
+    state at the END of this block). ``dtypes`` maps each name to the MLX dtype name
+    ("float16", "bfloat16", "float32", ...).
+    """
+
+    block_hash: str
+    parent_hash: str | None
+    n_tokens: int
+    tensors: dict[str, Any]  # name -> numpy.ndarray
+    dtypes: dict[str, str]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(t.nbytes) for t in self.tensors.values())
+
+
+# --- scheduler -> SSD writer -----------------------------------------------------------------
+
+
+class WriteBlock(Message, frozen=True, kw_only=True):
+    """Persist one block. ``request_id``/``epoch`` let ``CancelWrites`` drop it precisely."""
+
+    block: BlockData
+    request_id: str
+    epoch: int
+
+
+class CancelWrites(Message, frozen=True, kw_only=True):
+    """The request was aborted: drop its queued writes and leave no file or index entry.
+
+    Only writes with this request id AND this epoch are dropped, so a later request that
+    reuses the id (a new epoch) is never discarded.
+    """
+
+    request_id: str
+    epoch: int
+
+
+class ReadBlocks(Message, frozen=True, kw_only=True):
+    """Read blocks from disk; the writer answers ``BlocksRead`` to the actor named reply_to."""
+
+    request_id: str
+    hashes: list[str]
+    reply_to: str
+
+
+class BlocksRead(Message, frozen=True, kw_only=True):
+    """Blocks read back from disk, in the order asked. A block that could not be read (gone,
+    corrupt) ends the list early: only a contiguous chain is usable."""
+
+    request_id: str
+    blocks: list[BlockData]
+
+
+class FlushWrites(Message, frozen=True, kw_only=True):
+    """Write what is queued within ``deadline_s``; answered (ask) with the count written."""
+
+    deadline_s: float = 5.0
+
+
+# --- SSD writer -> cache index -------------------------------------------------------------
+
+
+class BlockPersisted(Message, frozen=True, kw_only=True):
+    block_hash: str
+    parent_hash: str | None
+    n_tokens: int
+    nbytes: int  # bytes of the file on disk
+
+
+class BlockWriteFailed(Message, frozen=True, kw_only=True):
+    block_hash: str
+    error: str
+
+
+class ForgetBlocks(Message, frozen=True, kw_only=True):
+    """Writer -> index: these blocks' files are gone (a cancelled request's, or found missing or
+    corrupt on read): drop their disk entries. RAM entries are left alone."""
+
+    hashes: list[str]
+
+
+# --- scheduler <-> cache index ---------------------------------------------------------------
+
+
+class LookupPrefix(Message, frozen=True, kw_only=True):
+    """Which leading blocks of this chain are cached? Answered (ask) with ``PrefixHit``."""
+
+    hashes: list[str]
+
+
+class PrefixHit(msgspec.Struct, frozen=True, kw_only=True):
+    """The longest leading chain present: for each block, "ram" or "disk"."""
+
+    tiers: list[str]
+
+
+class BlocksStored(Message, frozen=True, kw_only=True):
+    """The scheduler now holds these blocks in RAM (hash, parent, tokens, bytes in RAM)."""
+
+    blocks: list[tuple[str, str | None, int, int]]
+
+
+class DropRamBlocks(Message, frozen=True, kw_only=True):
+    """Index -> scheduler: free these RAM blocks (the RAM budget is exceeded)."""
+
+    hashes: list[str]
+
+
+class RamBlocksDropped(Message, frozen=True, kw_only=True):
+    """Scheduler -> index: these RAM blocks are gone (evicted, or the scheduler restarted)."""
+
+    hashes: list[str]
+
+
+class MakeRoom(Message, frozen=True, kw_only=True):
+    """Writer -> index (ask): free disk space for ``nbytes`` under the quota, deleting least
+    recently used files (at most a bounded burst per call). Answered with bool: room made."""
+
+    nbytes: int

@@ -1,0 +1,482 @@
+"""The batch engine: plain synchronous policy around mlx-lm's ``BatchGenerator``.
+
+The scheduler actor owns one ``Engine`` on the MLX thread and calls ``add``, ``abort`` and
+``step``; everything here runs on that thread. ``step`` returns plain events (``actors.messages``)
+with no ``mx.array`` in them, ready to cross to the event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    greedy_sampler,
+    make_logits_processors,
+    make_sampler,
+)
+
+from actors.kv_blocks import ARRAYS, KVBlock, build_cache, cut_blocks, layer_kinds
+from actors.messages import (
+    RequestFinished,
+    SamplingParams,
+    TokenLogprob,
+    TokensGenerated,
+    TopLogprob,
+    Usage,
+)
+from actors.prefix import block_hashes, usable_blocks
+
+log = logging.getLogger("actors.engine")
+
+# Penalties look back over this many tokens (mlx-lm's default of 20 forgets too quickly for
+# OpenAI's presence/frequency semantics, which cover the whole completion).
+PENALTY_CONTEXT = 256
+
+
+class RequestError(Exception):
+    """A request that cannot run; ``status`` is the HTTP status the client should see."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def make_request_sampler(sampling: SamplingParams) -> Callable[[mx.array], mx.array]:
+    """The sampler for one request. Greedy requests share one function so the batch samples
+    in one call; a seeded request carries its own PRNG key so its draws do not depend on the
+    other requests in the batch."""
+    if sampling.temperature == 0:
+        return greedy_sampler
+    if sampling.seed is None:
+        return make_sampler(
+            temp=sampling.temperature,
+            top_p=sampling.top_p,
+            min_p=sampling.min_p,
+            top_k=sampling.top_k,
+        )
+    key = mx.random.key(sampling.seed)
+    inv_temp = 1.0 / sampling.temperature
+
+    def seeded(logprobs: mx.array) -> mx.array:
+        nonlocal key
+        if 0.0 < sampling.top_p < 1.0:
+            logprobs = apply_top_p(logprobs, sampling.top_p)
+        if sampling.min_p > 0.0:
+            logprobs = apply_min_p(logprobs, sampling.min_p)
+        if sampling.top_k > 0:
+            logprobs = apply_top_k(logprobs, sampling.top_k)
+        key, sub = mx.random.split(key)
+        return mx.random.categorical(logprobs * inv_temp, key=sub)
+
+    return seeded
+
+
+class StopStringFilter:
+    """Holds back text that may be the start of a stop string, and cuts at the first match.
+
+    Matching is on decoded text, not token ids: a stop string can be spelled by many token
+    sequences, and it must never leak into the output.
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+        self.matched: str | None = None
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Add decoded text; return (text safe to emit, whether a stop string matched).
+        The stop string that matched first in the text is kept in ``matched``."""
+        if not self.stops:
+            return text, False
+        buf = self.pending + text
+        hits = [(i, s) for s, i in ((s, buf.find(s)) for s in self.stops) if i >= 0]
+        if hits:
+            self.pending = ""
+            at, self.matched = min(hits)
+            return buf[:at], True
+        hold = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(buf)), 0, -1):
+                if buf.endswith(s[:n]):
+                    hold = max(hold, n)
+                    break
+        self.pending = buf[len(buf) - hold :] if hold else ""
+        return buf[: len(buf) - hold], False
+
+    def flush(self) -> str:
+        text, self.pending = self.pending, ""
+        return text
+
+
+@dataclass
+class Request:
+    """One request's state on the MLX thread."""
+
+    request_id: str
+    uid: int
+    prompt_len: int
+    sampling: SamplingParams
+    detokenizer: Any
+    stops: StopStringFilter
+    stop_ids: frozenset[int]
+    added_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    generated: int = 0
+    cached_tokens: int = 0
+    # Prefix cache: the chain hashes of the prompt's full blocks, and how many leading blocks
+    # are already stored (from cache, or cut at a boundary this request crossed).
+    hashes: list[str] = field(default_factory=list)
+    stored: int = 0
+
+
+Event = TokensGenerated | RequestFinished
+
+
+class Engine:
+    """Continuous batching over one model: requests join between steps, leave on finish/abort."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        max_batch_size: int = 32,
+        prefill_batch_size: int = 8,
+        prefill_step_size: int = 512,
+        stream: mx.Stream | None = None,
+        block_size: int = 0,
+        fingerprint: str = "",
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.eos_ids = frozenset(tokenizer.eos_token_ids)
+        # Prefix cache (block_size 0 turns it off; so does a model whose caches cannot be cut).
+        self.block_size = block_size
+        self.fingerprint = fingerprint
+        self.kinds = layer_kinds(model) if block_size else None
+        self.hybrid = bool(self.kinds) and ARRAYS in self.kinds
+        self.state_sizes = (
+            [len(c.cache) if k == ARRAYS else 0 for c, k in
+             zip(make_prompt_cache(model), self.kinds, strict=True)]
+            if self.kinds else []
+        )
+        self.blocks: dict[str, KVBlock] = {}  # the RAM tier, owned by this thread
+        self.new_blocks: list[tuple[str, KVBlock]] = []  # cut since the caller last took them
+        self._gen_kwargs = dict(
+            completion_batch_size=max_batch_size,
+            prefill_batch_size=prefill_batch_size,
+            prefill_step_size=prefill_step_size,
+            stream=stream,
+        )
+        self.gen = BatchGenerator(model, **self._gen_kwargs)
+        self.requests: dict[str, Request] = {}
+        self._by_uid: dict[int, Request] = {}
+        self.steps = 0
+        self.generated_tokens = 0
+
+    # -- commands ----------------------------------------------------------------------
+
+    @property
+    def caching(self) -> bool:
+        return bool(self.kinds)
+
+    def prompt_hashes(self, prompt: list[int]) -> list[str]:
+        """Hashes of the prompt's blocks that could be served from cache."""
+        if not self.caching:
+            return []
+        hashes = block_hashes(self.fingerprint, prompt, self.block_size)
+        return hashes[: usable_blocks(len(prompt), self.block_size)]
+
+    def add(
+        self,
+        request_id: str,
+        prompt: list[int],
+        sampling: SamplingParams,
+        cached: Sequence[KVBlock] = (),
+    ) -> Request:
+        """Queue a request; it joins the batch at the next step. Raises RequestError.
+
+        ``cached``: leading blocks of the prompt already computed (a prefix-cache hit); only
+        the rest of the prompt is prefilled.
+        """
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already running", 409)
+        if not prompt:
+            raise RequestError("the prompt is empty")
+        if sampling.max_tokens <= 0:
+            raise RequestError("max_tokens must be positive")
+        stop_ids = frozenset(sampling.stop_token_ids) | (
+            frozenset() if sampling.ignore_eos else self.eos_ids
+        )
+        processors = make_logits_processors(
+            repetition_penalty=sampling.repetition_penalty,
+            repetition_context_size=PENALTY_CONTEXT,
+            presence_penalty=sampling.presence_penalty or None,
+            presence_context_size=PENALTY_CONTEXT,
+            frequency_penalty=sampling.frequency_penalty or None,
+            frequency_context_size=PENALTY_CONTEXT,
+        )
+        hashes = self.prompt_hashes(prompt)
+        n_cached = len(cached)
+        start = n_cached * self.block_size
+        (uid,) = self.gen.insert_segments(
+            [self._segments(prompt, start, len(hashes))],
+            max_tokens=[sampling.max_tokens],
+            caches=[build_cache(self.model, self.kinds, list(cached)) if cached else None],
+            all_tokens=[prompt[:start]],
+            samplers=[make_request_sampler(sampling)],
+            logits_processors=[processors],
+            stop_sequences=[StopSequences([(t,) for t in stop_ids] or None)],
+        )
+        req = Request(
+            request_id=request_id,
+            uid=uid,
+            prompt_len=len(prompt),
+            sampling=sampling,
+            detokenizer=self.tokenizer.detokenizer,
+            stops=StopStringFilter(sampling.stop),
+            stop_ids=stop_ids,
+            cached_tokens=start,
+            hashes=hashes,
+            stored=n_cached,
+        )
+        self.requests[request_id] = req
+        self._by_uid[uid] = req
+        return req
+
+    def _segments(self, prompt: list[int], start: int, n_blocks: int) -> list[list[int]]:
+        """Split the uncached prompt where blocks should be cut during prefill: at the last
+        full block for plain KV models (KV can be sliced afterwards), at every block boundary
+        for hybrid ones (recurrent state exists only at the position just reached)."""
+        if not self.caching or n_blocks * self.block_size <= start:
+            return [prompt[start:]]
+        B = self.block_size
+        cuts = range(start + B, n_blocks * B + 1, B) if self.hybrid else [n_blocks * B]
+        segments, lo = [], start
+        for cut in cuts:
+            segments.append(prompt[lo:cut])
+            lo = cut
+        segments.append(prompt[lo:])
+        return segments
+
+    def _cut(self, req: Request, cache: list[Any], n_tokens: int, hashes: list[str]) -> None:
+        """Keep the blocks of ``cache`` (n_tokens long) that are not stored yet."""
+        last = min(n_tokens // self.block_size, len(hashes))
+        first = last - 1 if self.hybrid else req.stored
+        if last <= req.stored or first < 0:
+            return
+        for blk in cut_blocks(cache, self.kinds, first, last, self.block_size, hashes):
+            if blk.block_hash not in self.blocks:
+                self.blocks[blk.block_hash] = blk
+                self.new_blocks.append((req.request_id, blk))
+        req.stored = last
+
+    def take_new_blocks(self) -> list[tuple[str, KVBlock]]:
+        blocks, self.new_blocks = self.new_blocks, []
+        return blocks
+
+    def abort(self, request_id: str) -> RequestFinished | None:
+        """Remove a request wherever it is (queued, prefilling, decoding) and free its KV."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self.gen.remove([req.uid])
+        return self._finish(req, "abort")
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def waiting(self) -> int:
+        """Requests not yet in a batch."""
+        return len(self.gen._unprocessed_sequences)
+
+    # -- the step ------------------------------------------------------------------------
+
+    def step(self) -> list[Event]:
+        """Run one step of the batch (a decode step plus at most one prefill chunk)."""
+        if not self.requests:
+            return []
+        try:
+            prompt_responses, responses = self.gen.next()
+        except Exception as exc:  # the model step failed: no request in it can go on
+            log.exception("batch step failed; failing %d requests", len(self.requests))
+            return self._fail_all(f"engine step failed: {exc}")
+        self.steps += 1
+        events: list[Event] = []
+        if self.caching:
+            self._cut_at_boundaries(prompt_responses)
+        for resp in responses:
+            req = self._by_uid.get(resp.uid)
+            if req is None:
+                continue
+            try:
+                events.extend(self._on_token(req, resp))
+            except Exception as exc:  # one request's post-processing failed: only it fails
+                log.exception("request %s failed", req.request_id)
+                self.gen.remove([req.uid])
+                events.append(self._finish(req, "error", error=str(exc), status=500))
+        return events
+
+    def _cut_at_boundaries(self, prompt_responses: list[Any]) -> None:
+        """A prefill segment ended at a block boundary: cut the blocks it completed."""
+        for r in prompt_responses:
+            req = self._by_uid.get(r.uid)
+            if req is None or not r.end_of_segment or r.end_of_prompt:
+                continue
+            try:
+                cache, tokens = self.gen.extract_cache([r.uid])[r.uid]
+                self._cut(req, cache, len(tokens), req.hashes)
+            except Exception:  # caching is an optimisation: never fail the request for it
+                log.exception("could not cut prefix blocks of %s", req.request_id)
+
+    def _cut_finished(self, req: Request, cache: list[Any], tokens: list[int]) -> None:
+        """At the end of a request, keep the blocks its answer completed too (plain KV models:
+        the next turn of a conversation resends prompt and answer)."""
+        if not self.caching or self.hybrid or not cache:
+            return
+        try:
+            self._cut(req, cache, len(tokens),
+                      block_hashes(self.fingerprint, tokens, self.block_size))
+        except Exception:
+            log.exception("could not cut prefix blocks of %s", req.request_id)
+
+    def _on_token(self, req: Request, resp: Any) -> list[Event]:
+        token = resp.token
+        now = time.perf_counter()
+        if req.first_token_at is None:
+            req.first_token_at = now
+        req.generated += 1
+        self.generated_tokens += 1
+        finish = resp.finish_reason
+        events: list[Event] = []
+        if finish is not None:
+            self._cut_finished(req, resp.prompt_cache, resp.all_tokens)
+        if token in req.stop_ids and finish == "stop":
+            # EOS and stop token ids end the text; they are not part of it.
+            req.detokenizer.finalize()
+            text, _ = req.stops.feed(req.detokenizer.last_segment)
+            text += req.stops.flush()
+            if text:
+                events.append(TokensGenerated(request_id=req.request_id, text=text, token_ids=[]))
+            events.append(self._finish(req, "stop"))
+            return events
+        req.detokenizer.add_token(token)
+        if finish is not None:
+            req.detokenizer.finalize()
+        text, matched = req.stops.feed(req.detokenizer.last_segment)
+        logprobs = self._logprobs(req, token, resp.logprobs) if req.sampling.logprobs else None
+        if matched:
+            events.append(
+                TokensGenerated(
+                    request_id=req.request_id, text=text, token_ids=[token], logprobs=logprobs
+                )
+            )
+            # The stop string ended the request inside the batch: take it out now.
+            if self.caching and not self.hybrid:
+                self._cut_finished(req, *self.gen.extract_cache([req.uid])[req.uid])
+            self.gen.remove([req.uid])
+            events.append(self._finish(req, "stop", stop_sequence=req.stops.matched))
+            return events
+        if finish is not None:
+            text += req.stops.flush()
+        events.append(
+            TokensGenerated(
+                request_id=req.request_id, text=text, token_ids=[token], logprobs=logprobs
+            )
+        )
+        if finish is not None:
+            events.append(self._finish(req, finish))
+        return events
+
+    def _logprobs(self, req: Request, token: int, logprobs: mx.array) -> list[TokenLogprob]:
+        k = req.sampling.top_logprobs
+        chosen = logprobs[token].item()
+        top: list[TopLogprob] = []
+        if k > 0:
+            idx = mx.argpartition(-logprobs, kth=k - 1)[:k]
+            vals = logprobs[idx]
+            order = mx.argsort(-vals)
+            ids = idx[order].tolist()
+            top = [self._top(i, v) for i, v in zip(ids, vals[order].tolist(), strict=True)]
+        piece = self._piece(token)
+        return [
+            TokenLogprob(
+                token=piece,
+                token_id=token,
+                logprob=chosen,
+                bytes=list(piece.encode("utf-8")),
+                top_logprobs=top,
+            )
+        ]
+
+    def _top(self, token_id: int, logprob: float) -> TopLogprob:
+        piece = self._piece(token_id)
+        return TopLogprob(
+            token=piece, token_id=token_id, logprob=logprob, bytes=list(piece.encode("utf-8"))
+        )
+
+    def _piece(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    # -- endings -------------------------------------------------------------------------
+
+    def _finish(
+        self,
+        req: Request,
+        reason: str,
+        *,
+        error: str | None = None,
+        status: int | None = None,
+        stop_sequence: str | None = None,
+    ) -> RequestFinished:
+        self.requests.pop(req.request_id, None)
+        self._by_uid.pop(req.uid, None)
+        ttft = None if req.first_token_at is None else req.first_token_at - req.added_at
+        return RequestFinished(
+            request_id=req.request_id,
+            finish_reason=reason,
+            usage=Usage(
+                prompt_tokens=req.prompt_len,
+                completion_tokens=req.generated,
+                cached_tokens=req.cached_tokens,
+            ),
+            error=error,
+            error_status=status,
+            ttft_s=ttft,
+            stop_sequence=stop_sequence,
+        )
+
+    def _fail_all(self, message: str) -> list[Event]:
+        events: list[Event] = [
+            self._finish(req, "error", error=message, status=500)
+            for req in list(self.requests.values())
+        ]
+        # A fresh generator: the old one's batch state is not trustworthy after a failed step.
+        self.gen = BatchGenerator(self.model, **self._gen_kwargs)
+        mx.clear_cache()
+        return events
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "requests": len(self.requests),
+            "waiting": self.waiting,
+            "prefilling": len(self.gen._prompt_batch),
+            "decoding": len(self.gen._generation_batch),
+            "steps": self.steps,
+            "generated_tokens": self.generated_tokens,
+        }
+
+    def close(self) -> None:
+        self.gen.close()

@@ -1,0 +1,220 @@
+"""Messages between the HTTP layer and the serving actors.
+
+Everything here is plain data (``msgspec.Struct``): no ``mx.array`` ever crosses an actor
+boundary, so this module imports neither MLX nor anything that does. ``api/`` imports it.
+
+Commands are named in the imperative (``AddRequest``), events in the past tense
+(``TokensGenerated``), following house-style.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+from runtime import Message, ReplyStream
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """How one request samples and when it stops. Validated by the API schemas."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    repetition_penalty: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: bool = False
+    top_logprobs: int = 0
+    ignore_eos: bool = False
+
+
+# --- HTTP layer -> admission -------------------------------------------------------------
+
+
+class AdmitChat(Message, frozen=True, kw_only=True):
+    """Apply the model's chat template to ``messages`` (and ``tools``), then admit."""
+
+    request_id: str
+    model: str
+    messages: list[dict]
+    sampling: SamplingParams
+    tools: list[dict] | None = None
+    chat_template_kwargs: dict | None = None
+
+
+class AdmitCompletion(Message, frozen=True, kw_only=True):
+    """Admit a raw-text (or pre-tokenized) completion prompt."""
+
+    request_id: str
+    model: str
+    prompt: str | list[int]
+    sampling: SamplingParams
+
+
+class CountTokens(Message, frozen=True, kw_only=True):
+    """Tokenize a chat without admitting it (for token counting endpoints)."""
+
+    model: str
+    messages: list[dict]
+    tools: list[dict] | None = None
+
+
+class ListModels(Message, frozen=True, kw_only=True):
+    """Ask admission which models it serves."""
+
+
+class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    context_length: int
+    source: str
+    path: str
+    fingerprint: str = ""
+
+
+class Admitted(msgspec.Struct, frozen=True, kw_only=True):
+    """What admission tells the HTTP layer about an accepted request."""
+
+    request_id: str
+    model: str
+    prompt_tokens: int
+
+
+class AdmissionError(Exception):
+    """A request refused before any response header: carries the HTTP status to answer with.
+
+    ``param`` names the field at fault; ``retry_after`` (seconds) goes into Retry-After.
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.retry_after = retry_after
+
+    def __reduce__(self):  # keeps the error intact if it is ever copied or pickled
+        return (
+            _rebuild_admission_error,
+            (self.status, self.message, self.type, self.param, self.code, self.retry_after),
+        )
+
+
+def _rebuild_admission_error(status, message, type_, param, code, retry_after):
+    return AdmissionError(
+        status, message, type=type_, param=param, code=code, retry_after=retry_after
+    )
+
+
+# --- admission -> scheduler ---------------------------------------------------------------
+
+
+class AddRequest(Message, frozen=True, kw_only=True):
+    """Join the running batch. Sent with ``stream()``: the scheduler answers with events."""
+
+    request_id: str
+    prompt_tokens: list[int]
+    sampling: SamplingParams
+
+
+class AbortRequest(Message, frozen=True, kw_only=True):
+    """The client has gone: drop the request from the batch and free its memory."""
+
+    request_id: str
+
+
+class Step(Message, frozen=True, kw_only=True):
+    """The scheduler's note to itself: run one model step after draining the mailbox."""
+
+
+class DescribeEngine(Message, frozen=True, kw_only=True):
+    """Ask a scheduler for its model card and its live state."""
+
+
+# --- scheduler -> the request's reply stream ------------------------------------------------
+
+
+class TopLogprob(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    token: str
+    token_id: int
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    token: str
+    token_id: int
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class Usage(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class RequestStarted(Message, frozen=True, kw_only=True):
+    """The scheduler accepted the request into its queue (sent before any token)."""
+
+    request_id: str
+    prompt_tokens: int
+    cached_tokens: int = 0
+
+
+class TokensGenerated(Message, frozen=True, kw_only=True):
+    """New output: ``text`` is the printable delta (whole UTF-8 characters, stop strings cut)."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+
+
+class RequestFinished(Message, frozen=True, kw_only=True):
+    """The last event of a request. ``finish_reason``: stop, length, abort or error."""
+
+    request_id: str
+    finish_reason: str
+    usage: Usage
+    error: str | None = None
+    error_status: int | None = None
+    ttft_s: float | None = None
+    stop_sequence: str | None = None  # the stop string that ended the text, if one did
+
+
+RequestEvent = RequestStarted | TokensGenerated | RequestFinished
+
+
+@dataclass(frozen=True)
+class AdmissionTicket:
+    """Admission's answer to ``AdmitChat``/``AdmitCompletion``: the request is in the scheduler.
+
+    ``events`` yields ``RequestStarted``, then ``TokensGenerated`` deltas, then exactly one
+    ``RequestFinished``. Closing it early tells the scheduler the client has gone.
+    """
+
+    admitted: Admitted
+    events: ReplyStream

@@ -1,0 +1,46 @@
+"""Naming of prefix-cache blocks: chain hashes over token ids, and the model fingerprint.
+
+Pure Python (no MLX): admission, the scheduler and tests all name blocks the same way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """A short id of the model's weights and config: blocks of another model never match.
+
+    Hashes config.json and the names and sizes of the weight files (reading gigabytes of
+    weights at every start would cost more than it protects against).
+    """
+    model_dir = Path(model_dir)
+    h = hashlib.sha256()
+    config = json.loads((model_dir / "config.json").read_text())
+    h.update(json.dumps(config, sort_keys=True).encode())
+    for f in sorted(model_dir.glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return h.hexdigest()[:16]
+
+
+def block_hashes(fingerprint: str, tokens: list[int], block_size: int) -> list[str]:
+    """Chain hashes of the full blocks of ``tokens``: block i's name covers every token
+    before it, so equal names mean equal prefixes."""
+    hashes: list[str] = []
+    parent = fingerprint
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        h = hashlib.blake2b(digest_size=16)
+        h.update(parent.encode())
+        h.update(b"|")
+        h.update(",".join(map(str, tokens[start : start + block_size])).encode())
+        parent = h.hexdigest()
+        hashes.append(parent)
+    return hashes
+
+
+def usable_blocks(prompt_len: int, block_size: int) -> int:
+    """How many leading blocks of a prompt may come from cache: at least one prompt token must
+    still run through the model to produce the first output's logits."""
+    return max(0, (prompt_len - 1) // block_size)

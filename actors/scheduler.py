@@ -1,0 +1,399 @@
+"""The scheduler actor: owns one model, its MLX stream and its ``Engine``, on the MLX thread.
+
+Spawn it with ``thread=MLX_THREAD``: MLX streams are bound to the thread that made them, so the
+model is loaded in ``on_start`` and every array it makes stays on that thread. Only plain
+``msgspec`` events and numpy snapshots leave it.
+
+The step loop is message driven: after handling any message, if requests are in flight and no
+``Step`` is queued, the scheduler queues one to itself. Everything that arrived meanwhile (new
+requests, aborts, blocks read from disk) sits ahead of that ``Step`` in the mailbox, so the
+mailbox is drained between every two model steps.
+
+Prefix cache: the scheduler keeps the RAM tier (blocks as MLX arrays) and cuts new blocks as
+requests cross block boundaries. It asks the cache index which leading blocks of a prompt are
+cached, has the SSD writer read the ones only on disk (the request waits, the batch does not),
+and sends every new block to the writer as a numpy snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm import load as mlx_load
+
+from actors.cache_messages import (
+    BlocksRead,
+    BlocksStored,
+    CancelWrites,
+    DropRamBlocks,
+    LookupPrefix,
+    ReadBlocks,
+    WriteBlock,
+)
+from actors.engine import Engine, RequestError
+from actors.kv_blocks import KVBlock, from_numpy, to_numpy
+from actors.messages import (
+    AbortRequest,
+    AddRequest,
+    DescribeEngine,
+    ModelCard,
+    RequestFinished,
+    RequestStarted,
+    Step,
+    Usage,
+)
+from actors.model_store import DEFAULT_MODEL, resolve_model
+from actors.prefix import model_fingerprint
+from runtime import Actor, ActorDead, AskTimeout, MailboxFull, Reply
+
+log = logging.getLogger("actors.scheduler")
+
+MLX_THREAD = "mlx"
+# How long one step may wait for room in the SSD writer's queue before dropping blocks.
+WRITE_WAIT_S = 0.25
+LOOKUP_TIMEOUT_S = 1.0
+
+
+def context_length(config: dict[str, Any]) -> int:
+    """The model's context window, from its config (nested ``text_config`` included)."""
+    for cfg in (config, config.get("text_config") or {}):
+        for key in ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length"):
+            if isinstance(cfg.get(key), int):
+                return cfg[key]
+    return 4096
+
+
+@dataclass
+class _Loading:
+    """A request waiting for its cached blocks to come back from disk."""
+
+    msg: AddRequest
+    reply: Reply
+    ram: list[KVBlock]
+    n_disk: int
+
+
+class Scheduler(Actor):
+    """Continuous batching for one model. Messages: AddRequest (via ``stream``), AbortRequest,
+    DescribeEngine (via ``ask``), BlocksRead, DropRamBlocks, and its own Step."""
+
+    def __init__(
+        self,
+        *,
+        model: str | None = None,
+        max_batch_size: int = 32,
+        prefill_batch_size: int = 8,
+        prefill_step_size: int = 512,
+        max_queue: int = 256,
+        block_size: int = 0,
+        index: str = "cache_index",
+        writer: str = "ssd_writer",
+    ) -> None:
+        self.model_spec = model
+        self.model_name = model or DEFAULT_MODEL
+        self.max_queue = max_queue
+        self._engine_kwargs = dict(
+            max_batch_size=max_batch_size,
+            prefill_batch_size=prefill_batch_size,
+            prefill_step_size=prefill_step_size,
+            block_size=block_size,
+        )
+        self.index_name = index
+        self.writer_name = writer
+        self.engine: Engine | None = None
+        self.card: ModelCard | None = None
+        self._replies: dict[str, Reply] = {}
+        self._loading: dict[str, _Loading] = {}
+        self._epochs: dict[str, int] = {}
+        self._epoch = 0
+        self._step_queued = False
+        self._tps_window: list[tuple[float, int]] = []
+        self.counters = {"blocks_enqueued": 0, "blocks_dropped": 0, "disk_loads": 0,
+                         "hit_tokens": 0, "miss_tokens": 0}
+
+    async def on_start(self) -> None:
+        started = time.perf_counter()
+        # Conversion (a GGUF or the bundled default) makes MLX arrays too: it runs here.
+        resolved = resolve_model(self.model_spec)
+        self.model_name = resolved.name
+        stream = mx.new_stream(mx.default_device())
+        with mx.stream(stream):
+            model, tokenizer, config = mlx_load(str(resolved.path), return_config=True)
+        fingerprint = model_fingerprint(resolved.path)
+        self.engine = Engine(model, tokenizer, stream=stream, fingerprint=fingerprint,
+                             **self._engine_kwargs)
+        self.card = ModelCard(
+            id=resolved.name,
+            context_length=context_length(config),
+            source=resolved.source,
+            path=str(resolved.path),
+            fingerprint=fingerprint,
+        )
+        if self._engine_kwargs["block_size"] and not self.engine.caching:
+            log.warning("%s: its cache layers cannot be cut into blocks; prefix cache off",
+                        resolved.name)
+        log.info(
+            "loaded %s from %s in %.1fs", resolved.name, resolved.path,
+            time.perf_counter() - started,
+        )
+
+    async def on_stop(self, error: BaseException | None) -> None:
+        if self.engine is not None:
+            for rid in list(self.engine.requests):
+                self._deliver([self.engine.abort(rid)])
+            self.engine.close()
+        for reply in self._replies.values():
+            reply.close()
+        for loading in self._loading.values():
+            loading.reply.close()
+        self._replies.clear()
+        self._loading.clear()
+
+    async def handle(self, msg: Any) -> Any:
+        match msg:
+            case Step():
+                self._step_queued = False
+                await self._step()
+            case AddRequest():
+                await self._add(msg, self.take_reply())
+            case BlocksRead():
+                self._loaded(msg)
+            case AbortRequest(request_id=rid):
+                self._abort(rid)
+            case DropRamBlocks(hashes=hashes):
+                for h in hashes:
+                    self.engine.blocks.pop(h, None)
+            case DescribeEngine():
+                return self.card
+            case _:
+                raise TypeError(f"scheduler cannot handle {type(msg).__name__}")
+        self._queue_step()
+        return None
+
+    # -- requests ------------------------------------------------------------------------
+
+    async def _add(self, msg: AddRequest, reply: Reply) -> None:
+        engine = self.engine
+        if engine.waiting + len(self._loading) >= self.max_queue:
+            reply.send(_refused(msg, 429, "the scheduler's queue is full; retry shortly"))
+            reply.close()
+            return
+        self._epoch += 1
+        self._epochs[msg.request_id] = self._epoch
+        ram, disk = await self._find_prefix(msg.prompt_tokens)
+        writer = self.system.find(self.writer_name)
+        if disk and writer is not None and msg.request_id not in self._loading:
+            try:
+                writer.try_tell(ReadBlocks(request_id=msg.request_id, hashes=disk,
+                                           reply_to=self.name))
+                self._loading[msg.request_id] = _Loading(msg, reply, ram, len(disk))
+                self.counters["disk_loads"] += 1
+                return
+            except (MailboxFull, ActorDead):
+                pass  # the disk is busy: prefill what RAM does not hold
+        self._start(msg, reply, ram)
+
+    async def _find_prefix(self, prompt: list[int]) -> tuple[list[KVBlock], list[str]]:
+        """The prompt's leading cached blocks: those in RAM here, then hashes only on disk."""
+        hashes = self.engine.prompt_hashes(prompt)
+        if not hashes:
+            return [], []
+        tiers = ["ram"] * len(hashes)
+        index = self.system.find(self.index_name)
+        if index is not None:
+            try:
+                tiers = (await index.ask(LookupPrefix(hashes=hashes),
+                                         timeout=LOOKUP_TIMEOUT_S)).tiers
+            except (AskTimeout, ActorDead):
+                pass  # the index is gone or slow: RAM alone still serves
+        ram: list[KVBlock] = []
+        disk: list[str] = []
+        # The index lists the longest leading chain it knows; what is past it is a miss.
+        for h in hashes[: len(tiers)]:
+            block = self.engine.blocks.get(h)
+            if block is not None and not disk:
+                ram.append(block)
+            elif index is not None:
+                # Listed by the index but not in RAM here: it can only come from disk.
+                disk.append(h)
+            else:
+                break
+        return ram, disk
+
+    def _loaded(self, msg: BlocksRead) -> None:
+        loading = self._loading.pop(msg.request_id, None)
+        if loading is None:
+            return  # aborted while reading
+        cached = list(loading.ram)
+        stored = []
+        for data in msg.blocks:
+            try:
+                block = from_numpy(data, self.engine.kinds, self.engine.state_sizes)
+            except Exception:
+                log.exception("block %s read from disk is unusable", data.block_hash)
+                break
+            cached.append(block)
+            if block.block_hash not in self.engine.blocks:
+                # Promoted to RAM: the next request with this prefix skips the disk.
+                self.engine.blocks[block.block_hash] = block
+                stored.append(block)
+        self._announce(stored)
+        self._start(loading.msg, loading.reply, cached)
+
+    def _start(self, msg: AddRequest, reply: Reply, cached: list[KVBlock]) -> None:
+        if reply.consumer_gone:
+            reply.close()
+            return
+        try:
+            req = self.engine.add(msg.request_id, msg.prompt_tokens, msg.sampling,
+                                  cached=cached)
+        except RequestError as exc:
+            reply.send(_refused(msg, exc.status, str(exc)))
+            reply.close()
+            return
+        self.counters["hit_tokens"] += req.cached_tokens
+        self.counters["miss_tokens"] += req.prompt_len - req.cached_tokens
+        self._replies[msg.request_id] = reply
+        reply.send(RequestStarted(request_id=msg.request_id, prompt_tokens=req.prompt_len,
+                                  cached_tokens=req.cached_tokens))
+
+    def _abort(self, request_id: str) -> None:
+        loading = self._loading.pop(request_id, None)
+        if loading is not None:
+            loading.reply.send(_refused(loading.msg, None, "aborted", reason="abort"))
+            loading.reply.close()
+        finished = self.engine.abort(request_id)
+        if finished is not None:
+            self._cancel_writes(request_id)
+            self._deliver([finished])
+
+    def _cancel_writes(self, request_id: str) -> None:
+        writer = self.system.find(self.writer_name)
+        epoch = self._epochs.get(request_id)
+        if writer is not None and epoch is not None:
+            try:
+                writer.try_tell(CancelWrites(request_id=request_id, epoch=epoch))
+            except (MailboxFull, ActorDead):
+                log.warning("could not cancel the disk writes of %s", request_id)
+
+    # -- the step --------------------------------------------------------------------------
+
+    async def _step(self) -> None:
+        engine = self.engine
+        # Clients that went away leave the batch before the step, not after it.
+        for rid in [rid for rid, reply in self._replies.items() if reply.consumer_gone]:
+            self._abort(rid)
+        for rid in [rid for rid, ld in self._loading.items() if ld.reply.consumer_gone]:
+            self._loading.pop(rid).reply.close()
+        if engine.has_work:
+            events = engine.step()
+            self._deliver(events)
+            self._tps_window.append((time.perf_counter(), engine.generated_tokens))
+            del self._tps_window[:-64]
+        new = engine.take_new_blocks()
+        if new:
+            self._announce([blk for _, blk in new])
+            await self._persist(new)
+
+    def _announce(self, blocks: list[KVBlock]) -> None:
+        """Tell the index which blocks RAM now holds (it evicts past the RAM budget)."""
+        index = self.system.find(self.index_name)
+        if not blocks or index is None:
+            return
+        try:
+            index.try_tell(BlocksStored(blocks=[
+                (b.block_hash, b.parent_hash, b.n_tokens, b.nbytes) for b in blocks]))
+        except (MailboxFull, ActorDead):
+            log.warning("cache index unreachable; %d blocks not indexed", len(blocks))
+
+    async def _persist(self, new: list[tuple[str, KVBlock]]) -> None:
+        """Snapshot new blocks to numpy here, on the MLX thread, and queue them for disk.
+
+        A full queue gets at most WRITE_WAIT_S of this step; blocks that still find no room
+        are dropped and counted: the disk tier is an optimisation, the batch is not."""
+        writer = self.system.find(self.writer_name)
+        if writer is None:
+            return
+        deadline = time.monotonic() + WRITE_WAIT_S
+        for request_id, block in new:
+            msg = WriteBlock(block=to_numpy(block), request_id=request_id,
+                             epoch=self._epochs.get(request_id, 0))
+            try:
+                writer.try_tell(msg)
+            except MailboxFull:
+                remaining = deadline - time.monotonic()
+                try:
+                    if remaining <= 0:
+                        raise TimeoutError
+                    await asyncio.wait_for(writer.tell(msg), remaining)
+                except (TimeoutError, ActorDead):
+                    self.counters["blocks_dropped"] += 1
+                    continue
+            except ActorDead:
+                self.counters["blocks_dropped"] += 1
+                continue
+            self.counters["blocks_enqueued"] += 1
+
+    def _deliver(self, events: list[Any]) -> None:
+        for event in events:
+            if event is None:
+                continue
+            reply = self._replies.get(event.request_id)
+            if reply is None:
+                continue
+            reply.send(event)
+            if isinstance(event, RequestFinished):
+                reply.close()
+                del self._replies[event.request_id]
+                self._epochs.pop(event.request_id, None)
+
+    def _queue_step(self) -> None:
+        if self._step_queued or self.engine is None or not self.engine.has_work:
+            return
+        try:
+            self.ref.try_tell(Step())
+            self._step_queued = True
+        except MailboxFull:
+            # The mailbox is full of other messages; handling the next one queues the step.
+            pass
+
+    def report(self) -> dict[str, Any]:
+        engine = self.engine
+        if engine is None:
+            return {"model": self.model_name, "loaded": False}
+        window = self._tps_window
+        tps = 0.0
+        if len(window) >= 2 and window[-1][0] > window[0][0] and \
+                time.perf_counter() - window[-1][0] < 2.0:
+            tps = (window[-1][1] - window[0][1]) / (window[-1][0] - window[0][0])
+        stats = engine.stats()
+        return {
+            "model": self.model_name,
+            "loaded": True,
+            "running": stats["prefilling"] + stats["decoding"],
+            "waiting": stats["waiting"] + len(self._loading),
+            "batch_size": stats["decoding"],
+            "steps": stats["steps"],
+            "generated_tokens": stats["generated_tokens"],
+            "tokens_per_s": round(tps, 2),
+            "ram_blocks": len(engine.blocks),
+            "ram_block_bytes": sum(b.nbytes for b in engine.blocks.values()),
+            **self.counters,
+        }
+
+
+def _refused(
+    msg: AddRequest, status: int | None, message: str, reason: str = "error"
+) -> RequestFinished:
+    return RequestFinished(
+        request_id=msg.request_id,
+        finish_reason=reason,
+        usage=Usage(prompt_tokens=len(msg.prompt_tokens), completion_tokens=0),
+        error=message,
+        error_status=status,
+    )

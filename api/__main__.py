@@ -1,0 +1,7 @@
+"""``python -m api``: the ``troupe`` command without the console script installed."""
+
+import sys
+
+from api.cli import main
+
+sys.exit(main())

@@ -1,0 +1,355 @@
+"""The ``troupe`` command: ``serve``, ``pull`` and ``actors``.
+
+Everything that loads MLX is imported inside the command that needs it, so ``troupe --help``
+and ``troupe actors`` start fast and work on machines without MLX.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import urllib.error
+import urllib.request
+from typing import Any
+
+import msgspec
+
+from actors.config import ServeConfig
+from api.server import HttpServer, serve_http
+from runtime import ActorSystem
+
+log = logging.getLogger("troupe")
+
+_DEFAULTS = ServeConfig()
+_LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+# --- serve ---------------------------------------------------------------------------------
+
+
+async def serve(config: ServeConfig) -> None:
+    """Run the server until SIGINT/SIGTERM, then shut down in order and return.
+
+    On the signal new connections are refused at once; requests already running get up to
+    ``config.shutdown_grace`` seconds, then end cleanly (a stream gets an error event); a
+    second signal cuts the grace short. Then the actor system stops, each actor in reverse
+    start order, draining its mailbox (where actors flush what they hold).
+    """
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    main_task = asyncio.current_task()
+    assert main_task is not None  # serve() always runs inside a task
+    server: HttpServer | None = None
+
+    def on_signal() -> None:
+        if server is None:
+            # The model is still downloading or loading: nothing to drain, give up at once.
+            main_task.cancel()
+        elif not stop.is_set():
+            stop.set()
+        else:
+            server.hurry()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    try:
+        # Lazy: the serving actors import MLX, which the rest of this module must not.
+        from actors.serving import start_serving
+
+        async with ActorSystem() as system:
+            handles = await start_serving(system, config)
+            async with serve_http(system, config, handles) as server:
+                model = ", ".join(card.id for card in handles.models) or config.model
+                log.info("serving %s on %s", model, server.url)
+                await stop.wait()
+                log.info(
+                    "shutting down: finishing in-flight requests (up to %.0fs)",
+                    config.shutdown_grace,
+                )
+            log.info("stopping the actors")
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    fields = {f.name for f in msgspec.structs.fields(ServeConfig)}
+    config = ServeConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    _setup_logging(config.log_level)
+    try:
+        asyncio.run(serve(config))
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        log.info("stopped before the server started")
+    except Exception as exc:  # a bad model or a busy port: say what, not where
+        log.error("troupe serve failed: %s", exc, exc_info=log.isEnabledFor(logging.DEBUG))
+        return 1
+    return 0
+
+
+# --- pull ----------------------------------------------------------------------------------
+
+
+def _pull(args: argparse.Namespace) -> int:
+    _setup_logging("info")
+    # Lazy: resolving may convert weights with MLX.
+    from actors.model_store import resolve_model
+
+    print(f"resolving {args.model or 'the default model'} ...", file=sys.stderr)
+    try:
+        resolved = resolve_model(args.model)
+    except Exception as exc:  # a bad spec or a failed download: say what, not where
+        print(f"troupe pull: {exc}", file=sys.stderr)
+        return 1
+    print(f"{resolved.name} ({resolved.source})", file=sys.stderr)
+    print(resolved.path)  # the last line of stdout, for scripts: MODEL_DIR=$(troupe pull X)
+    return 0
+
+
+# --- actors --------------------------------------------------------------------------------
+
+
+def _actor_row(actor: dict[str, Any]) -> list[str]:
+    """One ``ActorSnapshot`` (as JSON) as table cells."""
+    error = actor.get("last_error")
+    return [
+        str(actor.get("name", "?")),
+        str(actor.get("actor_class", "?")),
+        str(actor.get("state", "?")),
+        actor.get("thread") or "-",
+        f"{actor.get('mailbox_depth', '?')}/{actor.get('mailbox_capacity', '?')}",
+        str(actor.get("messages_handled", "?")),
+        str(actor.get("restarts", "?")),
+        f"{error['type']}: {error['message']}" if error else "-",
+    ]
+
+
+_ACTOR_HEADER = ["NAME", "CLASS", "STATE", "THREAD", "MAILBOX", "HANDLED", "RESTARTS", "LAST ERROR"]
+
+
+def format_table(header: list[str], rows: list[list[str]]) -> str:
+    """A plain-text table, each column padded to its widest cell."""
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    lines = [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in [header, *rows]
+    ]
+    return "\n".join(lines)
+
+
+def _actors(args: argparse.Namespace) -> int:
+    url = args.url.rstrip("/") + "/actors"
+    request = urllib.request.Request(url, headers={"Accept": "application/json"})
+    if args.api_key:
+        request.add_header("Authorization", f"Bearer {args.api_key}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            actors = json.load(response)
+    except urllib.error.HTTPError as err:
+        if err.code == 404:
+            print(f"{args.url} has no introspection endpoint (GET /actors)", file=sys.stderr)
+        elif err.code == 401:
+            print(f"{args.url} wants an API key: pass --api-key or set TROUPE_API_KEY",
+                  file=sys.stderr)
+        else:
+            print(f"GET {url} failed: HTTP {err.code}", file=sys.stderr)
+        return 1
+    except (urllib.error.URLError, OSError) as err:
+        print(f"could not reach {url}: {err}", file=sys.stderr)
+        return 1
+    print(format_table(_ACTOR_HEADER, [_actor_row(actor) for actor in actors]))
+    return 0
+
+
+# --- entry point ---------------------------------------------------------------------------
+
+
+class _CommaList(argparse.Action):
+    """Collect comma-separated values across repeats: ``--x a,b --x c`` gives [a, b, c]."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        items = list(getattr(namespace, self.dest, None) or [])
+        items.extend(item.strip() for item in str(values).split(",") if item.strip())
+        setattr(namespace, self.dest, items)
+
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from a size such as ``800MB``, ``6GB``, ``1.5GiB`` or ``1048576``."""
+    raw = text.strip().upper().replace(" ", "")
+    number = raw.rstrip("KMGTIB")
+    unit = raw[len(number):]
+    if unit not in _SIZE_UNITS or not number:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 800MB, 6GB or 1GiB)")
+    try:
+        value = float(number)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a size cannot be negative: {text!r}")
+    return int(value * _SIZE_UNITS[unit])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``troupe`` argument parser (serve, pull, actors)."""
+    parser = argparse.ArgumentParser(prog="troupe", description="mlx-troupe: an LLM server for MLX")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve_cmd = commands.add_parser(
+        "serve", help="serve a model over the OpenAI and Anthropic APIs"
+    )
+    serve_cmd.set_defaults(run=_serve)
+    # SUPPRESS: a flag not given leaves ServeConfig's own default, the one documented place.
+    opt = argparse.SUPPRESS
+    serve_cmd.add_argument(
+        "--model",
+        default=opt,
+        help="model directory, .gguf file or Hugging Face repo id (default: the bundled model)",
+    )
+    serve_cmd.add_argument("--host", default=opt, help=f"default: {_DEFAULTS.host}")
+    serve_cmd.add_argument("--port", type=int, default=opt, help=f"default: {_DEFAULTS.port}")
+    serve_cmd.add_argument(
+        "--max-batch-size",
+        type=int,
+        metavar="N",
+        default=opt,
+        help=f"most sequences decoding at once (default: {_DEFAULTS.max_batch_size})",
+    )
+    serve_cmd.add_argument(
+        "--prefill-batch-size",
+        type=int,
+        metavar="N",
+        default=opt,
+        help=f"prompts prefilled together (default: {_DEFAULTS.prefill_batch_size})",
+    )
+    serve_cmd.add_argument(
+        "--prefill-step-size",
+        type=int,
+        metavar="N",
+        default=opt,
+        help=f"prompt tokens per prefill chunk (default: {_DEFAULTS.prefill_step_size})",
+    )
+    serve_cmd.add_argument(
+        "--max-queue",
+        type=int,
+        metavar="N",
+        default=opt,
+        help=f"requests waiting for a batch slot before 429 (default: {_DEFAULTS.max_queue})",
+    )
+    serve_cmd.add_argument(
+        "--default-max-tokens",
+        type=int,
+        metavar="N",
+        default=opt,
+        help=f"max_tokens when a request sends none (default: {_DEFAULTS.default_max_tokens})",
+    )
+    serve_cmd.add_argument(
+        "--block-size",
+        type=int,
+        metavar="TOKENS",
+        default=opt,
+        help=f"prefix-cache block size in tokens (default: {_DEFAULTS.block_size}; 0: off)",
+    )
+    serve_cmd.add_argument(
+        "--no-prefix-cache",
+        dest="block_size",
+        action="store_const",
+        const=0,
+        default=opt,
+        help="turn the prefix cache off (same as --block-size 0)",
+    )
+    serve_cmd.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        default=opt,
+        help="where prefix-cache blocks are kept on disk (default: $TROUPE_HOME/kv-cache)",
+    )
+    serve_cmd.add_argument(
+        "--cache-ram-max",
+        type=parse_size,
+        metavar="SIZE",
+        default=opt,
+        help=f"RAM for prefix-cache blocks, e.g. 2GB (default: {_DEFAULTS.cache_ram_max} bytes)",
+    )
+    serve_cmd.add_argument(
+        "--cache-disk-max",
+        type=parse_size,
+        metavar="SIZE",
+        default=opt,
+        help=f"disk for prefix-cache blocks (default: {_DEFAULTS.cache_disk_max} bytes)",
+    )
+    serve_cmd.add_argument(
+        "--max-body-bytes",
+        type=int,
+        metavar="N",
+        default=opt,
+        help=f"largest request body accepted (default: {_DEFAULTS.max_body_bytes})",
+    )
+    serve_cmd.add_argument(
+        "--api-key",
+        metavar="KEY",
+        default=os.environ.get("TROUPE_API_KEY", opt),
+        help="require this key on every route but /health (default: $TROUPE_API_KEY, else none)",
+    )
+    serve_cmd.add_argument(
+        "--allowed-origins",
+        "--allowed-origin",
+        dest="allowed_origins",
+        metavar="ORIGINS",
+        action=_CommaList,
+        default=opt,
+        help="allow browser requests from these origins, comma-separated (repeatable; '*': any)",
+    )
+    serve_cmd.add_argument(
+        "--shutdown-grace",
+        type=float,
+        metavar="SECONDS",
+        default=opt,
+        help=f"seconds in-flight requests get on shutdown (default: {_DEFAULTS.shutdown_grace})",
+    )
+    serve_cmd.add_argument(
+        "--log-level", choices=_LOG_LEVELS, default=opt, help=f"default: {_DEFAULTS.log_level}"
+    )
+
+    pull_cmd = commands.add_parser("pull", help="download/convert a model; print its directory")
+    pull_cmd.set_defaults(run=_pull)
+    pull_cmd.add_argument("model", nargs="?", default=None, help="default: the bundled model")
+
+    actors_cmd = commands.add_parser("actors", help="show a running server's actors")
+    actors_cmd.set_defaults(run=_actors)
+    actors_cmd.add_argument("--url", default="http://127.0.0.1:8000", help="the server's URL")
+    actors_cmd.add_argument(
+        "--api-key", default=os.environ.get("TROUPE_API_KEY"), help="default: $TROUPE_API_KEY"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``troupe`` console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,616 @@
+"""OpenAI-compatible routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``.
+
+A request body is decoded straight into a msgspec Struct (strict types, ranges as ``Meta``
+constraints), turned into an admission message, and the request's events are rendered back as
+OpenAI's response objects: whole, or as server-sent chunks.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from abc import abstractmethod
+from typing import Annotated, Any, Literal
+
+import msgspec
+from aiohttp import web
+from msgspec import Meta
+
+from actors.config import ServeConfig
+from actors.messages import (
+    AdmissionTicket,
+    AdmitChat,
+    AdmitCompletion,
+    ListModels,
+    ModelCard,
+    RequestEvent,
+    RequestFinished,
+    SamplingParams,
+    TokenLogprob,
+    TokensGenerated,
+    Usage,
+)
+from api.decode import decode_body
+from api.errors import ApiError, ask_admission
+from api.generation import Renderer, answer
+from api.shutdown import generation
+from api.sse import DONE, Frame
+from api.telemetry import RECORD
+from runtime import ActorRef
+
+# --- request schemas -----------------------------------------------------------------------
+
+NonNegativeInt = Annotated[int, Meta(ge=0)]
+PositiveInt = Annotated[int, Meta(ge=1)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: str
+
+
+class ContentPart(msgspec.Struct, kw_only=True):
+    # ``type`` stays a plain string so an image part gets a clear refusal, not a schema error.
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class SamplingRequest(msgspec.Struct, kw_only=True):
+    """Fields chat and legacy completions share. ``None`` everywhere means "not sent"."""
+
+    model: str
+    max_tokens: PositiveInt | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    top_k: NonNegativeInt | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    seed: int | None = None
+    stop: str | Annotated[list[str], Meta(max_length=4)] | None = None
+    stop_token_ids: list[NonNegativeInt] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    ignore_eos: bool | None = None
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+
+
+class ChatCompletionRequest(SamplingRequest, kw_only=True):
+    """The body of ``POST /v1/chat/completions``. Unknown fields are ignored."""
+
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class CompletionRequest(SamplingRequest, kw_only=True):
+    """The body of ``POST /v1/completions`` (the legacy API). Unknown fields are ignored."""
+
+    prompt: str | list[str | NonNegativeInt | list[NonNegativeInt]]
+    # Legacy logprobs: how many alternatives to return per token, 0..5.
+    logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+# --- response schemas ----------------------------------------------------------------------
+
+
+class TopLogprobOut(msgspec.Struct, kw_only=True, gc=False):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprobOut(msgspec.Struct, kw_only=True, gc=False):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprobOut]
+
+
+class ChatLogprobs(msgspec.Struct, kw_only=True, gc=False):
+    content: list[TokenLogprobOut]
+
+
+class CompletionLogprobs(msgspec.Struct, kw_only=True, gc=False):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class PromptTokensDetails(msgspec.Struct, kw_only=True, gc=False):
+    cached_tokens: int
+
+
+class UsageOut(msgspec.Struct, kw_only=True, gc=False):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class AssistantMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str
+
+
+class ChatChoice(msgspec.Struct, kw_only=True):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str
+
+
+class ChatCompletion(msgspec.Struct, kw_only=True):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageOut
+
+
+class Delta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct, kw_only=True):
+    index: int
+    delta: Delta
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionChunk(msgspec.Struct, kw_only=True, omit_defaults=True):
+    # omit_defaults drops ``usage`` from every chunk but the usage chunk.
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageOut | None = None
+
+
+class CompletionChoice(msgspec.Struct, kw_only=True):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+
+
+class Completion(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A ``text_completion`` object: the whole answer, or one streamed chunk of it."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageOut | None = None
+
+
+class ModelObject(msgspec.Struct, kw_only=True):
+    id: str
+    object: str
+    created: int
+    owned_by: str
+
+
+class ModelList(msgspec.Struct, kw_only=True):
+    object: str
+    data: list[ModelObject]
+
+
+# --- decoding and validation ---------------------------------------------------------------
+
+_chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
+_completion_decoder = msgspec.json.Decoder(CompletionRequest)
+_encoder = msgspec.json.Encoder()
+
+
+def _message_text(message: ChatMessage, index: int) -> str:
+    """The message's text: a string as it is, text parts joined by newlines."""
+    if message.content is None:
+        return ""  # an assistant turn that only calls tools; templates expect a string
+    if isinstance(message.content, str):
+        return message.content
+    texts = []
+    for j, part in enumerate(message.content):
+        param = f"messages[{index}].content[{j}]"
+        if part.type != "text":
+            raise ApiError(
+                400,
+                f"Content parts of type '{part.type}' are not supported: "
+                "this server accepts text parts only.",
+                param=param,
+            )
+        if part.text is None:
+            raise ApiError(400, "A text content part needs a 'text' string.", param=f"{param}.text")
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def _template_message(message: ChatMessage, index: int) -> dict[str, Any]:
+    """One message as chat templates read it: role, content string and the tool fields."""
+    out: dict[str, Any] = {"role": message.role, "content": _message_text(message, index)}
+    if message.name is not None:
+        out["name"] = message.name
+    if message.tool_calls is not None:
+        out["tool_calls"] = message.tool_calls
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    return out
+
+
+# Optional fields copied to SamplingParams as they are when sent; the rest keep its defaults.
+_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop_token_ids",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "ignore_eos",
+)
+
+
+def _sampling(
+    req: SamplingRequest, *, max_tokens: int, logprobs: bool, top_logprobs: int
+) -> SamplingParams:
+    if req.n is not None and req.n != 1:
+        raise ApiError(400, "Only n=1 is supported.", param="n")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if any(s == "" for s in stop):
+        raise ApiError(400, "Stop sequences must not be empty.", param="stop")
+    fields = {name: getattr(req, name) for name in _SAMPLING_FIELDS}
+    return SamplingParams(
+        max_tokens=max_tokens,
+        stop=stop,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        **{name: value for name, value in fields.items() if value is not None},
+    )
+
+
+def _include_usage(req: SamplingRequest) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)
+
+
+def admit_chat(req: ChatCompletionRequest, request_id: str, default_max_tokens: int) -> AdmitChat:
+    """Validate what the schema cannot express and build the admission message."""
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ApiError(400, "top_logprobs requires logprobs to be true.", param="top_logprobs")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise ApiError(
+            400,
+            f"response_format of type '{req.response_format.type}' is not supported; "
+            "only 'text' is.",
+            param="response_format",
+        )
+    if isinstance(req.tool_choice, str) and req.tool_choice not in ("none", "auto", "required"):
+        raise ApiError(
+            400, "tool_choice must be 'none', 'auto', 'required' or a tool.", param="tool_choice"
+        )
+    max_tokens = req.max_completion_tokens or req.max_tokens or default_max_tokens
+    sampling = _sampling(
+        req,
+        max_tokens=max_tokens,
+        logprobs=bool(req.logprobs),
+        top_logprobs=req.top_logprobs or 0,
+    )
+    # tool_choice "none" means the model must not see the tools at all.
+    tools = None if req.tool_choice == "none" else req.tools
+    return AdmitChat(
+        request_id=request_id,
+        model=req.model,
+        messages=[_template_message(m, i) for i, m in enumerate(req.messages)],
+        sampling=sampling,
+        tools=tools,
+        chat_template_kwargs=req.chat_template_kwargs,
+    )
+
+
+def _prompt(prompt: str | list[str | int | list[int]]) -> str | list[int]:
+    """One prompt, as text or token ids; batches of prompts are refused."""
+    if isinstance(prompt, str):
+        return prompt
+    if not prompt:
+        raise ApiError(400, "prompt must not be empty.", param="prompt")
+    token_ids = [item for item in prompt if isinstance(item, int)]
+    if len(token_ids) == len(prompt):
+        return token_ids
+    only = prompt[0]
+    if len(prompt) == 1 and not isinstance(only, int):
+        return only  # a one-item batch: one string or one list of token ids
+    raise ApiError(
+        400,
+        "Batched prompts are not supported: send one prompt (a string or a list of token ids) "
+        "per request.",
+        param="prompt",
+    )
+
+
+def admit_completion(
+    req: CompletionRequest, request_id: str, default_max_tokens: int
+) -> AdmitCompletion:
+    """Validate what the schema cannot express and build the admission message."""
+    if req.echo:
+        raise ApiError(400, "echo is not supported.", param="echo")
+    if req.best_of is not None and req.best_of != 1:
+        raise ApiError(400, "Only best_of=1 is supported.", param="best_of")
+    if req.suffix:
+        raise ApiError(400, "suffix is not supported.", param="suffix")
+    sampling = _sampling(
+        req,
+        max_tokens=req.max_tokens or default_max_tokens,
+        logprobs=req.logprobs is not None,
+        top_logprobs=req.logprobs or 0,
+    )
+    return AdmitCompletion(
+        request_id=request_id, model=req.model, prompt=_prompt(req.prompt), sampling=sampling
+    )
+
+
+# --- rendering events as OpenAI objects ----------------------------------------------------
+
+
+def _usage(usage: Usage) -> UsageOut:
+    return UsageOut(
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        total_tokens=usage.total_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens),
+    )
+
+
+def _chat_logprobs(items: list[TokenLogprob]) -> ChatLogprobs:
+    return ChatLogprobs(
+        content=[
+            TokenLogprobOut(
+                token=item.token,
+                logprob=item.logprob,
+                bytes=item.bytes,
+                top_logprobs=[
+                    TopLogprobOut(token=top.token, logprob=top.logprob, bytes=top.bytes)
+                    for top in item.top_logprobs
+                ],
+            )
+            for item in items
+        ]
+    )
+
+
+def _legacy_logprobs(items: list[TokenLogprob], offset: int) -> CompletionLogprobs:
+    """The legacy shape; ``offset`` is where the first token starts in the whole answer."""
+    offsets = []
+    for item in items:
+        offsets.append(offset)
+        offset += len(item.token)
+    return CompletionLogprobs(
+        tokens=[item.token for item in items],
+        token_logprobs=[item.logprob for item in items],
+        top_logprobs=[{top.token: top.logprob for top in item.top_logprobs} for item in items],
+        text_offset=offsets,
+    )
+
+
+class _OpenAIRenderer(Renderer):
+    """What chat and legacy completions share: ids, ``[DONE]``, the error event."""
+
+    def __init__(self, request_id: str, model: str, *, logprobs: bool, include_usage: bool) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.logprobs = logprobs
+        self.include_usage = include_usage
+        self.created = int(time.time())
+
+    def opening(self, first: RequestEvent) -> list[Frame]:
+        return []
+
+    def failure(self, error: ApiError) -> list[Frame]:
+        return [(None, error.body()), DONE]
+
+    def closing(self, finished: RequestFinished) -> list[Frame]:
+        frames = [(None, self.finish_chunk(finished))]
+        if self.include_usage:
+            frames.append((None, self.usage_chunk(finished.usage)))
+        frames.append(DONE)
+        return frames
+
+    @abstractmethod
+    def finish_chunk(self, finished: RequestFinished) -> bytes:
+        """The last choice chunk, carrying the finish reason."""
+
+    @abstractmethod
+    def usage_chunk(self, usage: Usage) -> bytes:
+        """The ``include_usage`` chunk: no choices, only usage."""
+
+
+class _ChatRenderer(_OpenAIRenderer):
+    def _chunk(self, delta: Delta, logprobs: ChatLogprobs | None, finish: str | None) -> bytes:
+        choice = ChatChunkChoice(index=0, delta=delta, logprobs=logprobs, finish_reason=finish)
+        return _encoder.encode(
+            ChatCompletionChunk(
+                id=self.request_id,
+                object="chat.completion.chunk",
+                created=self.created,
+                model=self.model,
+                choices=[choice],
+            )
+        )
+
+    def opening(self, first: RequestEvent) -> list[Frame]:
+        return [(None, self._chunk(Delta(role="assistant", content=""), None, None))]
+
+    def delta(self, event: TokensGenerated) -> list[Frame]:
+        logprobs = _chat_logprobs(event.logprobs) if self.logprobs and event.logprobs else None
+        if not event.text and logprobs is None:
+            return []
+        return [(None, self._chunk(Delta(content=event.text), logprobs, None))]
+
+    def finish_chunk(self, finished: RequestFinished) -> bytes:
+        return self._chunk(Delta(), None, finished.finish_reason)
+
+    def usage_chunk(self, usage: Usage) -> bytes:
+        return _encoder.encode(
+            ChatCompletionChunk(
+                id=self.request_id,
+                object="chat.completion.chunk",
+                created=self.created,
+                model=self.model,
+                choices=[],
+                usage=_usage(usage),
+            )
+        )
+
+    def whole(self, deltas: list[TokensGenerated], finished: RequestFinished) -> bytes:
+        logprobs = [item for event in deltas for item in event.logprobs or ()]
+        choice = ChatChoice(
+            index=0,
+            message=AssistantMessage(
+                role="assistant", content="".join(event.text for event in deltas)
+            ),
+            logprobs=_chat_logprobs(logprobs) if self.logprobs else None,
+            finish_reason=finished.finish_reason,
+        )
+        return _encoder.encode(
+            ChatCompletion(
+                id=self.request_id,
+                object="chat.completion",
+                created=self.created,
+                model=self.model,
+                choices=[choice],
+                usage=_usage(finished.usage),
+            )
+        )
+
+
+class _CompletionRenderer(_OpenAIRenderer):
+    def __init__(self, request_id: str, model: str, *, logprobs: bool, include_usage: bool) -> None:
+        super().__init__(request_id, model, logprobs=logprobs, include_usage=include_usage)
+        self._text_offset = 0  # legacy logprobs count characters across the whole answer
+
+    def _encode(self, choices: list[CompletionChoice], usage: UsageOut | None = None) -> bytes:
+        return _encoder.encode(
+            Completion(
+                id=self.request_id,
+                object="text_completion",
+                created=self.created,
+                model=self.model,
+                choices=choices,
+                usage=usage,
+            )
+        )
+
+    def delta(self, event: TokensGenerated) -> list[Frame]:
+        logprobs = None
+        if self.logprobs and event.logprobs:
+            logprobs = _legacy_logprobs(event.logprobs, self._text_offset)
+            self._text_offset += sum(len(item.token) for item in event.logprobs)
+        if not event.text and logprobs is None:
+            return []
+        choice = CompletionChoice(index=0, text=event.text, logprobs=logprobs, finish_reason=None)
+        return [(None, self._encode([choice]))]
+
+    def finish_chunk(self, finished: RequestFinished) -> bytes:
+        choice = CompletionChoice(
+            index=0, text="", logprobs=None, finish_reason=finished.finish_reason
+        )
+        return self._encode([choice])
+
+    def usage_chunk(self, usage: Usage) -> bytes:
+        return self._encode([], _usage(usage))
+
+    def whole(self, deltas: list[TokensGenerated], finished: RequestFinished) -> bytes:
+        logprobs = [item for event in deltas for item in event.logprobs or ()]
+        choice = CompletionChoice(
+            index=0,
+            text="".join(event.text for event in deltas),
+            logprobs=_legacy_logprobs(logprobs, 0) if self.logprobs else None,
+            finish_reason=finished.finish_reason,
+        )
+        return self._encode([choice], _usage(finished.usage))
+
+
+# --- routes --------------------------------------------------------------------------------
+
+
+class OpenAIRoutes:
+    """The OpenAI-compatible routes, answering through the admission actor."""
+
+    def __init__(self, admission: ActorRef, config: ServeConfig) -> None:
+        self.admission = admission
+        self.config = config
+        # ModelCard has no creation time; the server's start stands in for it.
+        self.created = int(time.time())
+
+    def register(self, router: web.UrlDispatcher) -> None:
+        """Add the routes to an application's router."""
+        router.add_post("/v1/chat/completions", self.chat_completions)
+        router.add_post("/v1/completions", self.completions)
+        router.add_get("/v1/models", self.models)
+
+    @generation
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/chat/completions``."""
+        req = decode_body(await request.read(), _chat_decoder)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        record = request[RECORD]
+        record.request_id, record.model = request_id, req.model
+        msg = admit_chat(req, request_id, self.config.default_max_tokens)
+        ticket: AdmissionTicket = await ask_admission(self.admission, msg)
+        renderer = _ChatRenderer(
+            request_id, ticket.admitted.model, logprobs=bool(req.logprobs),
+            include_usage=_include_usage(req),
+        )
+        return await answer(request, ticket, renderer, stream=bool(req.stream))
+
+    @generation
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/completions``."""
+        req = decode_body(await request.read(), _completion_decoder)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        record = request[RECORD]
+        record.request_id, record.model = request_id, req.model
+        msg = admit_completion(req, request_id, self.config.default_max_tokens)
+        ticket: AdmissionTicket = await ask_admission(self.admission, msg)
+        renderer = _CompletionRenderer(
+            request_id, ticket.admitted.model, logprobs=req.logprobs is not None,
+            include_usage=_include_usage(req),
+        )
+        return await answer(request, ticket, renderer, stream=bool(req.stream))
+
+    async def models(self, request: web.Request) -> web.Response:
+        """``GET /v1/models``."""
+        cards: list[ModelCard] = await ask_admission(self.admission, ListModels())
+        data = [
+            ModelObject(id=card.id, object="model", created=self.created, owned_by="mlx-troupe")
+            for card in cards
+        ]
+        body = _encoder.encode(ModelList(object="list", data=data))
+        return web.Response(body=body, content_type="application/json")

@@ -1,0 +1,441 @@
+"""Anthropic's Messages API: shapes, streams and errors (scripted admission), then the official
+``anthropic`` client against the real serving stack on the tiny model.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import openai
+import pytest
+from aiohttp.test_utils import TestClient
+from http_stack import (
+    BUSY_MODEL,
+    DELTAS,
+    MODEL,
+    STOP,
+    Scripted,
+    parse_named_sse,
+    real_stack,
+    scripted_system,
+)
+from mlx_lm.utils import load_tokenizer
+
+from actors.messages import AdmitChat, CountTokens
+from api.app import create_app
+from api.server import start_http
+
+MESSAGES = "/v1/messages"
+COUNT = "/v1/messages/count_tokens"
+
+
+@pytest.fixture
+async def scripted() -> AsyncIterator[Scripted]:
+    async with scripted_system() as scripted:
+        yield scripted
+
+
+@pytest.fixture
+async def client(aiohttp_client: Any, scripted: Scripted) -> TestClient:
+    app = create_app(system=scripted.system, admission=scripted.admission,
+                     config=scripted.config())
+    return await aiohttp_client(app)
+
+
+def body(content: Any = "hello", **fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "max_tokens": 16,
+            "messages": [{"role": "user", "content": content}], **fields}
+
+
+def assert_anthropic_error(data: dict[str, Any], kind: str) -> str:
+    assert set(data) == {"type", "error"} and data["type"] == "error"
+    assert set(data["error"]) == {"type", "message"}
+    assert data["error"]["type"] == kind
+    assert isinstance(data["error"]["message"], str) and data["error"]["message"]
+    return data["error"]["message"]
+
+
+# --- the answer ----------------------------------------------------------------------------
+
+
+async def test_message_has_anthropic_shape_and_usage(client: TestClient) -> None:
+    resp = await client.post(MESSAGES, json=body())
+    assert resp.status == 200
+    data = await resp.json()
+    assert data["id"].startswith("msg_")
+    assert data == {
+        "id": data["id"],
+        "type": "message",
+        "role": "assistant",
+        "model": MODEL,
+        "content": [{"type": "text", "text": "Hello world"}],
+        "stop_reason": "end_turn",
+        "stop_sequence": None,
+        # Anthropic counts cache reads apart: 5 prompt tokens, 2 of them from the cache.
+        "usage": {"input_tokens": 3, "output_tokens": 4, "cache_read_input_tokens": 2,
+                  "cache_creation_input_tokens": 0},
+    }
+
+
+@pytest.mark.parametrize(
+    ("script", "stop_reason", "stop_sequence"),
+    [("hello", "end_turn", None), ("stop-string", "stop_sequence", STOP),
+     ("length", "max_tokens", None)],
+)
+@pytest.mark.parametrize("stream", [False, True])
+async def test_stop_reason_tells_end_turn_stop_sequence_and_max_tokens_apart(
+    client: TestClient, script: str, stop_reason: str, stop_sequence: str | None, stream: bool
+) -> None:
+    resp = await client.post(MESSAGES, json=body(script, stop_sequences=[STOP], stream=stream))
+    assert resp.status == 200
+    if stream:
+        events = parse_named_sse(await resp.text())
+        delta = next(data for name, data in events if name == "message_delta")["delta"]
+    else:
+        delta = await resp.json()
+    assert (delta["stop_reason"], delta["stop_sequence"]) == (stop_reason, stop_sequence)
+
+
+async def test_messages_request_becomes_the_chat_an_openai_client_would_send(
+    client: TestClient, scripted: Scripted
+) -> None:
+    tool = {"name": "weather", "description": "Weather in a city",
+            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    resp = await client.post(MESSAGES, json={
+        "model": MODEL,
+        "max_tokens": 12,
+        "system": [{"type": "text", "text": "be"}, {"type": "text", "text": "brief"}],
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "a"},
+                                         {"type": "text", "text": "b"}]},
+            {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "hmm", "signature": "x"},
+                {"type": "text", "text": "let me look"},
+                {"type": "tool_use", "id": "t1", "name": "weather", "input": {"city": "Paris"}},
+            ]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "t1",
+                 "content": [{"type": "text", "text": "sunny"}]},
+                {"type": "text", "text": "and tomorrow?"},
+            ]},
+            {"role": "assistant", "content": "rain"},
+            {"role": "user", "content": "hello"},
+        ],
+        "tools": [tool],
+        "tool_choice": {"type": "auto"},
+        "temperature": 0.5, "top_p": 0.9, "top_k": 40, "stop_sequences": ["X", "Y"],
+        "metadata": {"user_id": "ignored"},
+        "some_future_field": True,
+    })
+    assert resp.status == 200, await resp.text()
+    msg = scripted.seen[-1]
+    assert isinstance(msg, AdmitChat)
+    assert msg.messages == [
+        {"role": "system", "content": "be\nbrief"},
+        {"role": "user", "content": "a\nb"},
+        {"role": "assistant", "content": "let me look", "tool_calls": [
+            {"id": "t1", "type": "function",
+             "function": {"name": "weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "tool_call_id": "t1", "content": "sunny"},
+        {"role": "user", "content": "and tomorrow?"},
+        {"role": "assistant", "content": "rain"},
+        {"role": "user", "content": "hello"},
+    ]
+    assert msg.tools == [{"type": "function", "function": {
+        "name": "weather", "description": "Weather in a city",
+        "parameters": tool["input_schema"]}}]
+    s = msg.sampling
+    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.stop) == (12, 0.5, 0.9, 40,
+                                                                       ["X", "Y"])
+
+
+async def test_unsent_sampling_fields_keep_defaults_and_tool_choice_none_hides_tools(
+    client: TestClient, scripted: Scripted
+) -> None:
+    tools = [{"name": "f", "input_schema": {"type": "object"}}]
+    resp = await client.post(MESSAGES, json=body(system="sys", tools=tools,
+                                                 tool_choice={"type": "none"}))
+    assert resp.status == 200
+    msg = scripted.seen[-1]
+    assert msg.tools is None
+    assert msg.messages[0] == {"role": "system", "content": "sys"}
+    assert (msg.sampling.temperature, msg.sampling.top_p, msg.sampling.top_k) == (1.0, 1.0, 0)
+
+
+async def test_stream_sends_anthropic_events_in_order(client: TestClient) -> None:
+    resp = await client.post(MESSAGES, json=body(stream=True))
+    assert resp.status == 200
+    assert resp.headers["Content-Type"] == "text/event-stream"
+    events = parse_named_sse(await resp.text())
+    names = [name for name, _ in events]
+    assert names == ["message_start", "content_block_start", "ping",
+                     *["content_block_delta"] * len(DELTAS),
+                     "content_block_stop", "message_delta", "message_stop"]
+    start = events[0][1]["message"]
+    assert start["id"].startswith("msg_") and start["model"] == MODEL
+    assert (start["role"], start["content"], start["stop_reason"]) == ("assistant", [], None)
+    assert start["usage"] == {"input_tokens": 3, "output_tokens": 0,
+                              "cache_read_input_tokens": 2, "cache_creation_input_tokens": 0}
+    assert events[1][1] == {"type": "content_block_start", "index": 0,
+                            "content_block": {"type": "text", "text": ""}}
+    assert [data for name, data in events if name == "content_block_delta"] == [
+        {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": d}}
+        for d in DELTAS
+    ]
+    assert events[-3][1] == {"type": "content_block_stop", "index": 0}
+    assert events[-2][1] == {"type": "message_delta",
+                             "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+                             "usage": {"output_tokens": 4}}
+
+
+async def test_failure_after_start_is_an_error_event_in_anthropic_shape(
+    client: TestClient,
+) -> None:
+    resp = await client.post(MESSAGES, json=body("fail-mid-stream", stream=True))
+    assert resp.status == 200
+    events = parse_named_sse(await resp.text())
+    assert events[3][1]["delta"]["text"] == "partial"
+    name, data = events[-1]
+    assert name == "error"
+    assert assert_anthropic_error(data, "overloaded_error") == "Out of memory during decode."
+    resp = await client.post(MESSAGES, json=body("fail-mid-stream"))
+    assert resp.status == 503
+    assert_anthropic_error(await resp.json(), "overloaded_error")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_refusal_before_start_is_a_plain_anthropic_error_not_a_stream(
+    client: TestClient, stream: bool
+) -> None:
+    resp = await client.post(MESSAGES, json=body("refuse-before-start", stream=stream))
+    assert resp.status == 429
+    assert resp.headers["Content-Type"].startswith("application/json")
+    assert_anthropic_error(await resp.json(), "rate_limit_error")
+    busy = body(stream=stream)
+    busy["model"] = BUSY_MODEL
+    resp = await client.post(MESSAGES, json=busy)
+    assert resp.status == 429 and resp.headers["Retry-After"] == "3"
+    assert_anthropic_error(await resp.json(), "rate_limit_error")
+
+
+# --- errors --------------------------------------------------------------------------------
+
+BAD = [
+    pytest.param({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+                 id="missing-max-tokens"),
+    pytest.param(body(temperature=1.5), id="temperature-above-1"),
+    pytest.param(body(top_k=-1), id="top-k-negative"),
+    pytest.param({**body(), "messages": []}, id="no-messages"),
+    pytest.param({**body(), "messages": [{"role": "system", "content": "hi"}]}, id="system-role"),
+    pytest.param(body([{"type": "image", "source": {"type": "base64", "data": "..."}}]),
+                 id="image-block"),
+    pytest.param(body([{"type": "text"}]), id="text-block-without-text"),
+    pytest.param(body(stop_sequences=[""]), id="empty-stop-sequence"),
+    pytest.param(body(tools=[{"name": "web", "type": "web_search_20250305"}]), id="server-tool"),
+    pytest.param(body(system=[{"type": "image"}]), id="image-in-system"),
+]
+
+
+@pytest.mark.parametrize("payload", BAD)
+async def test_bad_request_is_invalid_request_error_in_anthropic_shape(
+    client: TestClient, scripted: Scripted, payload: dict[str, Any]
+) -> None:
+    resp = await client.post(MESSAGES, json=payload)
+    assert resp.status == 400
+    assert_anthropic_error(await resp.json(), "invalid_request_error")
+    assert not [m for m in scripted.seen if isinstance(m, AdmitChat)]  # refused before admission
+
+
+async def test_malformed_json_is_invalid_request_error(client: TestClient) -> None:
+    resp = await client.post(MESSAGES, data=b"{", headers={"Content-Type": "application/json"})
+    assert resp.status == 400
+    assert_anthropic_error(await resp.json(), "invalid_request_error")
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "payload", "status", "kind"),
+    [
+        ("POST", MESSAGES, {**body(), "model": "nope"}, 404, "not_found_error"),
+        ("POST", "/v1/messages/nothing-here", {}, 404, "not_found_error"),
+        ("GET", MESSAGES, None, 405, "invalid_request_error"),
+        ("POST", MESSAGES, body("x" * 5000), 413, "request_too_large"),
+        ("POST", MESSAGES, body("crash-admission"), 500, "api_error"),
+    ],
+)
+async def test_errors_on_messages_routes_use_anthropic_shape_and_status(
+    client: TestClient, method: str, path: str, payload: Any, status: int, kind: str
+) -> None:
+    resp = await client.request(method, path, json=payload)
+    assert resp.status == status
+    message = assert_anthropic_error(await resp.json(), kind)
+    assert "admission bug" not in message  # internals stay in the log
+
+
+async def test_other_routes_keep_openai_error_shape(client: TestClient) -> None:
+    resp = await client.post("/v1/chat/completions", json={**body(), "model": "nope"})
+    assert resp.status == 404
+    assert set((await resp.json())["error"]) == {"message", "type", "param", "code"}
+
+
+async def test_count_tokens_returns_input_tokens_from_admission(
+    client: TestClient, scripted: Scripted
+) -> None:
+    resp = await client.post(COUNT, json={
+        "model": MODEL, "system": "sys", "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+    })
+    assert resp.status == 200
+    assert await resp.json() == {"input_tokens": 201}  # the script: 100 per message + tools
+    msg = scripted.seen[-1]
+    assert isinstance(msg, CountTokens)
+    assert msg.messages == [{"role": "system", "content": "sys"},
+                            {"role": "user", "content": "hi"}]
+    resp = await client.post(COUNT, json={"model": "nope", "messages": [
+        {"role": "user", "content": "hi"}]})
+    assert resp.status == 404
+    assert_anthropic_error(await resp.json(), "not_found_error")
+
+
+async def test_missing_api_key_on_messages_is_authentication_error(
+    aiohttp_client: Any, scripted: Scripted
+) -> None:
+    app = create_app(system=scripted.system, admission=scripted.admission,
+                     config=scripted.config(api_key="sekret"))
+    client = await aiohttp_client(app)
+    for headers in ({}, {"x-api-key": "wrong"}):
+        resp = await client.post(MESSAGES, json=body(), headers=headers)
+        assert resp.status == 401
+        assert_anthropic_error(await resp.json(), "authentication_error")
+    resp = await client.post(MESSAGES, json=body(), headers={"x-api-key": "sekret"})
+    assert resp.status == 200
+
+
+# --- the official anthropic client ---------------------------------------------------------
+
+
+async def test_anthropic_client_create_stream_and_errors_on_scripted_server(
+    scripted: Scripted,
+) -> None:
+    server = await start_http(scripted.system, scripted.config(api_key="sekret"), scripted)
+    client = anthropic.AsyncAnthropic(base_url=server.url, api_key="sekret", max_retries=0)
+    try:
+        message = await client.messages.create(
+            model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "hello"}]
+        )
+        assert message.content[0].text == "Hello world"
+        assert message.stop_reason == "end_turn"
+        assert (message.usage.input_tokens, message.usage.output_tokens) == (3, 4)
+        async with client.messages.stream(
+            model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "stop-string"}],
+            stop_sequences=[STOP],
+        ) as stream:
+            text = "".join([chunk async for chunk in stream.text_stream])
+            final = await stream.get_final_message()
+        assert text == "Hello world" == final.content[0].text
+        assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", STOP)
+        assert final.usage.output_tokens == 3
+        with pytest.raises(anthropic.APIStatusError) as caught:
+            async with client.messages.stream(
+                model=MODEL, max_tokens=5,
+                messages=[{"role": "user", "content": "fail-mid-stream"}],
+            ) as stream:
+                await stream.get_final_message()
+        assert "Out of memory during decode." in str(caught.value)
+        with pytest.raises(anthropic.NotFoundError):
+            await client.messages.create(
+                model="nope", max_tokens=5, messages=[{"role": "user", "content": "hi"}]
+            )
+        count = await client.messages.count_tokens(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}]
+        )
+        assert count.input_tokens == 100
+        stranger = anthropic.AsyncAnthropic(base_url=server.url, api_key="wrong", max_retries=0)
+        with pytest.raises(anthropic.AuthenticationError):
+            await stranger.messages.create(
+                model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "hi"}]
+            )
+        await stranger.close()
+    finally:
+        await client.close()
+        await server.close()
+
+
+# The client no longer has sampling parameters; the server still reads them from the body.
+GREEDY = {"temperature": 0}
+CONVERSATION = [
+    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "assistant", "content": "Paris."},
+    {"role": "user", "content": "The quick brown fox"},
+]
+
+
+async def test_anthropic_client_greedy_answer_equals_openai_route_on_real_stack(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TROUPE_HOME", str(tmp_path))
+    async with real_stack(tiny_model_dir) as stack:
+        oai = openai.AsyncOpenAI(base_url=f"{stack.server.url}/v1", api_key="x", max_retries=0)
+        ant = anthropic.AsyncAnthropic(base_url=stack.server.url, api_key="x", max_retries=0)
+        try:
+            reference = await oai.chat.completions.create(
+                model=stack.model, temperature=0, max_tokens=24,
+                messages=[{"role": "system", "content": "Answer briefly."}, *CONVERSATION],
+            )
+            expected = reference.choices[0].message.content
+            assert expected  # the tiny model says something in 24 tokens
+            # The system prompt as a string, then as text blocks; content as a block list.
+            blocks = [{**m, "content": [{"type": "text", "text": m["content"]}]}
+                      for m in CONVERSATION]
+            message = await ant.messages.create(
+                model=stack.model, max_tokens=24, system="Answer briefly.",
+                messages=CONVERSATION, extra_body=GREEDY,
+            )
+            assert message.content[0].text == expected
+            assert message.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[
+                reference.choices[0].finish_reason]
+            assert message.usage.output_tokens == reference.usage.completion_tokens
+            assert (message.usage.input_tokens + message.usage.cache_read_input_tokens
+                    == reference.usage.prompt_tokens)
+            async with ant.messages.stream(
+                model=stack.model, max_tokens=24, extra_body=GREEDY,
+                system=[{"type": "text", "text": "Answer briefly."}], messages=blocks,
+            ) as stream:
+                streamed = "".join([chunk async for chunk in stream.text_stream])
+                final = await stream.get_final_message()
+            assert streamed == expected == final.content[0].text
+            count = await ant.messages.count_tokens(
+                model=stack.model, system="Answer briefly.", messages=CONVERSATION
+            )
+            template = [{"role": "system", "content": "Answer briefly."}, *CONVERSATION]
+            tokenizer = load_tokenizer(Path(stack.model_path))
+            assert count.input_tokens == len(
+                tokenizer.apply_chat_template(template, add_generation_prompt=False)
+            )
+        finally:
+            await oai.close()
+            await ant.close()
+
+
+async def test_stop_sequence_on_real_stack_is_reported_and_cut(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TROUPE_HOME", str(tmp_path))
+    async with real_stack(tiny_model_dir) as stack:
+        ant = anthropic.AsyncAnthropic(base_url=stack.server.url, api_key="x", max_retries=0)
+        try:
+            ask = {"model": stack.model, "max_tokens": 40, "extra_body": GREEDY,
+                   "messages": [{"role": "user", "content": "The quick brown fox"}]}
+            free = await ant.messages.create(**ask)
+            text = free.content[0].text
+            # A stop sequence taken from the middle of the free answer must cut it there.
+            stop = text[len(text) // 2:len(text) // 2 + 2]
+            assert len(stop) == 2, json.dumps(text)
+            cut = await ant.messages.create(**ask, stop_sequences=[stop])
+            assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
+            assert cut.content[0].text == text[: text.index(stop)]
+        finally:
+            await ant.close()

@@ -1,0 +1,233 @@
+"""Engine level: the batch engine on a tiny random model, against mlx-lm's own generation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from mlx_lm import load
+from mlx_lm.generate import stream_generate
+
+from actors.engine import Engine, StopStringFilter
+from actors.messages import RequestFinished, SamplingParams, TokensGenerated
+
+PROMPTS = [
+    "What is the capital of France?",
+    "The quick brown fox",
+    "Numbers like 12345",
+    "def add(a, b):",
+    "Unicode: café 東京",
+    "jumps over the lazy dog. The quick brown fox jumps over the lazy dog again and again",
+    "Paris",
+    "emoji 🙂 and more and more",
+]
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model_dir: Path):
+    return load(str(tiny_model_dir))
+
+
+def greedy(max_tokens: int = 16, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+def reference_tokens(model, tok, prompt: list[int], max_tokens: int) -> list[int]:
+    """mlx-lm's own single-sequence greedy generation, cut at EOS like the engine."""
+    out = []
+    for r in stream_generate(model, tok, prompt, max_tokens=max_tokens):
+        if r.token in tok.eos_token_ids:
+            break
+        out.append(r.token)
+    return out
+
+
+def run(engine: Engine, max_steps: int = 1000) -> dict[str, dict]:
+    """Step until every request finished; collect tokens, text and the finish event."""
+    results: dict[str, dict] = {}
+    for _ in range(max_steps):
+        if not engine.has_work:
+            break
+        for ev in engine.step():
+            r = results.setdefault(ev.request_id, {"tokens": [], "text": "", "finish": None})
+            if isinstance(ev, TokensGenerated):
+                r["tokens"] += ev.token_ids
+                r["text"] += ev.text
+            elif isinstance(ev, RequestFinished):
+                r["finish"] = ev
+    assert not engine.has_work, "engine did not finish"
+    return results
+
+
+def encode(tok, text: str) -> list[int]:
+    return tok.encode(text)
+
+
+def detokenize(tok, tokens: list[int]) -> str:
+    """Text as mlx-lm's streaming detokenizer gives it (it trims a leading space)."""
+    d = tok.detokenizer
+    for t in tokens:
+        d.add_token(t)
+    d.finalize()
+    return d.text
+
+
+def test_single_request_greedy_matches_mlx_lm(loaded):
+    model, tok = loaded
+    prompt = encode(tok, PROMPTS[0])
+    engine = Engine(model, tok)
+    engine.add("a", prompt, greedy(24))
+    res = run(engine)["a"]
+    assert res["tokens"] == reference_tokens(model, tok, prompt, 24)
+    assert res["finish"].usage.prompt_tokens == len(prompt)
+    assert res["finish"].usage.completion_tokens >= len(res["tokens"])
+
+
+def test_eight_requests_in_flight_match_each_alone(loaded):
+    model, tok = loaded
+    engine = Engine(model, tok, prefill_step_size=8)
+    prompts = {f"r{i}": encode(tok, p) for i, p in enumerate(PROMPTS)}
+    lengths = {rid: 8 + 3 * i for i, rid in enumerate(prompts)}
+    for rid, p in prompts.items():
+        engine.add(rid, p, greedy(lengths[rid]))
+    res = run(engine)
+    for rid, p in prompts.items():
+        assert res[rid]["tokens"] == reference_tokens(model, tok, p, lengths[rid]), rid
+
+
+def test_requests_joining_a_running_batch_match_each_alone(loaded):
+    model, tok = loaded
+    engine = Engine(model, tok, prefill_step_size=4)
+    prompts = [encode(tok, p) for p in PROMPTS[:4]]
+    results: dict[str, list[int]] = {}
+    engine.add("r0", prompts[0], greedy(20))
+    pending = list(enumerate(prompts))[1:]
+    steps = 0
+    while engine.has_work or pending:
+        # A new request arrives every third step, while the others are decoding.
+        if pending and steps % 3 == 2:
+            i, p = pending.pop(0)
+            engine.add(f"r{i}", p, greedy(20))
+        for ev in engine.step():
+            if isinstance(ev, TokensGenerated):
+                results.setdefault(ev.request_id, []).extend(ev.token_ids)
+        steps += 1
+    for i, p in enumerate(prompts):
+        assert results[f"r{i}"] == reference_tokens(model, tok, p, 20), i
+
+
+def test_max_tokens_finishes_with_length(loaded):
+    model, tok = loaded
+    engine = Engine(model, tok)
+    engine.add("a", encode(tok, PROMPTS[1]), greedy(5, ignore_eos=True))
+    res = run(engine)["a"]
+    assert res["finish"].finish_reason == "length"
+    assert len(res["tokens"]) == 5
+    assert res["finish"].usage.completion_tokens == 5
+
+
+def test_stop_string_ends_request_and_never_leaks(loaded):
+    model, tok = loaded
+    prompt = encode(tok, PROMPTS[0])
+    full = detokenize(tok, reference_tokens(model, tok, prompt, 24))
+    assert len(full) > 6
+    stop = full[3:6]
+    engine = Engine(model, tok)
+    engine.add("a", prompt, greedy(24, stop=[stop]))
+    res = run(engine)["a"]
+    assert res["finish"].finish_reason == "stop"
+    assert res["finish"].stop_sequence == stop
+    assert stop not in res["text"]
+    assert res["text"] == full[: full.find(stop)]
+
+
+def test_stop_string_filter_holds_back_partial_matches():
+    f = StopStringFilter(["END"])
+    assert f.feed("abc E") == ("abc ", False)
+    assert f.feed("N") == ("", False)
+    assert f.feed("X") == ("ENX", False)
+    assert f.feed("..EN") == ("..", False)
+    assert f.feed("D tail") == ("", True)
+    assert f.matched == "END"
+
+
+def test_abort_removes_request_and_frees_its_cache(loaded):
+    model, tok = loaded
+    engine = Engine(model, tok)
+    engine.add("keep", encode(tok, PROMPTS[0]), greedy(40, ignore_eos=True))
+    engine.add("gone", encode(tok, PROMPTS[5]), greedy(40, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    with_both = engine.gen.prompt_cache_nbytes
+    finished = engine.abort("gone")
+    assert finished.finish_reason == "abort"
+    assert "gone" not in engine.requests
+    assert engine.gen.prompt_cache_nbytes < with_both
+    res = run(engine)
+    assert "gone" not in res and res["keep"]["finish"].finish_reason == "length"
+
+
+def test_seeded_sampling_does_not_depend_on_batch_companions(loaded):
+    model, tok = loaded
+    prompt = encode(tok, PROMPTS[2])
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=1234, ignore_eos=True)
+
+    alone = Engine(model, tok)
+    alone.add("s", prompt, params)
+    a = run(alone)["s"]["tokens"]
+
+    crowd = Engine(model, tok)
+    crowd.add("x", encode(tok, PROMPTS[0]), SamplingParams(max_tokens=12, temperature=1.0))
+    crowd.add("s", prompt, params)
+    b = run(crowd)["s"]["tokens"]
+    assert a == b
+
+
+def test_logprobs_report_chosen_token_and_sorted_top_alternatives(loaded):
+    model, tok = loaded
+    engine = Engine(model, tok)
+    engine.add("a", encode(tok, PROMPTS[0]), greedy(4, logprobs=True, top_logprobs=3,
+                                                      ignore_eos=True))
+    seen = []
+    while engine.has_work:
+        for ev in engine.step():
+            if isinstance(ev, TokensGenerated):
+                seen.extend(ev.logprobs)
+    assert len(seen) == 4
+    for lp in seen:
+        assert len(lp.top_logprobs) == 3
+        values = [t.logprob for t in lp.top_logprobs]
+        assert values == sorted(values, reverse=True)
+        # Greedy: the chosen token is the most likely one.
+        assert lp.top_logprobs[0].token_id == lp.token_id
+        assert lp.logprob == pytest.approx(values[0])
+        assert lp.logprob <= 0.0
+
+
+def test_a_failing_request_fails_alone(loaded):
+    model, tok = loaded
+    engine = Engine(model, tok)
+    good = encode(tok, PROMPTS[0])
+    engine.add("good", good, greedy(16))
+    bad = engine.add("bad", encode(tok, PROMPTS[1]), greedy(16))
+
+    class Broken:
+        def add_token(self, token):
+            raise RuntimeError("detokenizer exploded")
+
+    bad.detokenizer = Broken()
+    res = run(engine)
+    assert res["bad"]["finish"].finish_reason == "error"
+    assert "exploded" in res["bad"]["finish"].error
+    assert res["good"]["tokens"] == reference_tokens(model, tok, good, 16)
+
+
+def test_hybrid_model_batches_like_mlx_lm(tiny_hybrid_dir):
+    model, tok = load(str(tiny_hybrid_dir))
+    engine = Engine(model, tok, prefill_step_size=8)
+    prompts = {f"r{i}": encode(tok, p) for i, p in enumerate(PROMPTS[:3])}
+    for rid, p in prompts.items():
+        engine.add(rid, p, greedy(10))
+    res = run(engine)
+    for rid, p in prompts.items():
+        assert res[rid]["tokens"] == reference_tokens(model, tok, p, 10), rid

@@ -1,0 +1,100 @@
+"""The prefix cache through the whole serving stack: RAM hits, disk hits, across a restart."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from actors.config import ServeConfig
+from actors.serving import start_serving
+from api.app import create_app
+from runtime import ActorSystem
+
+BLOCK = 16
+LONG = ("The quick brown fox jumps over the lazy dog. " * 8
+        + "What is the capital of France? The capital of France is Paris. " * 3)
+
+
+async def serve(aiohttp_client, model_dir: Path, cache_dir: Path, **overrides):
+    config = ServeConfig(model=str(model_dir), block_size=BLOCK, cache_dir=str(cache_dir),
+                         **overrides)
+    system = ActorSystem()
+    await system.__aenter__()
+    handles = await start_serving(system, config)
+    app = create_app(system=system, admission=handles.admission, config=config)
+    client = await aiohttp_client(app)
+    return client, system, handles.models[0].id
+
+
+async def complete(client, model: str, prompt: str) -> tuple[str, dict]:
+    resp = await client.post("/v1/completions", json={
+        "model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0,
+        "ignore_eos": True})
+    data = await resp.json()
+    assert resp.status == 200, data
+    return data["choices"][0]["text"], data["usage"]
+
+
+def report(system: ActorSystem, name: str) -> dict:
+    return next(s for s in system.snapshot() if s.name == name).report
+
+
+async def wait_persisted(system: ActorSystem, at_least: int) -> None:
+    for _ in range(300):
+        if report(system, "ssd_writer")["persisted"] >= at_least:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"blocks not persisted: {report(system, 'ssd_writer')}")
+
+
+async def test_second_request_hits_ram_with_identical_output(aiohttp_client, tiny_model_dir,
+                                                             tmp_path):
+    client, system, model = await serve(aiohttp_client, tiny_model_dir, tmp_path / "c")
+    cold_text, cold = await complete(client, model, LONG)
+    warm_text, warm = await complete(client, model, LONG)
+    assert cold["prompt_tokens_details"]["cached_tokens"] == 0
+    cached = warm["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0 and cached % BLOCK == 0
+    assert cached >= cold["prompt_tokens"] - BLOCK
+    assert warm_text == cold_text
+    assert report(system, "scheduler")["hit_tokens"] == cached
+    await system.__aexit__(None, None, None)
+
+
+async def test_disk_hit_after_restart_gives_identical_output(aiohttp_client, tiny_model_dir,
+                                                             tmp_path):
+    cache_dir = tmp_path / "c"
+    client, system, model = await serve(aiohttp_client, tiny_model_dir, cache_dir)
+    cold_text, cold = await complete(client, model, LONG)
+    await wait_persisted(system, cold["prompt_tokens"] // BLOCK)
+    await system.__aexit__(None, None, None)
+    assert list(cache_dir.rglob("*.safetensors"))
+
+    client, system, model = await serve(aiohttp_client, tiny_model_dir, cache_dir)
+    warm_text, warm = await complete(client, model, LONG)
+    assert warm["prompt_tokens_details"]["cached_tokens"] > 0
+    assert warm_text == cold_text
+    assert report(system, "scheduler")["disk_loads"] == 1
+    await system.__aexit__(None, None, None)
+
+
+async def test_ram_eviction_spills_to_disk_while_only_the_mlx_thread_touches_mlx(
+    aiohttp_client, tiny_model_dir, tmp_path
+):
+    # A RAM budget of about one block: every new block evicts older ones from RAM. Blocks come
+    # back from disk as numpy and only the scheduler's thread turns them into MLX arrays; a
+    # writer or index that evaluated MLX arrays would fail with "There is no Stream".
+    client, system, model = await serve(aiohttp_client, tiny_model_dir, tmp_path / "c",
+                                        cache_ram_max=20_000)
+    cold_text, cold = await complete(client, model, LONG)
+    await wait_persisted(system, cold["prompt_tokens"] // BLOCK)
+    index = report(system, "cache_index")
+    assert index["evicted"]["ram"] > 0, index
+    warm_text, warm = await complete(client, model, LONG)
+    assert warm["prompt_tokens_details"]["cached_tokens"] > 0
+    assert warm_text == cold_text
+    writer = report(system, "ssd_writer")
+    assert writer["failed"] == 0
+    for snap in system.snapshot():
+        assert snap.last_error is None, snap
+    await system.__aexit__(None, None, None)

@@ -1,0 +1,221 @@
+"""The serving path end to end on a tiny random model: HTTP -> admission -> scheduler -> HTTP.
+
+Greedy output through the API must equal mlx-lm's own greedy generation, token for token, for
+one request and for eight in flight at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import aiohttp
+import pytest
+from mlx_lm import load
+from mlx_lm.generate import stream_generate
+
+from actors.config import ServeConfig
+from actors.serving import start_serving
+from api.app import create_app
+from runtime import ActorSystem
+
+PROMPTS = [
+    "What is the capital of France?",
+    "The quick brown fox",
+    "Numbers like 12345",
+    "def add(a, b):",
+    "Unicode: café 東京",
+    "jumps over the lazy dog. The quick brown fox jumps over the lazy dog again",
+    "Paris",
+    "emoji 🙂 and more and more",
+]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path):
+    model, tok = load(str(tiny_model_dir))
+
+    def greedy(prompt: list[int], max_tokens: int) -> list[int]:
+        out = []
+        for r in stream_generate(model, tok, prompt, max_tokens=max_tokens):
+            if r.token in tok.eos_token_ids:
+                break
+            out.append(r.token)
+        return out
+
+    return tok, greedy
+
+
+async def serve(aiohttp_client, model_dir: Path, **overrides):
+    config = ServeConfig(model=str(model_dir), **overrides)
+    system = ActorSystem()
+    await system.__aenter__()
+    handles = await start_serving(system, config)
+    app = create_app(system=system, admission=handles.admission, config=config)
+
+    async def close_system(_app) -> None:
+        await system.__aexit__(None, None, None)
+
+    app.on_cleanup.append(close_system)
+    client = await aiohttp_client(app)
+    return client, system, handles
+
+
+def completion_body(model: str, prompt, max_tokens: int, **extra) -> dict:
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "logprobs": 1, **extra}
+
+
+async def test_greedy_completion_over_http_equals_mlx_lm(aiohttp_client, tiny_model_dir,
+                                                        reference):
+    tok, greedy = reference
+    client, _, handles = await serve(aiohttp_client, tiny_model_dir)
+    model = handles.models[0].id
+    prompt = tok.encode(PROMPTS[0])
+    resp = await client.post("/v1/chat/completions", json={
+        "model": model, "messages": [{"role": "user", "content": PROMPTS[0]}],
+        "max_tokens": 20, "temperature": 0, "logprobs": True,
+    })
+    data = await resp.json()
+    assert resp.status == 200, data
+    chat_prompt = tok.apply_chat_template([{"role": "user", "content": PROMPTS[0]}],
+                                          add_generation_prompt=True)
+    expected = greedy(chat_prompt, 20)
+    got_text = data["choices"][0]["message"]["content"]
+    assert got_text == _detok(tok, expected)
+    assert data["usage"]["prompt_tokens"] == len(chat_prompt)
+    assert data["usage"]["completion_tokens"] == len(expected) + (len(expected) < 20)
+
+    resp = await client.post("/v1/completions", json=completion_body(model, prompt, 20))
+    data = await resp.json()
+    assert resp.status == 200, data
+    assert data["choices"][0]["text"] == _detok(tok, greedy(prompt, 20))
+
+
+async def test_eight_concurrent_requests_each_equal_mlx_lm(aiohttp_client, tiny_model_dir,
+                                                          reference):
+    tok, greedy = reference
+    client, _, handles = await serve(aiohttp_client, tiny_model_dir, prefill_step_size=16)
+    model = handles.models[0].id
+    prompts = [tok.encode(p) for p in PROMPTS]
+
+    async def one(i: int, prompt: list[int]) -> str:
+        resp = await client.post("/v1/completions",
+                                 json=completion_body(model, prompt, 12 + 2 * i))
+        data = await resp.json()
+        assert resp.status == 200, data
+        return data["choices"][0]["text"]
+
+    texts = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    for i, (prompt, text) in enumerate(zip(prompts, texts, strict=True)):
+        assert text == _detok(tok, greedy(prompt, 12 + 2 * i)), i
+
+
+async def test_streamed_deltas_add_up_to_the_whole_text(aiohttp_client, tiny_model_dir,
+                                                       reference):
+    tok, greedy = reference
+    client, _, handles = await serve(aiohttp_client, tiny_model_dir)
+    model = handles.models[0].id
+    body = {"model": model, "messages": [{"role": "user", "content": PROMPTS[4]}],
+            "max_tokens": 24, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    resp = await client.post("/v1/chat/completions", json=body)
+    assert resp.status == 200
+    chunks = await _sse(resp)
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    chat_prompt = tok.apply_chat_template(body["messages"], add_generation_prompt=True)
+    assert text == _detok(tok, greedy(chat_prompt, 24))
+    assert chunks[-1]["usage"]["prompt_tokens"] == len(chat_prompt)
+
+
+async def test_client_disconnect_frees_the_request_and_server_keeps_serving(
+    aiohttp_client, tiny_model_dir
+):
+    client, system, handles = await serve(aiohttp_client, tiny_model_dir)
+    model = handles.models[0].id
+    scheduler = handles.schedulers[model]
+    url = str(client.make_url("/v1/completions"))
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(url, json={"model": model, "prompt": "The quick brown fox",
+                                             "max_tokens": 1000, "stream": True,
+                                             "ignore_eos": True})
+        assert resp.status == 200
+        await resp.content.readline()
+        resp.close()  # the client goes away mid-stream
+    for _ in range(200):
+        report = _report(system, scheduler.name)
+        if report["running"] == 0 and report["waiting"] == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert report["running"] == 0 and report["waiting"] == 0
+    assert report["generated_tokens"] < 1000
+    resp = await client.post("/v1/completions", json=completion_body(model, "Paris", 4))
+    assert resp.status == 200
+
+
+async def test_full_scheduler_queue_answers_429_with_retry_after(aiohttp_client,
+                                                                tiny_model_dir):
+    client, _, handles = await serve(aiohttp_client, tiny_model_dir, max_batch_size=1,
+                                     prefill_batch_size=1, max_queue=1)
+    model = handles.models[0].id
+
+    async def one() -> aiohttp.ClientResponse:
+        resp = await client.post("/v1/completions", json={
+            "model": model, "prompt": "The quick brown fox", "max_tokens": 40,
+            "ignore_eos": True})
+        await resp.read()
+        return resp
+
+    results = await asyncio.wait_for(asyncio.gather(*(one() for _ in range(8))), 120)
+    statuses = sorted(r.status for r in results)
+    assert 200 in statuses and 429 in statuses, statuses
+    refused = next(r for r in results if r.status == 429)
+    assert float(refused.headers["Retry-After"]) > 0
+    assert (await refused.json())["error"]["type"] == "rate_limit_error"
+
+
+async def test_context_overflow_and_unknown_model_are_refused(aiohttp_client, tiny_model_dir):
+    client, _, handles = await serve(aiohttp_client, tiny_model_dir)
+    model = handles.models[0].id
+    resp = await client.post("/v1/completions", json=completion_body(model, "Paris", 5000))
+    data = await resp.json()
+    assert resp.status == 400 and data["error"]["param"] == "max_tokens"
+    resp = await client.post("/v1/completions", json=completion_body("nope", "Paris", 5))
+    data = await resp.json()
+    assert resp.status == 404 and data["error"]["param"] == "model"
+    resp = await client.post("/v1/completions", json=completion_body(model, "Paris", 3))
+    assert resp.status == 200
+
+
+async def test_scheduler_runs_on_the_mlx_thread(aiohttp_client, tiny_model_dir):
+    _, system, handles = await serve(aiohttp_client, tiny_model_dir)
+    snaps = {s.name: s for s in system.snapshot()}
+    assert snaps["scheduler"].thread == "mlx"
+    assert snaps["admission"].thread == "admission"
+
+
+def _detok(tok, tokens: list[int]) -> str:
+    d = tok.detokenizer
+    for t in tokens:
+        d.add_token(t)
+    d.finalize()
+    return d.text
+
+
+def _report(system: ActorSystem, name: str) -> dict:
+    return next(s for s in system.snapshot() if s.name == name).report
+
+
+async def _sse(resp: aiohttp.ClientResponse) -> list[dict]:
+    chunks = []
+    async for raw in resp.content:
+        line = raw.decode().strip()
+        if not line:
+            continue
+        assert line.startswith("data: "), line
+        payload = line[len("data: "):]
+        if payload == "[DONE]":
+            break
+        chunks.append(json.loads(payload))
+    return chunks
