@@ -67,13 +67,14 @@ async def serve(config: ServeConfig) -> None:
         loop.add_signal_handler(sig, on_signal)
     try:
         # Lazy: the serving actors import MLX, which the rest of this module must not.
+        from actors.blas import loaded_blas
         from actors.serving import start_serving
 
         async with ActorSystem() as system:
             handles = await start_serving(system, config)
             async with serve_http(system, config, handles) as server:
                 model = ", ".join(card.id for card in handles.models) or config.model
-                log.info("serving %s on %s", model, server.url)
+                log.info("serving %s on %s (BLAS: %s)", model, server.url, loaded_blas())
                 await stop.wait()
                 log.info(
                     "shutting down: finishing in-flight requests (up to %.0fs)",
@@ -85,10 +86,25 @@ async def serve(config: ServeConfig) -> None:
             loop.remove_signal_handler(sig)
 
 
+def _maybe_preload_openblas(choice: str) -> None:
+    """Re-execute this command with OpenBLAS preloaded when MLX would otherwise run on the
+    reference BLAS of the mlx-cpu wheel (prefill about 25x slower). Before MLX is imported:
+    a preload only works at process start."""
+    from actors import blas  # lazy, and MLX-free: it only looks at files
+
+    os.environ[blas.CHOICE_ENV] = choice
+    plan = blas.preload_command(["-m", "api.cli", *sys.argv[1:]])
+    if plan is not None:
+        command, env = plan
+        log.info("re-executing with OpenBLAS preloaded (opt out: --blas bundled)")
+        os.execve(sys.executable, command, env)
+
+
 def _serve(args: argparse.Namespace) -> int:
     fields = {f.name for f in msgspec.structs.fields(ServeConfig)}
     config = ServeConfig(**{k: v for k, v in vars(args).items() if k in fields})
     _setup_logging(config.log_level)
+    _maybe_preload_openblas(args.blas)
     try:
         asyncio.run(serve(config))
     except (asyncio.CancelledError, KeyboardInterrupt):
@@ -263,6 +279,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         default=opt,
         help=f"max_tokens when a request sends none (default: {_DEFAULTS.default_max_tokens})",
+    )
+    serve_cmd.add_argument(
+        "--blas",
+        choices=("auto", "bundled"),
+        default=os.environ.get("TROUPE_BLAS", "auto"),
+        help="auto: preload Debian's OpenBLAS when MLX would use its slow bundled reference "
+        "BLAS (Linux); bundled: never (default: $TROUPE_BLAS, else auto)",
     )
     serve_cmd.add_argument(
         "--block-size",

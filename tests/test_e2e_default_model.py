@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -26,11 +27,17 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[str]:
+def server_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("e2e") / "server.log"
+
+
+@pytest.fixture(scope="module")
+def server(server_log: Path) -> Iterator[str]:
     port = _free_port()
+    log = server_log.open("w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "api.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdout=log, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     base = f"http://127.0.0.1:{port}"
@@ -38,7 +45,7 @@ def server() -> Iterator[str]:
     try:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                pytest.fail(f"server exited early:\n{proc.stdout.read()}")
+                pytest.fail(f"server exited early:\n{server_log.read_text()}")
             try:
                 if httpx.get(f"{base}/health", timeout=1).status_code == 200:
                     break
@@ -53,6 +60,7 @@ def server() -> Iterator[str]:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+        log.close()
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +75,15 @@ def model(client: openai.OpenAI) -> str:
 
 def test_default_model_is_listed(model: str) -> None:
     assert model == "SmolLM2-135M-Instruct"
+
+
+def test_start_up_log_names_the_blas(model: str, server_log: Path) -> None:
+    from actors.blas import find_openblas
+
+    line = next(ln for ln in server_log.read_text().splitlines() if "serving" in ln)
+    assert "BLAS: " in line
+    if find_openblas() is not None:
+        assert "BLAS: OpenBLAS" in line
 
 
 def test_chat_answers_the_capital_of_france(client: openai.OpenAI, model: str) -> None:

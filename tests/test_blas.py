@@ -1,0 +1,73 @@
+"""The BLAS lever: OpenBLAS preloaded under MLX gives the same greedy output, and `troupe serve`
+re-executes itself with it only when that helps."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from actors import blas
+
+GREEDY = """
+import json, sys
+from mlx_lm import load
+from mlx_lm.generate import stream_generate
+from actors.blas import loaded_blas
+from actors.model_store import resolve_model
+model, tok = load(str(resolve_model(None).path))
+prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                 add_generation_prompt=True)
+tokens = [r.token for r in stream_generate(model, tok, prompt, max_tokens=8)]
+print(json.dumps({"tokens": tokens, "blas": loaded_blas()}))
+"""
+
+
+def _greedy(preload: str | None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    if preload:
+        env["LD_PRELOAD"] = preload
+    out = subprocess.run([sys.executable, "-c", GREEDY], env=env, capture_output=True,
+                         text=True, timeout=600, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(blas.find_openblas() is None, reason="libopenblas0-pthread not installed "
+                    "(make setup installs it as root)")
+def test_greedy_output_is_identical_with_and_without_openblas():
+    bundled = _greedy(None)
+    openblas = _greedy(str(blas.find_openblas()))
+    assert "OpenBLAS" in openblas["blas"]
+    assert "OpenBLAS" not in bundled["blas"]
+    assert openblas["tokens"] == bundled["tokens"]
+
+
+def test_preload_is_planned_only_when_it_helps(monkeypatch, tmp_path):
+    fake = tmp_path / "libopenblas.so.0"
+    fake.write_bytes(b"")
+    monkeypatch.setattr(blas, "find_openblas", lambda: fake)
+    monkeypatch.setattr(blas, "bundled_reference_blas", lambda: tmp_path / "libblas-x.so.3")
+    for key in (blas.REEXEC_MARK, blas.CHOICE_ENV, "LD_PRELOAD"):
+        monkeypatch.delenv(key, raising=False)
+
+    command, env = blas.preload_command(["-m", "api.cli", "serve"])
+    assert command == [sys.executable, "-m", "api.cli", "serve"]
+    assert env["LD_PRELOAD"] == str(fake) and env[blas.REEXEC_MARK] == "1"
+
+    monkeypatch.setenv(blas.CHOICE_ENV, "bundled")  # the opt-out
+    assert blas.preload_command(["x"]) is None
+    monkeypatch.delenv(blas.CHOICE_ENV)
+    monkeypatch.setenv(blas.REEXEC_MARK, "1")  # already re-executed: never loop
+    assert blas.preload_command(["x"]) is None
+    monkeypatch.delenv(blas.REEXEC_MARK)
+    monkeypatch.setattr(blas, "bundled_reference_blas", lambda: None)  # nothing to replace
+    assert blas.preload_command(["x"]) is None
+
+
+def test_the_mlx_cpu_wheel_is_recognised_as_reference_blas():
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the reference BLAS ships only in the Linux wheel")
+    assert blas.bundled_reference_blas() is not None
