@@ -11,6 +11,7 @@ scheduler's thread spends before the SSD writer takes over). Block size 0 is the
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from mlx_lm import load
 
+from actors.blas import preload_command
 from actors.engine import Engine
 from actors.kv_blocks import to_numpy
 from actors.messages import SamplingParams, TokensGenerated
@@ -47,6 +49,9 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=2000)
     p.add_argument("--reps", type=int, default=3)
     args = p.parse_args()
+    plan = preload_command([sys.argv[0], *sys.argv[1:]])  # the BLAS troupe serve runs on
+    if plan is not None:
+        os.execve(sys.executable, *plan)
     model_dir = args.model or subprocess.run(
         [sys.executable, "-m", "api.cli", "pull"], check=True, capture_output=True, text=True
     ).stdout.strip().splitlines()[-1]

@@ -34,6 +34,16 @@ FILLER = (
 )
 
 
+def same_blas_as_troupe_serve() -> None:
+    """Re-execute this benchmark with OpenBLAS preloaded when `troupe serve` would preload it,
+    so that every server and the in-process ceiling it starts run on the same BLAS."""
+    from actors.blas import preload_command
+
+    plan = preload_command([sys.argv[0], *sys.argv[1:]])
+    if plan is not None:
+        os.execve(sys.executable, *plan)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -229,6 +239,7 @@ def main() -> None:
     p.add_argument("--json", help="write the results here as JSON")
     p.add_argument("--log-dir", default="bench-results")
     args = p.parse_args()
+    same_blas_as_troupe_serve()
     Path(args.log_dir).mkdir(exist_ok=True)
     model_dir, name = (args.model, Path(args.model).name) if args.model \
         else resolve_default_model()

@@ -6,21 +6,10 @@ from pathlib import Path
 
 import pytest
 from mlx_lm import load
-from mlx_lm.generate import stream_generate
+from reference import PROMPTS, detokenize, reference_tokens
 
 from actors.engine import Engine, StopStringFilter
 from actors.messages import RequestFinished, SamplingParams, TokensGenerated
-
-PROMPTS = [
-    "What is the capital of France?",
-    "The quick brown fox",
-    "Numbers like 12345",
-    "def add(a, b):",
-    "Unicode: café 東京",
-    "jumps over the lazy dog. The quick brown fox jumps over the lazy dog again and again",
-    "Paris",
-    "emoji 🙂 and more and more",
-]
 
 
 @pytest.fixture(scope="module")
@@ -30,16 +19,6 @@ def loaded(tiny_model_dir: Path):
 
 def greedy(max_tokens: int = 16, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
-
-
-def reference_tokens(model, tok, prompt: list[int], max_tokens: int) -> list[int]:
-    """mlx-lm's own single-sequence greedy generation, cut at EOS like the engine."""
-    out = []
-    for r in stream_generate(model, tok, prompt, max_tokens=max_tokens):
-        if r.token in tok.eos_token_ids:
-            break
-        out.append(r.token)
-    return out
 
 
 def run(engine: Engine, max_steps: int = 1000) -> dict[str, dict]:
@@ -61,15 +40,6 @@ def run(engine: Engine, max_steps: int = 1000) -> dict[str, dict]:
 
 def encode(tok, text: str) -> list[int]:
     return tok.encode(text)
-
-
-def detokenize(tok, tokens: list[int]) -> str:
-    """Text as mlx-lm's streaming detokenizer gives it (it trims a leading space)."""
-    d = tok.detokenizer
-    for t in tokens:
-        d.add_token(t)
-    d.finalize()
-    return d.text
 
 
 def test_single_request_greedy_matches_mlx_lm(loaded):

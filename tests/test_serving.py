@@ -13,38 +13,18 @@ from pathlib import Path
 import aiohttp
 import pytest
 from mlx_lm import load
-from mlx_lm.generate import stream_generate
+from reference import PROMPTS, detokenize, reference_tokens
 
 from actors.config import ServeConfig
 from actors.serving import start_serving
 from api.app import create_app
 from runtime import ActorSystem
 
-PROMPTS = [
-    "What is the capital of France?",
-    "The quick brown fox",
-    "Numbers like 12345",
-    "def add(a, b):",
-    "Unicode: café 東京",
-    "jumps over the lazy dog. The quick brown fox jumps over the lazy dog again",
-    "Paris",
-    "emoji 🙂 and more and more",
-]
-
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir: Path):
     model, tok = load(str(tiny_model_dir))
-
-    def greedy(prompt: list[int], max_tokens: int) -> list[int]:
-        out = []
-        for r in stream_generate(model, tok, prompt, max_tokens=max_tokens):
-            if r.token in tok.eos_token_ids:
-                break
-            out.append(r.token)
-        return out
-
-    return tok, greedy
+    return tok, lambda prompt, max_tokens: reference_tokens(model, tok, prompt, max_tokens)
 
 
 async def serve(aiohttp_client, model_dir: Path, **overrides):
@@ -83,14 +63,14 @@ async def test_greedy_completion_over_http_equals_mlx_lm(aiohttp_client, tiny_mo
                                           add_generation_prompt=True)
     expected = greedy(chat_prompt, 20)
     got_text = data["choices"][0]["message"]["content"]
-    assert got_text == _detok(tok, expected)
+    assert got_text == detokenize(tok, expected)
     assert data["usage"]["prompt_tokens"] == len(chat_prompt)
     assert data["usage"]["completion_tokens"] == len(expected) + (len(expected) < 20)
 
     resp = await client.post("/v1/completions", json=completion_body(model, prompt, 20))
     data = await resp.json()
     assert resp.status == 200, data
-    assert data["choices"][0]["text"] == _detok(tok, greedy(prompt, 20))
+    assert data["choices"][0]["text"] == detokenize(tok, greedy(prompt, 20))
 
 
 async def test_eight_concurrent_requests_each_equal_mlx_lm(aiohttp_client, tiny_model_dir,
@@ -109,7 +89,7 @@ async def test_eight_concurrent_requests_each_equal_mlx_lm(aiohttp_client, tiny_
 
     texts = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
     for i, (prompt, text) in enumerate(zip(prompts, texts, strict=True)):
-        assert text == _detok(tok, greedy(prompt, 12 + 2 * i)), i
+        assert text == detokenize(tok, greedy(prompt, 12 + 2 * i)), i
 
 
 async def test_streamed_deltas_add_up_to_the_whole_text(aiohttp_client, tiny_model_dir,
@@ -125,7 +105,7 @@ async def test_streamed_deltas_add_up_to_the_whole_text(aiohttp_client, tiny_mod
     chunks = await _sse(resp)
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
     chat_prompt = tok.apply_chat_template(body["messages"], add_generation_prompt=True)
-    assert text == _detok(tok, greedy(chat_prompt, 24))
+    assert text == detokenize(tok, greedy(chat_prompt, 24))
     assert chunks[-1]["usage"]["prompt_tokens"] == len(chat_prompt)
 
 
@@ -193,14 +173,6 @@ async def test_scheduler_runs_on_the_mlx_thread(aiohttp_client, tiny_model_dir):
     snaps = {s.name: s for s in system.snapshot()}
     assert snaps["scheduler"].thread == "mlx"
     assert snaps["admission"].thread == "admission"
-
-
-def _detok(tok, tokens: list[int]) -> str:
-    d = tok.detokenizer
-    for t in tokens:
-        d.add_token(t)
-    d.finalize()
-    return d.text
 
 
 def _report(system: ActorSystem, name: str) -> dict:
