@@ -38,5 +38,10 @@ test: setup
 serve: setup
 	$(BIN)/troupe serve $(ARGS)
 
+# The serving harness against mlx_lm.server (docs/benchmarks.md); e.g. make bench ARGS="--reps 1".
+bench: setup
+	@$(BIN)/python -c "import matplotlib" 2>/dev/null || $(BIN)/pip install -e '.[bench]'
+	$(BIN)/python benchmarks/harness.py $(ARGS)
+
 lint: setup
 	$(BIN)/ruff check runtime actors api tests benchmarks examples

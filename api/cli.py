@@ -1,4 +1,4 @@
-"""The ``troupe`` command: ``serve``, ``pull`` and ``actors``.
+"""The ``troupe`` command: ``serve``, ``pull``, ``actors`` and ``bench``.
 
 Everything that loads MLX is imported inside the command that needs it, so ``troupe --help``
 and ``troupe actors`` start fast and work on machines without MLX.
@@ -12,9 +12,11 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import sys
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -189,6 +191,23 @@ def _actors(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- bench ---------------------------------------------------------------------------------
+
+_HARNESS = Path(__file__).resolve().parents[1] / "benchmarks" / "harness.py"
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """Run the serving harness in a child process: it loads MLX, which this module must not,
+    and re-executes itself with the BLAS that `troupe serve` would use."""
+    if not _HARNESS.is_file():
+        print("troupe bench needs a source checkout (benchmarks/harness.py)", file=sys.stderr)
+        return 1
+    try:
+        return subprocess.call([sys.executable, str(_HARNESS), *args.harness_args])
+    except KeyboardInterrupt:  # the child got the same SIGINT and stops on its own
+        return 130
+
+
 # --- entry point ---------------------------------------------------------------------------
 
 
@@ -228,7 +247,7 @@ def parse_size(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``troupe`` argument parser (serve, pull, actors)."""
+    """The ``troupe`` argument parser (serve, pull, actors, bench)."""
     parser = argparse.ArgumentParser(prog="troupe", description="mlx-troupe: an LLM server for MLX")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -365,12 +384,25 @@ def build_parser() -> argparse.ArgumentParser:
     actors_cmd.add_argument(
         "--api-key", default=os.environ.get("TROUPE_API_KEY"), help="default: $TROUPE_API_KEY"
     )
+
+    # Every flag after `bench` goes to the harness (main() passes them through), --help too.
+    bench_cmd = commands.add_parser(
+        "bench",
+        add_help=False,
+        help="benchmark against mlx_lm.server (flags: troupe bench --help)",
+    )
+    bench_cmd.set_defaults(run=_bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``troupe`` console script; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "bench":
+        args.harness_args = rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return args.run(args)
 
 

@@ -1,0 +1,701 @@
+"""Serving harness: mlx-troupe against mlx_lm.server and the in-process ceiling, in one run.
+
+Both servers are started on the same model directory (``troupe pull``'s by default) and the
+same BLAS (this script re-executes itself with OpenBLAS preloaded when ``troupe serve`` would),
+one after the other, and get the same load:
+
+- **serving**: streaming chat, unique prompts, greedy, at each concurrency (a closed loop of
+  that many clients, each sending ``--requests-per-client`` requests one after the other);
+- **prefix**: a ``--long-tokens`` prompt cold, the same prompt again, and the prompt with a
+  new ending (a coding agent's next turn);
+- **interference**: ``--streams`` streams decoding while a ``--long-tokens`` prompt arrives;
+  their inter-token latency while it is prefilled against their median before it arrived.
+
+The in-process ceiling runs the serving load through mlx-lm's ``BatchGenerator`` directly (no
+HTTP, no actors). Each repetition restarts both servers (troupe with a fresh cache directory)
+and alternates which goes first, so a drift in machine load does not favour one; figures are
+medians over repetitions and servers are compared as ratios within the run.
+
+    .venv/bin/python benchmarks/harness.py                      # the default model, 3 reps
+    .venv/bin/python benchmarks/harness.py --reps 1 --concurrency 1,4
+    make bench ARGS="--reps 2"                                   # or: troupe bench --reps 2
+
+Writes ``harness.json``, ``harness.md`` and ``harness.png`` (and each server's log) to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]  # actors.blas, and plot.py beside this
+
+TROUPE = "mlx-troupe"
+PEER = "mlx_lm.server"
+CEILING = "in-process"
+SERVERS = (TROUPE, PEER)
+
+# The unique part comes first so that no two prompts share more than the chat template: a
+# server's prompt cache must not turn "unique prompts" into prefix hits.
+SERVING_PROMPT = (
+    "Request {key}. Please write a detailed, friendly explanation for a curious student about "
+    "how rivers shape valleys over thousands of years, with examples from several continents "
+    "and a few surprising facts."
+)
+STREAM_PROMPT = (
+    "Stream {key}. Write a very long story, at least two thousand words, about a lighthouse "
+    "keeper and the ships she guided over forty years. Describe every season in detail."
+)
+PARAGRAPH = (
+    "The river carved its valley over thousands of years, carrying stone from the mountains "
+    "to the sea, and every village along its banks kept a different story about where the "
+    "water came from. "
+)
+ENDINGS = (" Summarise the story in one sentence.", " Which village told the oldest story?")
+
+Messages = list[dict[str, str]]
+
+
+# --- statistics ----------------------------------------------------------------------------
+
+
+def percentile(values: Iterable[float], q: float) -> float | None:
+    """The q-th percentile by linear interpolation; None for no values."""
+    ordered = sorted(values)
+    if not ordered:
+        return None
+    pos = q / 100 * (len(ordered) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def median_tree(trees: list[Any]) -> Any:
+    """The element-wise median of equally shaped JSON trees (numbers at the leaves). A leaf
+    that is None in some trees is the median of the others (None if all are)."""
+    first = trees[0]
+    if isinstance(first, dict):
+        return {k: median_tree([t[k] for t in trees if k in t]) for k in first}
+    numbers = [t for t in trees if isinstance(t, int | float) and not isinstance(t, bool)]
+    if numbers:
+        return statistics.median(numbers)
+    return first
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+# --- one streamed request ------------------------------------------------------------------
+
+
+@dataclass
+class Stream:
+    """What the client saw of one streamed chat completion: when each content chunk came."""
+
+    sent: float
+    chunk_times: list[float] = field(default_factory=list)
+    tokens: int = 0  # the server's usage count when it sent one, else the content chunks
+    error: str | None = None
+    done: bool = False
+
+    @property
+    def ttft(self) -> float | None:
+        return self.chunk_times[0] - self.sent if self.chunk_times else None
+
+    def gaps(self) -> list[tuple[float, float]]:
+        """(start, end) of every interval between two consecutive content chunks."""
+        t = self.chunk_times
+        return list(zip(t, t[1:], strict=False))
+
+
+async def stream_chat(
+    session: aiohttp.ClientSession,
+    url: str,
+    model: str,
+    messages: Messages,
+    max_tokens: int,
+    stream: Stream | None = None,
+) -> Stream:
+    """Stream one greedy chat completion, recording chunk arrival times into ``stream`` (pass
+    one in to watch it live). Errors are recorded, not raised: a benchmark counts them."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    s = stream or Stream(sent=time.perf_counter())
+    s.sent = time.perf_counter()
+    usage_tokens = None
+    try:
+        async with session.post(url, json=body) as resp:
+            if resp.status != 200:
+                s.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return s
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data: "):
+                    continue
+                payload = line[6:]
+                if payload == b"[DONE]":
+                    break
+                data = json.loads(payload)
+                if data.get("error"):
+                    s.error = str(data["error"])[:200]
+                    break
+                if data.get("usage"):
+                    usage_tokens = data["usage"].get("completion_tokens")
+                for choice in data.get("choices") or []:
+                    if (choice.get("delta") or {}).get("content"):
+                        s.chunk_times.append(time.perf_counter())
+    except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+        s.error = f"{type(exc).__name__}: {exc}"
+    s.tokens = usage_tokens if usage_tokens is not None else len(s.chunk_times)
+    s.done = True
+    return s
+
+
+def summarize(streams: list[Stream], wall: float) -> dict[str, Any]:
+    """Output tokens/s, TTFT and inter-token latency percentiles (seconds), errors."""
+    ok = [s for s in streams if s.error is None]
+    ttfts = [s.ttft for s in ok if s.ttft is not None]
+    itls = [end - start for s in ok for start, end in s.gaps()]
+    tokens = sum(s.tokens for s in ok)
+    return {
+        "tokens_per_s": tokens / wall if wall > 0 else None,
+        "ttft_p50": percentile(ttfts, 50), "ttft_p99": percentile(ttfts, 99),
+        "itl_p50": percentile(itls, 50), "itl_p99": percentile(itls, 99),
+        "errors": len(streams) - len(ok), "requests": len(streams), "tokens": tokens,
+        "wall_s": wall,
+    }
+
+
+# --- the workload --------------------------------------------------------------------------
+
+
+@dataclass
+class Workload:
+    """Every prompt of one repetition; the same for both servers and the ceiling."""
+
+    serving: dict[int, list[Messages]]
+    long_prompt: Messages
+    new_ending: Messages
+    stream_prompts: list[Messages]
+    long_prompt_tokens: int
+
+
+def long_text(tokenizer: Any, n_tokens: int, key: str) -> str:
+    """About ``n_tokens`` tokens of prose that begins with ``key`` (unique per repetition)."""
+    words = f"Document {key}. {PARAGRAPH * (n_tokens // 20 + 2)}"
+    ids = tokenizer.encode(words, add_special_tokens=False)[:n_tokens]
+    return tokenizer.decode(ids)
+
+
+def make_workload(tokenizer: Any, args: argparse.Namespace, rep: int) -> Workload:
+    key = f"{rep}-{int(time.time())}"
+    serving = {
+        c: [[{"role": "user", "content": SERVING_PROMPT.format(key=f"{key}-{c}-{i}")}]
+            for i in range(c * args.requests_per_client)]
+        for c in args.concurrency
+    }
+    text = long_text(tokenizer, args.long_tokens, key)
+    long_prompt = [{"role": "user", "content": text + ENDINGS[0]}]
+    new_ending = [{"role": "user", "content": text + ENDINGS[1]}]
+    streams = [[{"role": "user", "content": STREAM_PROMPT.format(key=f"{key}-{i}")}]
+               for i in range(args.streams)]
+    return Workload(serving, long_prompt, new_ending, streams, len(chat_tokens(tokenizer,
+                                                                              long_prompt)))
+
+
+def chat_tokens(tokenizer: Any, messages: Messages) -> list[int]:
+    """The prompt tokens a server makes of ``messages`` (transformers 5 returns a dict)."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+# --- driving a server ----------------------------------------------------------------------
+
+
+def client(total_timeout: float = 3600) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=total_timeout),
+        connector=aiohttp.TCPConnector(limit=0),
+    )
+
+
+async def run_level(base: str, model: str, prompts: list[Messages], concurrency: int,
+                    max_tokens: int) -> dict[str, Any]:
+    """A closed loop: ``concurrency`` clients, each sending its next request when the last
+    one finished, until the prompts run out."""
+    url = f"{base}/v1/chat/completions"
+    queue = list(reversed(prompts))
+    streams: list[Stream] = []
+    async with client() as session:
+
+        async def one_client() -> None:
+            while queue:
+                streams.append(await stream_chat(session, url, model, queue.pop(), max_tokens))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(one_client() for _ in range(concurrency)))
+        wall = time.perf_counter() - start
+    return summarize(streams, wall)
+
+
+async def run_prefix(base: str, model: str, work: Workload) -> dict[str, Any]:
+    """TTFT (s) of the long prompt cold, repeated, and with a new ending."""
+    url = f"{base}/v1/chat/completions"
+    out: dict[str, Any] = {"prompt_tokens": work.long_prompt_tokens}
+    async with client() as session:
+        for name, messages in (("cold", work.long_prompt), ("repeat", work.long_prompt),
+                               ("new_ending", work.new_ending)):
+            s = await stream_chat(session, url, model, messages, 4)
+            out[name] = s.ttft if s.error is None else None
+            if s.error:
+                print(f"    prefix {name}: {s.error}", file=sys.stderr, flush=True)
+    return out
+
+
+async def run_interference(base: str, model: str, work: Workload,
+                           args: argparse.Namespace) -> dict[str, Any]:
+    """``--streams`` streams decode; once each has ``--warm-chunks`` chunks the long prompt
+    arrives. Their gaps that overlap its prefill (sent → first token) are compared with
+    their gaps before it arrived."""
+    url = f"{base}/v1/chat/completions"
+    streams = [Stream(sent=time.perf_counter()) for _ in work.stream_prompts]
+    async with client() as session:
+        tasks = [asyncio.create_task(stream_chat(session, url, model, m, args.stream_tokens, s))
+                 for m, s in zip(work.stream_prompts, streams, strict=True)]
+
+        async def until(cond: Callable[[], bool], timeout: float) -> None:
+            deadline = time.perf_counter() + timeout
+            while not cond() and time.perf_counter() < deadline:
+                await asyncio.sleep(0.01)
+
+        await until(lambda: all(s.done or len(s.chunk_times) >= args.warm_chunks
+                                for s in streams), 1800)
+        long = await stream_chat(session, url, model, work.long_prompt, 4)
+        arrived, prefilled = long.sent, long.chunk_times[0] if long.chunk_times else None
+        if prefilled is not None:
+            # One more chunk per live stream, so the gap that spans the prefill's end counts.
+            await until(lambda: all(s.done or (s.chunk_times and s.chunk_times[-1] > prefilled)
+                                    for s in streams), 300)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    before, during = split_gaps(streams, arrived,
+                                prefilled if prefilled is not None else time.perf_counter())
+    p50_before = percentile(before, 50)
+    p99_during = percentile(during, 99)
+    return {
+        "long_ttft": long.ttft, "long_error": long.error,
+        "streams_live": sum(1 for s in streams if s.chunk_times and s.chunk_times[-1] > arrived),
+        "itl_p50_before": p50_before, "itl_p99_before": percentile(before, 99),
+        "itl_p50_during": percentile(during, 50), "itl_p99_during": p99_during,
+        "itl_max_during": max(during, default=None),
+        "p99_during_over_p50_before": ratio(p99_during, p50_before),
+        "errors": sum(1 for s in streams if s.error) + (1 if long.error else 0),
+    }
+
+
+def split_gaps(streams: list[Stream], arrived: float, prefilled: float
+               ) -> tuple[list[float], list[float]]:
+    """The streams' inter-token gaps (s) before the long prompt arrived (once every stream
+    is decoding) and those that overlap its prefill, ``arrived`` to ``prefilled``: a stall
+    that spans the whole prefill counts, however long."""
+    steady_from = max((s.chunk_times[0] for s in streams if s.chunk_times), default=arrived)
+    before = [b - a for s in streams for a, b in s.gaps() if a >= steady_from and b <= arrived]
+    during = [b - a for s in streams for a, b in s.gaps() if b > arrived and a < prefilled]
+    return before, during
+
+
+# --- servers -------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def wait_healthy(base: str, proc: subprocess.Popen, deadline_s: float = 600) -> list[str]:
+    """Wait until GET /v1/models answers; return the model ids it lists."""
+    deadline = time.monotonic() + deadline_s
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited during start-up (status {proc.returncode})")
+            try:
+                async with session.get(f"{base}/v1/models") as resp:
+                    if resp.status == 200:
+                        body = await resp.json(content_type=None)
+                        return [m["id"] for m in (body or {}).get("data") or []]
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.3)
+    raise RuntimeError("server did not start in time")
+
+
+def server_command(name: str, model_dir: str, port: int, cache_dir: str,
+                   args: argparse.Namespace) -> list[str]:
+    if name == TROUPE:
+        return [sys.executable, "-m", "api.cli", "serve", "--model", model_dir, "--port",
+                str(port), "--cache-dir", cache_dir, "--log-level", "warning",
+                *shlex.split(args.troupe_args)]
+    return [sys.executable, "-m", "mlx_lm", "server", "--model", model_dir, "--port",
+            str(port), "--log-level", "WARNING", *shlex.split(args.peer_args)]
+
+
+async def bench_server(name: str, model_dir: str, work: Workload, args: argparse.Namespace,
+                       rep: int) -> dict[str, Any]:
+    """Start one server, run every scenario against it, stop it."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    out_dir = Path(args.out)
+    with tempfile.TemporaryDirectory(prefix="harness-cache-") as cache_dir, \
+            open(out_dir / f"{name}-rep{rep}.log", "w") as log:
+        proc = subprocess.Popen(server_command(name, model_dir, port, cache_dir, args),
+                                stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        try:
+            ids = await wait_healthy(base, proc)
+            # mlx_lm.server loads whatever the model field names: send the directory it serves.
+            model = ids[0] if name == TROUPE and ids else model_dir
+            await run_level(base, model, [[{"role": "user", "content": "Hello!"}]], 1, 8)
+            result: dict[str, Any] = {"loadavg": os.getloadavg()[0], "serving": {}}
+            if "serving" in args.scenarios:
+                for c in args.concurrency:
+                    r = await run_level(base, model, work.serving[c], c, args.max_tokens)
+                    result["serving"][str(c)] = r
+                    print(f"  rep {rep} {name:>13} c={c:<3} {fmt(r['tokens_per_s'], 1):>7} tok/s"
+                          f"  TTFT p50 {ms(r['ttft_p50'])} p99 {ms(r['ttft_p99'])} ms"
+                          f"  ITL p50 {ms(r['itl_p50'])} p99 {ms(r['itl_p99'])} ms"
+                          f"  errors {r['errors']}", flush=True)
+            if "prefix" in args.scenarios:
+                result["prefix"] = p = await run_prefix(base, model, work)
+                print(f"  rep {rep} {name:>13} prefix ({p['prompt_tokens']} tokens) TTFT cold "
+                      f"{fmt(p['cold'])} s, repeat {fmt(p['repeat'])} s, new ending "
+                      f"{fmt(p['new_ending'])} s", flush=True)
+            if "interference" in args.scenarios:
+                result["interference"] = i = await run_interference(base, model, work, args)
+                print(f"  rep {rep} {name:>13} {args.streams} streams, long prompt arrives: ITL "
+                      f"p50 before {ms(i['itl_p50_before'])} ms, during p50 "
+                      f"{ms(i['itl_p50_during'])} p99 {ms(i['itl_p99_during'])} ms "
+                      f"(long TTFT {fmt(i['long_ttft'])} s)", flush=True)
+            return result
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+# --- the in-process ceiling ----------------------------------------------------------------
+
+
+def ceiling(model_dir: str, work: Workload, args: argparse.Namespace) -> dict[str, Any]:
+    """The serving load through ``BatchGenerator`` directly, batched as troupe batches, in a
+    closed loop like the HTTP clients: the most any server could do on this machine."""
+    from mlx_lm import load  # lazy: the harness drives servers without MLX loaded
+    from mlx_lm.generate import BatchGenerator
+
+    from actors.config import ServeConfig
+
+    cfg = ServeConfig()
+    model, tok = load(model_dir)
+    out: dict[str, Any] = {"serving": {}}
+    for c in args.concurrency:
+        prompts = [chat_tokens(tok, m) for m in work.serving[c]]
+        gen = BatchGenerator(model, completion_batch_size=cfg.max_batch_size,
+                             prefill_batch_size=cfg.prefill_batch_size,
+                             prefill_step_size=cfg.prefill_step_size,
+                             stop_tokens=[[t] for t in tok.eos_token_ids])
+        streams: dict[int, Stream] = {}
+        pending = list(reversed(prompts))
+        live = 0
+        start = time.perf_counter()
+        while pending or live:
+            while pending and live < c:
+                (uid,) = gen.insert([pending.pop()], max_tokens=[args.max_tokens])
+                streams[uid] = Stream(sent=time.perf_counter())
+                live += 1
+            responses = gen.next_generated()
+            now = time.perf_counter()
+            for resp in responses:
+                s = streams[resp.uid]
+                s.chunk_times.append(now)
+                s.tokens += 1
+                if resp.finish_reason is not None:
+                    live -= 1
+        wall = time.perf_counter() - start
+        gen.close()
+        out["serving"][str(c)] = r = summarize(list(streams.values()), wall)
+        print(f"  {CEILING:>20} c={c:<3} {fmt(r['tokens_per_s'], 1):>7} tok/s  TTFT p50 "
+              f"{ms(r['ttft_p50'])} p99 {ms(r['ttft_p99'])} ms", flush=True)
+    return out
+
+
+# --- goals and the report ------------------------------------------------------------------
+
+
+def fmt(x: float | None, digits: int = 2) -> str:
+    return "–" if x is None else f"{x:.{digits}f}"
+
+
+def ms(x: float | None) -> str:
+    return "–" if x is None else f"{x * 1000:.0f}"
+
+
+def spread(median: float | None, per_rep: list[float | None]) -> str:
+    """A ratio of medians, with the range of the per-repetition ratios when there are
+    several: how much the machine's noise moved it."""
+    values = [v for v in per_rep if v is not None]
+    if median is None or len(values) < 2:
+        return fmt(median)
+    return f"{fmt(median)} ({fmt(min(values))}–{fmt(max(values))})"
+
+
+def serving_ratios(result: dict[str, Any]) -> dict[str, dict[str, float | None]]:
+    """Per concurrency: troupe/peer tokens/s and TTFT p99, troupe/ceiling tokens/s."""
+    out = {}
+    t = result.get(TROUPE, {}).get("serving", {})
+    for c, tr in t.items():
+        pr = result.get(PEER, {}).get("serving", {}).get(c, {})
+        ce = result.get(CEILING, {}).get("serving", {}).get(c, {})
+        out[c] = {
+            "tokens_per_s_vs_peer": ratio(tr["tokens_per_s"], pr.get("tokens_per_s")),
+            "ttft_p99_vs_peer": ratio(tr["ttft_p99"], pr.get("ttft_p99")),
+            "tokens_per_s_vs_ceiling": ratio(tr["tokens_per_s"], ce.get("tokens_per_s")),
+        }
+    return out
+
+
+def goals(med: dict[str, Any], ratios: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's goals, each with the measured value and whether it holds (None: not
+    measured in this run)."""
+    rows: list[dict[str, Any]] = []
+
+    def add(goal: str, value: float | None, ok: Callable[[float], bool]) -> None:
+        rows.append({"goal": goal, "value": value,
+                     "holds": None if value is None else bool(ok(value))})
+
+    def r(c: int, key: str) -> float | None:
+        return ratios.get(str(c), {}).get(key)
+
+    add("tok/s vs mlx_lm.server at c=1 ≥ 1.0x", r(1, "tokens_per_s_vs_peer"),
+        lambda v: v >= 1.0)
+    for c in (16, 32):
+        add(f"tok/s vs mlx_lm.server at c={c} ≥ 1.3x", r(c, "tokens_per_s_vs_peer"),
+            lambda v: v >= 1.3)
+    add("TTFT p99 vs mlx_lm.server at c=16 ≤ 0.25x", r(16, "ttft_p99_vs_peer"),
+        lambda v: v <= 0.25)
+    for c in sorted(ratios, key=int):
+        add(f"tok/s vs in-process ceiling at c={c} ≥ 0.9x", r(int(c), "tokens_per_s_vs_ceiling"),
+            lambda v: v >= 0.9)
+    tp, pp = med.get(TROUPE, {}).get("prefix", {}), med.get(PEER, {}).get("prefix", {})
+    for case in ("repeat", "new_ending"):
+        add(f"long prompt, {case.replace('_', ' ')}: TTFT vs mlx_lm.server ≤ 1.0x",
+            ratio(tp.get(case), pp.get(case)), lambda v: v <= 1.0)
+    ti = med.get(TROUPE, {}).get("interference", {})
+    add("ITL p99 of decoding streams during a long prefill ≤ 3x their median",
+        ti.get("p99_during_over_p50_before"), lambda v: v <= 3.0)
+    return rows
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The report as Markdown tables: what docs/benchmarks.md shows."""
+    med, meta = report["median"], report["meta"]
+    lines = [
+        f"Model `{meta['model']}`, BLAS {meta['blas']}, {meta['cpus']} CPUs ({meta['cpu']}), "
+        f"load average {fmt(meta['loadavg_start'])} at start, {fmt(meta['loadavg_end'])} at "
+        f"end; {meta['reps']} repetition(s), medians; {meta['requests_per_client']} requests per "
+        f"client, {meta['max_tokens']} new tokens each, greedy. Run took "
+        f"{meta['wall_s'] / 60:.1f} min.",
+        "",
+        "| server | concurrency | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) "
+        "| ITL p50 (ms) | ITL p99 (ms) | errors |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name in (*SERVERS, CEILING):
+        for c, r in med.get(name, {}).get("serving", {}).items():
+            label = "in-process BatchGenerator (ceiling)" if name == CEILING else name
+            lines.append(f"| {label} | {c} | {fmt(r['tokens_per_s'], 1)} | {ms(r['ttft_p50'])} "
+                         f"| {ms(r['ttft_p99'])} | {ms(r['itl_p50'])} | {ms(r['itl_p99'])} "
+                         f"| {r['errors']:.0f} |")
+    if report["ratios"]:
+        lines += ["", "| concurrency | troupe / mlx_lm.server tok/s | troupe / mlx_lm.server "
+                  "TTFT p99 | troupe / ceiling tok/s |", "|---|---|---|---|"]
+        for c, r in report["ratios"].items():
+            cells = [spread(r[k], [p.get(c, {}).get(k) for p in report["ratios_per_rep"]])
+                     for k in ("tokens_per_s_vs_peer", "ttft_p99_vs_peer",
+                               "tokens_per_s_vs_ceiling")]
+            lines.append(f"| {c} | {' | '.join(cells)} |")
+    if prefixes := [med[n]["prefix"] for n in SERVERS if "prefix" in med.get(n, {})]:
+        tokens = prefixes[0]["prompt_tokens"]
+        lines += ["", f"| server | {tokens:.0f}-token prompt TTFT: cold (s) | repeated (s) "
+                  "| new ending (s) |", "|---|---|---|---|"]
+        for name in SERVERS:
+            if p := med.get(name, {}).get("prefix"):
+                lines.append(f"| {name} | {fmt(p['cold'])} | {fmt(p['repeat'])} "
+                             f"| {fmt(p['new_ending'])} |")
+    if any("interference" in med.get(n, {}) for n in SERVERS):
+        lines += ["", f"| server | {meta['streams']} streams' ITL before (p50 / p99 ms) "
+                  "| during the long prefill (p50 / p99 / max ms) | p99 during / p50 before "
+                  "| long prompt TTFT (s) |", "|---|---|---|---|---|"]
+        for name in SERVERS:
+            if i := med.get(name, {}).get("interference"):
+                lines.append(
+                    f"| {name} | {ms(i['itl_p50_before'])} / {ms(i['itl_p99_before'])} "
+                    f"| {ms(i['itl_p50_during'])} / {ms(i['itl_p99_during'])} / "
+                    f"{ms(i['itl_max_during'])} | {fmt(i['p99_during_over_p50_before'], 1)} "
+                    f"| {fmt(i['long_ttft'])} |")
+    lines += ["", "| goal | measured | holds |", "|---|---|---|"]
+    for g in report["goals"]:
+        holds = {True: "yes", False: "**no**", None: "not measured"}[g["holds"]]
+        lines.append(f"| {g['goal']} | {fmt(g['value'])} | {holds} |")
+    return "\n".join(lines) + "\n"
+
+
+# --- main ----------------------------------------------------------------------------------
+
+
+def same_blas_as_troupe_serve() -> None:
+    """Re-execute with OpenBLAS preloaded when ``troupe serve`` would preload it, so both
+    servers (which inherit the environment) and the in-process ceiling use the same BLAS."""
+    from actors.blas import preload_command
+
+    plan = preload_command([str(Path(__file__).resolve()), *sys.argv[1:]])
+    if plan is not None:
+        os.execve(sys.executable, *plan)
+
+
+def blas_name() -> str:
+    preload = os.environ.get("LD_PRELOAD", "")
+    return f"OpenBLAS ({preload.split()[0]})" if "openblas" in preload \
+        else "the default MLX links (no preload)"
+
+
+def resolve_default_model() -> str:
+    out = subprocess.run([sys.executable, "-m", "api.cli", "pull"], check=True, cwd=REPO,
+                         capture_output=True, text=True).stdout
+    return out.strip().splitlines()[-1]
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def version(pkg: str) -> str | None:
+    try:
+        return metadata.version(pkg)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ints = lambda s: [int(x) for x in s.split(",") if x.strip()]  # noqa: E731
+    p.add_argument("--model", help="an mlx-lm model directory (default: troupe pull's)")
+    p.add_argument("--concurrency", type=ints, default=[1, 4, 16, 32],
+                   help="comma-separated client counts (default: 1,4,16,32)")
+    p.add_argument("--requests-per-client", type=int, default=2,
+                   help="requests each client sends, one after the other (default: 2)")
+    p.add_argument("--max-tokens", type=int, default=64, help="new tokens per serving request")
+    p.add_argument("--long-tokens", type=int, default=2000, help="the long prompt's length")
+    p.add_argument("--streams", type=int, default=8, help="streams decoding when it arrives")
+    p.add_argument("--warm-chunks", type=int, default=8,
+                   help="chunks each stream has had before the long prompt is sent")
+    p.add_argument("--stream-tokens", type=int, default=2048,
+                   help="max_tokens of those streams (they are cancelled once it is prefilled)")
+    p.add_argument("--reps", type=int, default=3, help="repetitions; figures are medians")
+    p.add_argument("--scenarios", type=lambda s: s.split(","),
+                   default=["serving", "prefix", "interference"])
+    p.add_argument("--no-peer", action="store_true", help="skip mlx_lm.server")
+    p.add_argument("--no-ceiling", action="store_true", help="skip the in-process ceiling")
+    p.add_argument("--troupe-args", default="", help="extra `troupe serve` flags, quoted")
+    p.add_argument("--peer-args", default="", help="extra mlx_lm.server flags, quoted")
+    p.add_argument("--out", default="bench-results", help="directory for results and logs")
+    return p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Every repetition, then medians, ratios and goals; writes JSON, Markdown and PNG."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model_dir = str(Path(args.model).resolve()) if args.model else resolve_default_model()
+    from transformers import AutoTokenizer  # lazy and MLX-free: only to size the prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    started, load_start = time.perf_counter(), os.getloadavg()[0]
+    servers = [TROUPE] if args.no_peer else list(SERVERS)
+    reps: list[dict[str, Any]] = []
+    for rep in range(args.reps):
+        work = make_workload(tokenizer, args, rep)
+        result: dict[str, Any] = {}
+        # Alternate which server goes first, so a drifting machine load favours neither.
+        for name in servers if rep % 2 == 0 else servers[::-1]:
+            result[name] = asyncio.run(bench_server(name, model_dir, work, args, rep))
+        if not args.no_ceiling and "serving" in args.scenarios:
+            result[CEILING] = ceiling(model_dir, work, args)
+        reps.append(result)
+
+    med = median_tree(reps)
+    ratios = serving_ratios(med)
+    report = {
+        "meta": {
+            "model": model_dir, "blas": blas_name(), "cpus": os.cpu_count(), "cpu": cpu_model(),
+            "python": platform.python_version(), "mlx": version("mlx"),
+            "mlx_lm": version("mlx-lm"), "loadavg_start": load_start,
+            "loadavg_end": os.getloadavg()[0], "wall_s": time.perf_counter() - started,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "command": shlex.join(sys.argv),
+            **{k: v for k, v in vars(args).items() if k not in ("model",)},
+        },
+        "median": med,
+        "ratios": ratios,
+        "ratios_per_rep": [serving_ratios(r) for r in reps],
+        "goals": goals(med, ratios),
+        "reps": reps,
+    }
+    (out / "harness.json").write_text(json.dumps(report, indent=2))
+    (out / "harness.md").write_text(markdown(report))
+    from plot import plot  # beside this file; imports matplotlib
+
+    plot(report, out / "harness.png")
+    return report
+
+
+def main() -> None:
+    args = parse_args()
+    same_blas_as_troupe_serve()
+    report = run(args)
+    print()
+    print((Path(args.out) / "harness.md").read_text())
+    print(f"wrote {args.out}/harness.json, harness.md, harness.png "
+          f"({report['meta']['wall_s'] / 60:.1f} min)")
+
+
+if __name__ == "__main__":
+    main()
