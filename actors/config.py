@@ -20,7 +20,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     default_max_tokens: int = 2048
     # Prefix cache: blocks of block_size tokens in RAM (up to cache_ram_max bytes) and on disk
     # under cache_dir (up to cache_disk_max bytes). block_size 0 turns the cache off.
-    block_size: int = 256
+    block_size: int = 64
     cache_dir: str | None = None  # None: $TROUPE_HOME/kv-cache
     cache_ram_max: int = 1 << 30
     cache_disk_max: int = 8 << 30

@@ -361,6 +361,9 @@ class Scheduler(Actor):
         except MailboxFull:
             # The mailbox is full of other messages; handling the next one queues the step.
             pass
+        except ActorDead:
+            # Stopping: the mailbox is closed and being drained; on_stop ends what is left.
+            pass
 
     def report(self) -> dict[str, Any]:
         engine = self.engine

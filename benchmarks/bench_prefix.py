@@ -36,10 +36,16 @@ PARAGRAPH = ("The river carved its valley over thousands of years, carrying ston
              "about where the water came from. ")
 
 
-async def ttft(base: str, model: str, content: str) -> float:
+CACHED: dict[str, int] = {}  # cached_tokens reported by each measurement, for the record
+
+
+async def ttft(base: str, model: str, content: str, label: str = "") -> float:
+    """Seconds to the first content delta of a streamed chat request."""
     body = {"model": model, "messages": [{"role": "user", "content": content}],
-            "max_tokens": 4, "temperature": 0, "stream": True}
+            "max_tokens": 4, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
     timeout = aiohttp.ClientTimeout(total=3600)
+    first = None
     async with aiohttp.ClientSession(timeout=timeout) as session:
         start = time.perf_counter()
         async with session.post(f"{base}/v1/chat/completions", json=body) as resp:
@@ -47,12 +53,26 @@ async def ttft(base: str, model: str, content: str) -> float:
                 raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
             async for raw in resp.content:
                 line = raw.decode().strip()
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    data = json.loads(line[6:])
-                    for choice in data.get("choices") or []:
-                        if (choice.get("delta") or {}).get("content"):
-                            return time.perf_counter() - start
-    return time.perf_counter() - start
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                for choice in data.get("choices") or []:
+                    if (choice.get("delta") or {}).get("content") and first is None:
+                        first = time.perf_counter() - start
+                usage = data.get("usage") or {}
+                details = usage.get("prompt_tokens_details") or {}
+                if label and "cached_tokens" in details:
+                    CACHED[label] = details["cached_tokens"]
+    return first if first is not None else time.perf_counter() - start
+
+
+async def actor_reports(base: str) -> dict:
+    """The cache actors' counters (GET /actors), to show what each measurement used."""
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{base}/actors") as resp:
+            actors = await resp.json()
+    return {a["name"]: a["report"] for a in actors
+            if a["name"] in ("scheduler", "cache_index", "ssd_writer")}
 
 
 async def run_server(cmd: list[str], port: int, log_path: Path, env: dict, steps):
@@ -101,13 +121,15 @@ async def main_async(args) -> dict:
               str(port), "--cache-dir", cache_dir, "--log-level", "warning"]
 
     async def first_run(base: str) -> None:
-        results["mlx-troupe"]["cold"] = await ttft(base, name, prompt)
-        results["mlx-troupe"]["ram_hit"] = await ttft(base, name, prompt)
-        results["mlx-troupe"]["new_ending"] = await ttft(base, name, new_ending)
+        results["mlx-troupe"]["cold"] = await ttft(base, name, prompt, "cold")
+        results["mlx-troupe"]["ram_hit"] = await ttft(base, name, prompt, "ram_hit")
+        results["mlx-troupe"]["new_ending"] = await ttft(base, name, new_ending, "new_ending")
         await asyncio.sleep(args.settle)  # let the SSD writer persist the blocks
+        results["actors_before_restart"] = await actor_reports(base)
 
     async def after_restart(base: str) -> None:
-        results["mlx-troupe"]["disk_hit"] = await ttft(base, name, prompt)
+        results["mlx-troupe"]["disk_hit"] = await ttft(base, name, prompt, "disk_hit")
+        results["actors_after_restart"] = await actor_reports(base)
 
     await run_server(troupe, port, logs / "prefix-troupe.log", env, first_run)
     await run_server(troupe, port, logs / "prefix-troupe.log", env, after_restart)
@@ -122,6 +144,7 @@ async def main_async(args) -> dict:
         results["mlx_lm.server"]["new_ending"] = await ttft(base, model_dir, new_ending)
 
     await run_server(peer, port, logs / "prefix-mlx_lm.log", env, peer_run)
+    results["cached_tokens"] = dict(CACHED)
     return results
 
 
@@ -148,6 +171,7 @@ def main() -> None:
           f"disk hit / cold: {t['disk_hit'] / t['cold']:.3f}   "
           f"troupe RAM hit / mlx_lm.server repeat: {t['ram_hit'] / m['repeat']:.2f}   "
           f"troupe disk hit / mlx_lm.server repeat: {t['disk_hit'] / m['repeat']:.2f}")
+    print(f"cached tokens: {results['cached_tokens']}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 
