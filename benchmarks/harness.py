@@ -12,9 +12,11 @@ one after the other, and get the same load:
   their inter-token latency while it is prefilled against their median before it arrived.
 
 The in-process ceiling runs the serving load through mlx-lm's ``BatchGenerator`` directly (no
-HTTP, no actors). Each repetition restarts both servers (troupe with a fresh cache directory)
-and alternates which goes first, so a drift in machine load does not favour one; figures are
-medians over repetitions and servers are compared as ratios within the run.
+HTTP, no actors). Each repetition starts both servers afresh (troupe with a fresh cache
+directory) and runs every step on one and then the other (then the ceiling), alternating which
+server goes first and waiting for both to be idle before each: on a shared machine the
+measurements of one step then see much the same load. Figures are medians over
+repetitions; compare servers as ratios.
 
     .venv/bin/python benchmarks/harness.py                      # the default model, 3 reps
     .venv/bin/python benchmarks/harness.py --reps 1 --concurrency 1,4
@@ -27,21 +29,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
 import shlex
+import signal
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import aiohttp
 
@@ -196,6 +200,7 @@ class Workload:
     long_prompt: Messages
     new_ending: Messages
     stream_prompts: list[Messages]
+    late_prompt: Messages  # the interference scenario's: no server has seen its prefix
     long_prompt_tokens: int
 
 
@@ -218,8 +223,10 @@ def make_workload(tokenizer: Any, args: argparse.Namespace, rep: int) -> Workloa
     new_ending = [{"role": "user", "content": text + ENDINGS[1]}]
     streams = [[{"role": "user", "content": STREAM_PROMPT.format(key=f"{key}-{i}")}]
                for i in range(args.streams)]
-    return Workload(serving, long_prompt, new_ending, streams, len(chat_tokens(tokenizer,
-                                                                              long_prompt)))
+    late = [{"role": "user", "content": long_text(tokenizer, args.long_tokens, f"{key}-late")
+             + ENDINGS[0]}]
+    return Workload(serving, long_prompt, new_ending, streams, late,
+                    len(chat_tokens(tokenizer, long_prompt)))
 
 
 def chat_tokens(tokenizer: Any, messages: Messages) -> list[int]:
@@ -289,7 +296,7 @@ async def run_interference(base: str, model: str, work: Workload,
 
         await until(lambda: all(s.done or len(s.chunk_times) >= args.warm_chunks
                                 for s in streams), 1800)
-        long = await stream_chat(session, url, model, work.long_prompt, 4)
+        long = await stream_chat(session, url, model, work.late_prompt, 4)
         arrived, prefilled = long.sent, long.chunk_times[0] if long.chunk_times else None
         if prefilled is not None:
             # One more chunk per live stream, so the gap that spans the prefill's end counts.
@@ -362,9 +369,53 @@ def server_command(name: str, model_dir: str, port: int, cache_dir: str,
             str(port), "--log-level", "WARNING", *shlex.split(args.peer_args)]
 
 
-async def bench_server(name: str, model_dir: str, work: Workload, args: argparse.Namespace,
-                       rep: int) -> dict[str, Any]:
-    """Start one server, run every scenario against it, stop it."""
+def start_py_spy(pid: int, path: Path, log: IO[str]) -> subprocess.Popen:
+    """Sample a server's stacks, every thread, idle ones too (a thread inside MLX has let go
+    of the GIL), into ``path`` as collapsed stacks ("frame;frame;... count" per line).
+    Non-blocking: the server is never paused."""
+    exe = Path(sys.executable).with_name("py-spy")
+    cmd = [str(exe) if exe.exists() else "py-spy", "record", "--pid", str(pid), "--format",
+           "raw", "--rate", "50", "--nonblocking", "--threads", "--idle", "--output", str(path)]
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """CPU time a process has used so far (Linux /proc), None where unknown."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+async def quiesce(pids: list[int], timeout: float = 60) -> None:
+    """Wait until the servers are idle (under 5% of a core for half a second): work one left
+    behind, such as KV blocks still going to disk, must not land on the next measurement."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        before = [cpu_seconds(p) for p in pids]
+        await asyncio.sleep(0.5)
+        after = [cpu_seconds(p) for p in pids]
+        if any(b is None or a is None for a, b in zip(after, before, strict=True)):
+            return
+        if sum(a - b for a, b in zip(after, before, strict=True)) < 0.025:
+            return
+
+
+@dataclass
+class Live:
+    """A started server: where to send requests, and what to call the model."""
+
+    name: str
+    base: str
+    model: str
+    pid: int
+
+
+@contextlib.asynccontextmanager
+async def running(name: str, model_dir: str, args: argparse.Namespace,
+                  rep: int) -> AsyncIterator[Live]:
+    """Start a server (troupe with a fresh cache directory), warm it up, stop it after."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     out_dir = Path(args.out)
@@ -372,33 +423,19 @@ async def bench_server(name: str, model_dir: str, work: Workload, args: argparse
             open(out_dir / f"{name}-rep{rep}.log", "w") as log:
         proc = subprocess.Popen(server_command(name, model_dir, port, cache_dir, args),
                                 stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        spy = None
         try:
             ids = await wait_healthy(base, proc)
+            if args.profile:
+                spy = start_py_spy(proc.pid, out_dir / f"{name}-rep{rep}.pyspy.txt", log)
             # mlx_lm.server loads whatever the model field names: send the directory it serves.
             model = ids[0] if name == TROUPE and ids else model_dir
             await run_level(base, model, [[{"role": "user", "content": "Hello!"}]], 1, 8)
-            result: dict[str, Any] = {"loadavg": os.getloadavg()[0], "serving": {}}
-            if "serving" in args.scenarios:
-                for c in args.concurrency:
-                    r = await run_level(base, model, work.serving[c], c, args.max_tokens)
-                    result["serving"][str(c)] = r
-                    print(f"  rep {rep} {name:>13} c={c:<3} {fmt(r['tokens_per_s'], 1):>7} tok/s"
-                          f"  TTFT p50 {ms(r['ttft_p50'])} p99 {ms(r['ttft_p99'])} ms"
-                          f"  ITL p50 {ms(r['itl_p50'])} p99 {ms(r['itl_p99'])} ms"
-                          f"  errors {r['errors']}", flush=True)
-            if "prefix" in args.scenarios:
-                result["prefix"] = p = await run_prefix(base, model, work)
-                print(f"  rep {rep} {name:>13} prefix ({p['prompt_tokens']} tokens) TTFT cold "
-                      f"{fmt(p['cold'])} s, repeat {fmt(p['repeat'])} s, new ending "
-                      f"{fmt(p['new_ending'])} s", flush=True)
-            if "interference" in args.scenarios:
-                result["interference"] = i = await run_interference(base, model, work, args)
-                print(f"  rep {rep} {name:>13} {args.streams} streams, long prompt arrives: ITL "
-                      f"p50 before {ms(i['itl_p50_before'])} ms, during p50 "
-                      f"{ms(i['itl_p50_during'])} p99 {ms(i['itl_p99_during'])} ms "
-                      f"(long TTFT {fmt(i['long_ttft'])} s)", flush=True)
-            return result
+            yield Live(name, base, model, proc.pid)
         finally:
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)  # py-spy writes its profile on SIGINT
+                spy.wait(timeout=60)
             proc.terminate()
             try:
                 proc.wait(timeout=60)
@@ -407,49 +444,103 @@ async def bench_server(name: str, model_dir: str, work: Workload, args: argparse
                 proc.wait()
 
 
+async def bench_servers(names: list[str], model_dir: str, work: Workload,
+                        args: argparse.Namespace, rep: int) -> dict[str, dict[str, Any]]:
+    """Start every server, then run each step (a concurrency level, the prefix scenario, the
+    interference scenario) on one server after the other, alternating which goes first.
+    Idle servers cost nothing, and two measurements of a step minutes apart would each see
+    a different load on a shared machine; a minute apart, much the same."""
+    steps: list[tuple[str, int]] = []
+    if "serving" in args.scenarios:
+        steps += [("serving", c) for c in args.concurrency]
+    steps += [(s, 0) for s in ("prefix", "interference") if s in args.scenarios]
+    results: dict[str, dict[str, Any]] = {n: {"serving": {}} for n in names}
+    ceiling = None if args.no_ceiling or "serving" not in args.scenarios \
+        else load_ceiling(model_dir)
+    if ceiling is not None:
+        results[CEILING] = {"serving": {}}
+    async with contextlib.AsyncExitStack() as stack:
+        live = [await stack.enter_async_context(running(n, model_dir, args, rep)) for n in names]
+        for i, (scenario, c) in enumerate(steps):
+            for server in live if (rep + i) % 2 == 0 else live[::-1]:
+                await quiesce([s.pid for s in live])
+                results[server.name].setdefault("loadavg", os.getloadavg()[0])
+                await run_step(server, scenario, c, work, args, rep, results[server.name])
+            if scenario == "serving" and ceiling is not None:
+                await quiesce([s.pid for s in live])
+                # Blocks the event loop, on purpose: nothing else may run meanwhile.
+                r = ceiling_level(*ceiling, work.serving[c], c, args.max_tokens)
+                results[CEILING]["serving"][str(c)] = r
+                print(f"  rep {rep} {CEILING:>13} c={c:<3} {fmt(r['tokens_per_s'], 1):>7} tok/s"
+                      f"  TTFT p50 {ms(r['ttft_p50'])} p99 {ms(r['ttft_p99'])} ms", flush=True)
+    return results
+
+
+async def run_step(server: Live, scenario: str, c: int, work: Workload,
+                   args: argparse.Namespace, rep: int, result: dict[str, Any]) -> None:
+    """One scenario (at one concurrency for "serving") on one server, into ``result``."""
+    base, model, tag = server.base, server.model, f"  rep {rep} {server.name:>13}"
+    if scenario == "serving":
+        result["serving"][str(c)] = r = await run_level(base, model, work.serving[c], c,
+                                                        args.max_tokens)
+        print(f"{tag} c={c:<3} {fmt(r['tokens_per_s'], 1):>7} tok/s"
+              f"  TTFT p50 {ms(r['ttft_p50'])} p99 {ms(r['ttft_p99'])} ms"
+              f"  ITL p50 {ms(r['itl_p50'])} p99 {ms(r['itl_p99'])} ms"
+              f"  errors {r['errors']}", flush=True)
+    elif scenario == "prefix":
+        result["prefix"] = p = await run_prefix(base, model, work)
+        print(f"{tag} prefix ({p['prompt_tokens']} tokens) TTFT cold {fmt(p['cold'])} s, "
+              f"repeat {fmt(p['repeat'])} s, new ending {fmt(p['new_ending'])} s", flush=True)
+    else:
+        result["interference"] = i = await run_interference(base, model, work, args)
+        print(f"{tag} {args.streams} streams, long prompt arrives: ITL p50 before "
+              f"{ms(i['itl_p50_before'])} ms, during p50 {ms(i['itl_p50_during'])} p99 "
+              f"{ms(i['itl_p99_during'])} ms (long TTFT {fmt(i['long_ttft'])} s)", flush=True)
+
+
 # --- the in-process ceiling ----------------------------------------------------------------
 
 
-def ceiling(model_dir: str, work: Workload, args: argparse.Namespace) -> dict[str, Any]:
-    """The serving load through ``BatchGenerator`` directly, batched as troupe batches, in a
-    closed loop like the HTTP clients: the most any server could do on this machine."""
+def load_ceiling(model_dir: str) -> tuple[Any, Any]:
+    """The model and tokenizer, loaded in this process for the in-process ceiling."""
     from mlx_lm import load  # lazy: the harness drives servers without MLX loaded
+
+    return load(model_dir)
+
+
+def ceiling_level(model: Any, tok: Any, messages: list[Messages], concurrency: int,
+                  max_tokens: int) -> dict[str, Any]:
+    """One serving level through ``BatchGenerator`` directly, batched as troupe batches, in
+    a closed loop like the HTTP clients: the most any server could do on this machine."""
     from mlx_lm.generate import BatchGenerator
 
     from actors.config import ServeConfig
 
     cfg = ServeConfig()
-    model, tok = load(model_dir)
-    out: dict[str, Any] = {"serving": {}}
-    for c in args.concurrency:
-        prompts = [chat_tokens(tok, m) for m in work.serving[c]]
-        gen = BatchGenerator(model, completion_batch_size=cfg.max_batch_size,
-                             prefill_batch_size=cfg.prefill_batch_size,
-                             prefill_step_size=cfg.prefill_step_size,
-                             stop_tokens=[[t] for t in tok.eos_token_ids])
-        streams: dict[int, Stream] = {}
-        pending = list(reversed(prompts))
-        live = 0
-        start = time.perf_counter()
-        while pending or live:
-            while pending and live < c:
-                (uid,) = gen.insert([pending.pop()], max_tokens=[args.max_tokens])
-                streams[uid] = Stream(sent=time.perf_counter())
-                live += 1
-            responses = gen.next_generated()
-            now = time.perf_counter()
-            for resp in responses:
-                s = streams[resp.uid]
-                s.chunk_times.append(now)
-                s.tokens += 1
-                if resp.finish_reason is not None:
-                    live -= 1
-        wall = time.perf_counter() - start
-        gen.close()
-        out["serving"][str(c)] = r = summarize(list(streams.values()), wall)
-        print(f"  {CEILING:>20} c={c:<3} {fmt(r['tokens_per_s'], 1):>7} tok/s  TTFT p50 "
-              f"{ms(r['ttft_p50'])} p99 {ms(r['ttft_p99'])} ms", flush=True)
-    return out
+    gen = BatchGenerator(model, completion_batch_size=cfg.max_batch_size,
+                         prefill_batch_size=cfg.prefill_batch_size,
+                         prefill_step_size=cfg.prefill_step_size,
+                         stop_tokens=[[t] for t in tok.eos_token_ids])
+    streams: dict[int, Stream] = {}
+    pending = [chat_tokens(tok, m) for m in reversed(messages)]
+    live = 0
+    start = time.perf_counter()
+    while pending or live:
+        while pending and live < concurrency:
+            (uid,) = gen.insert([pending.pop()], max_tokens=[max_tokens])
+            streams[uid] = Stream(sent=time.perf_counter())
+            live += 1
+        responses = gen.next_generated()
+        now = time.perf_counter()
+        for resp in responses:
+            s = streams[resp.uid]
+            s.chunk_times.append(now)
+            s.tokens += 1
+            if resp.finish_reason is not None:
+                live -= 1
+    wall = time.perf_counter() - start
+    gen.close()
+    return summarize(list(streams.values()), wall)
 
 
 # --- goals and the report ------------------------------------------------------------------
@@ -637,14 +728,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-ceiling", action="store_true", help="skip the in-process ceiling")
     p.add_argument("--troupe-args", default="", help="extra `troupe serve` flags, quoted")
     p.add_argument("--peer-args", default="", help="extra mlx_lm.server flags, quoted")
+    p.add_argument("--profile", action="store_true",
+                   help="record each server with py-spy (pip install py-spy) into --out")
     p.add_argument("--out", default="bench-results", help="directory for results and logs")
     return p.parse_args(argv)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Every repetition, then medians, ratios and goals; writes JSON, Markdown and PNG."""
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    """Every repetition, then medians, ratios and goals. The report (JSON, Markdown, PNG) is
+    rewritten after each repetition, so a run cut short still leaves what it measured."""
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     model_dir = str(Path(args.model).resolve()) if args.model else resolve_default_model()
     from transformers import AutoTokenizer  # lazy and MLX-free: only to size the prompts
 
@@ -652,27 +745,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     started, load_start = time.perf_counter(), os.getloadavg()[0]
     servers = [TROUPE] if args.no_peer else list(SERVERS)
     reps: list[dict[str, Any]] = []
+    report: dict[str, Any] = {}
     for rep in range(args.reps):
         work = make_workload(tokenizer, args, rep)
-        result: dict[str, Any] = {}
-        # Alternate which server goes first, so a drifting machine load favours neither.
-        for name in servers if rep % 2 == 0 else servers[::-1]:
-            result[name] = asyncio.run(bench_server(name, model_dir, work, args, rep))
-        if not args.no_ceiling and "serving" in args.scenarios:
-            result[CEILING] = ceiling(model_dir, work, args)
-        reps.append(result)
-
-    med = median_tree(reps)
-    ratios = serving_ratios(med)
-    report = {
-        "meta": {
+        reps.append(asyncio.run(bench_servers(servers, model_dir, work, args, rep)))
+        meta = {
             "model": model_dir, "blas": blas_name(), "cpus": os.cpu_count(), "cpu": cpu_model(),
             "python": platform.python_version(), "mlx": version("mlx"),
             "mlx_lm": version("mlx-lm"), "loadavg_start": load_start,
             "loadavg_end": os.getloadavg()[0], "wall_s": time.perf_counter() - started,
             "date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "command": shlex.join(sys.argv),
-            **{k: v for k, v in vars(args).items() if k not in ("model",)},
-        },
+            **{k: v for k, v in vars(args).items() if k != "model"},
+            "reps": len(reps), "reps_asked": args.reps,
+        }
+        report = write_report(Path(args.out), meta, reps)
+    return report
+
+
+def write_report(out: Path, meta: dict[str, Any], reps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians, ratios and goals of ``reps``, written as harness.json, .md and .png."""
+    med = median_tree(reps)
+    ratios = serving_ratios(med)
+    report = {
+        "meta": meta,
         "median": med,
         "ratios": ratios,
         "ratios_per_rep": [serving_ratios(r) for r in reps],
