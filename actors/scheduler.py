@@ -115,6 +115,7 @@ class Scheduler(Actor):
         self._tps_window: list[tuple[float, int]] = []
         self.counters = {"blocks_enqueued": 0, "blocks_dropped": 0, "disk_loads": 0,
                          "hit_tokens": 0, "miss_tokens": 0}
+        self.write_wait_s = 0.0  # time steps spent waiting for room in the writer's queue
 
     async def on_start(self) -> None:
         started = time.perf_counter()
@@ -319,7 +320,8 @@ class Scheduler(Actor):
         writer = self.system.find(self.writer_name)
         if writer is None:
             return
-        deadline = time.monotonic() + WRITE_WAIT_S
+        began = time.monotonic()
+        deadline = began + WRITE_WAIT_S
         for request_id, block in new:
             msg = WriteBlock(block=to_numpy(block), request_id=request_id,
                              epoch=self._epochs.get(request_id, 0))
@@ -338,6 +340,7 @@ class Scheduler(Actor):
                 self.counters["blocks_dropped"] += 1
                 continue
             self.counters["blocks_enqueued"] += 1
+        self.write_wait_s += max(0.0, min(time.monotonic(), deadline) - began)
 
     def _deliver(self, events: list[Any]) -> None:
         for event in events:
@@ -386,6 +389,7 @@ class Scheduler(Actor):
             "tokens_per_s": round(tps, 2),
             "ram_blocks": len(engine.blocks),
             "ram_block_bytes": sum(b.nbytes for b in engine.blocks.values()),
+            "write_wait_s": round(self.write_wait_s, 3),
             **self.counters,
         }
 

@@ -98,3 +98,43 @@ async def test_ram_eviction_spills_to_disk_while_only_the_mlx_thread_touches_mlx
     for snap in system.snapshot():
         assert snap.last_error is None, snap
     await system.__aexit__(None, None, None)
+
+
+async def test_a_stuck_writer_costs_the_scheduler_at_most_a_bounded_wait(tiny_model_dir,
+                                                                        tmp_path):
+    # A writer that never finishes a write, with a one-message queue: the scheduler waits at
+    # most ~250 ms per step for room, then drops the block and counts it; requests go on.
+    from actors.cache_messages import WriteBlock
+    from actors.messages import AddRequest, DescribeEngine, RequestFinished, SamplingParams
+    from actors.scheduler import MLX_THREAD, WRITE_WAIT_S, Scheduler
+    from runtime import Actor
+
+    release = asyncio.Event()
+
+    class StuckWriter(Actor):
+        async def handle(self, msg):
+            assert isinstance(msg, WriteBlock)
+            await release.wait()
+
+    async with ActorSystem() as system:
+        try:
+            await system.spawn(StuckWriter, name="ssd_writer", mailbox_size=1)
+            scheduler = await system.spawn(Scheduler, name="scheduler", thread=MLX_THREAD,
+                                           model=str(tiny_model_dir), block_size=BLOCK)
+            await scheduler.ask(DescribeEngine())
+            from mlx_lm.utils import load_tokenizer
+
+            prompt = load_tokenizer(tiny_model_dir).encode(LONG)  # ~10 blocks
+            events = await scheduler.stream(AddRequest(
+                request_id="r", prompt_tokens=prompt,
+                sampling=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)))
+            finished = [ev async for ev in events if isinstance(ev, RequestFinished)]
+            assert finished[0].finish_reason == "length"
+            rep = report(system, "scheduler")
+            assert rep["blocks_dropped"] > 0, rep
+            assert rep["blocks_enqueued"] <= 2, rep
+            # The wait is per step, never per block: 10 blocks x 250 ms would be 2.5 s. (Steps with
+            # new blocks: the one that crossed the last boundary, and the request's end.)
+            assert rep["write_wait_s"] <= 2 * WRITE_WAIT_S + 0.1, rep
+        finally:
+            release.set()  # a failed assertion must not leave the writer stuck
