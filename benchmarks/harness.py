@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import platform
@@ -206,22 +207,29 @@ class Workload:
 
 def long_text(tokenizer: Any, n_tokens: int, key: str) -> str:
     """About ``n_tokens`` tokens of prose that begins with ``key`` (unique per repetition)."""
-    words = f"Document {key}. {PARAGRAPH * (n_tokens // 20 + 2)}"
+    words = f"Document {tag(key)}. {PARAGRAPH * (n_tokens // 20 + 2)}"
     ids = tokenizer.encode(words, add_special_tokens=False)[:n_tokens]
     return tokenizer.decode(ids)
+
+
+def tag(key: str) -> str:
+    """A short hex tag that differs between keys from its first character on: a counter
+    ("run-7-1", "run-7-2") would give every prompt a shared prefix that a server's prompt
+    cache reuses, which unique prompts must not allow."""
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
 def make_workload(tokenizer: Any, args: argparse.Namespace, rep: int) -> Workload:
     key = f"{rep}-{int(time.time())}"
     serving = {
-        c: [[{"role": "user", "content": SERVING_PROMPT.format(key=f"{key}-{c}-{i}")}]
+        c: [[{"role": "user", "content": SERVING_PROMPT.format(key=tag(f"{key}-{c}-{i}"))}]
             for i in range(c * args.requests_per_client)]
         for c in args.concurrency
     }
     text = long_text(tokenizer, args.long_tokens, key)
     long_prompt = [{"role": "user", "content": text + ENDINGS[0]}]
     new_ending = [{"role": "user", "content": text + ENDINGS[1]}]
-    streams = [[{"role": "user", "content": STREAM_PROMPT.format(key=f"{key}-{i}")}]
+    streams = [[{"role": "user", "content": STREAM_PROMPT.format(key=tag(f"{key}-{i}"))}]
                for i in range(args.streams)]
     late = [{"role": "user", "content": long_text(tokenizer, args.long_tokens, f"{key}-late")
              + ENDINGS[0]}]
@@ -785,6 +793,8 @@ def write_report(out: Path, meta: dict[str, Any], reps: list[dict[str, Any]]) ->
 def main() -> None:
     args = parse_args()
     same_blas_as_troupe_serve()
+    # SIGTERM unwinds like an exception, so the servers this run started are stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     report = run(args)
     print()
     print((Path(args.out) / "harness.md").read_text())
