@@ -26,6 +26,7 @@ from actors.cache_messages import (
     MakeRoom,
     PrefixHit,
     RamBlocksDropped,
+    SpillRam,
 )
 from runtime import Actor, ActorDead, MailboxFull
 
@@ -204,6 +205,16 @@ class BlockTable:
         ``evict_burst`` of them (the rest waits for the next store)."""
         return self._victims(self.ram, self.ram.nbytes - self.ram_max_bytes)
 
+    def spill_victims(self, *, unpersisted: bool = False) -> list[str]:
+        """RAM blocks to free under memory pressure, least recently used first, at most
+        ``evict_burst``: those also on disk (only their RAM copy goes), then with
+        ``unpersisted`` those not on disk yet."""
+        victims = [h for h in self.ram if h in self.disk][: self.evict_burst]
+        if unpersisted and len(victims) < self.evict_burst:
+            victims += [h for h in self.ram if h not in self.disk][
+                : self.evict_burst - len(victims)]
+        return victims
+
     def drop_ram(self, hashes: list[str], *, evicted: bool = False) -> None:
         """These blocks are no longer in RAM; blocks on neither tier are forgotten."""
         dropped = self._drop(self.ram, self.disk, hashes)
@@ -299,8 +310,9 @@ class CacheIndex(Actor):
 
     Messages: ``LookupPrefix`` (ask -> ``PrefixHit``), ``BlocksStored``, ``RamBlocksDropped``
     (from the scheduler); ``BlockPersisted``, ``BlockWriteFailed``, ``ForgetBlocks`` and
-    ``MakeRoom`` (ask -> bool) from the SSD writer. Over the RAM budget it tells the actor
-    named ``scheduler`` to ``DropRamBlocks``; over the disk quota it deletes files itself.
+    ``MakeRoom`` (ask -> bool) from the SSD writer; ``SpillRam`` from the memory monitor.
+    Over the RAM budget (or under memory pressure) it tells the actor named ``scheduler`` to
+    ``DropRamBlocks``; over the disk quota it deletes files itself.
     """
 
     def __init__(
@@ -325,6 +337,7 @@ class CacheIndex(Actor):
         self.write_failures = 0
         self.forgotten = 0
         self.ram_evictions_deferred = 0
+        self.spilled = 0
 
     async def on_start(self) -> None:
         self.cache_dir.mkdir(parents=True, exist_ok=True)
@@ -345,7 +358,7 @@ class CacheIndex(Actor):
     async def handle(
         self,
         msg: LookupPrefix | BlocksStored | RamBlocksDropped | BlockPersisted | BlockWriteFailed
-        | ForgetBlocks | MakeRoom,
+        | ForgetBlocks | MakeRoom | SpillRam,
     ) -> Any:
         match msg:
             case LookupPrefix(hashes=hashes):
@@ -365,6 +378,9 @@ class CacheIndex(Actor):
                 self.table.drop_disk(hashes)
             case MakeRoom(nbytes=nbytes):
                 return self._make_room(nbytes)
+            case SpillRam(unpersisted=unpersisted):
+                self.spilled += self._drop_from_scheduler(
+                    self.table.spill_victims(unpersisted=unpersisted))
         return None
 
     def report(self) -> dict[str, Any]:
@@ -385,6 +401,7 @@ class CacheIndex(Actor):
             "hit_rate": t.hit_tokens / looked_up if looked_up else 0.0,
             "evicted": {"ram": t.evicted_ram, "disk": t.evicted_disk},
             "ram_evictions_deferred": self.ram_evictions_deferred,
+            "spilled": self.spilled,
             "write_failures": self.write_failures,
             "forgotten": self.forgotten,
             "skipped": dict(self.skipped),
@@ -406,18 +423,22 @@ class CacheIndex(Actor):
 
     def _evict_ram(self) -> None:
         """Over the RAM budget: tell the scheduler to drop a burst of LRU blocks."""
-        victims = self.table.ram_victims()
+        self._drop_from_scheduler(self.table.ram_victims())
+
+    def _drop_from_scheduler(self, victims: list[str]) -> int:
+        """Tell the scheduler to drop these RAM blocks and forget them; how many went."""
         if not victims:
-            return
+            return 0
         ref = self.system.find(self.scheduler_name)
         if ref is not None and ref.alive:
             try:
                 # Never wait for room: the scheduler may be waiting for our answer to a lookup.
                 ref.try_tell(DropRamBlocks(hashes=victims))
             except MailboxFull:
-                # Still held by the scheduler: keep them indexed, evict on a later store.
+                # Still held by the scheduler: keep them indexed, evict on a later call.
                 self.ram_evictions_deferred += 1
-                return
+                return 0
             except ActorDead:
                 pass  # its RAM blocks went with it
         self.table.drop_ram(victims, evicted=True)
+        return len(victims)

@@ -131,6 +131,15 @@ class DropRamBlocks(Message, frozen=True, kw_only=True):
     hashes: list[str]
 
 
+class SpillRam(Message, frozen=True, kw_only=True):
+    """Memory monitor -> index: memory is short, free RAM blocks (one bounded burst).
+
+    Blocks already on disk lose only their RAM copy; with ``unpersisted`` (hard pressure)
+    blocks not on disk yet are dropped too, and lost to the cache."""
+
+    unpersisted: bool = False
+
+
 class RamBlocksDropped(Message, frozen=True, kw_only=True):
     """Scheduler -> index: these RAM blocks are gone (evicted, or the scheduler restarted)."""
 

@@ -8,7 +8,9 @@ import msgspec
 class ServeConfig(msgspec.Struct, kw_only=True):
     """Everything ``troupe serve`` can set (docs/configuration.md explains each field)."""
 
-    model: str | None = None  # None: the bundled default model
+    # A model, or several (an engine pool: the first is loaded at start, the others on their
+    # first request). None: the bundled default model.
+    model: str | list[str] | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     # Continuous batching: most sequences decoding at once, and prompts prefilled together.
@@ -29,3 +31,23 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     allowed_origins: list[str] = []
     shutdown_grace: float = 30.0
     log_level: str = "info"
+    # Memory (docs/memory.md): bytes of MLX memory to stay under (None: 75% of the RAM
+    # available at start, or 90% of Metal's recommended working set), how often the monitor
+    # polls, and whether prompts are checked against the limit before and during prefill.
+    memory_limit: int | None = None
+    memory_poll_ms: int = 250
+    prefill_guard: bool = True
+    # Engine pool: bytes of weights the loaded models may take (None: no budget), models never
+    # unloaded, and seconds after which an idle model is unloaded (None: never).
+    models_memory: int | None = None
+    pin: list[str] = []
+    idle_ttl: float | None = None
+
+
+def model_specs(config: ServeConfig) -> list[str | None]:
+    """The models to serve, in order: ``[None]`` (the bundled default) when none is named."""
+    if config.model is None:
+        return [None]
+    if isinstance(config.model, str):
+        return [config.model]
+    return list(config.model) or [None]

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import (
@@ -26,6 +27,7 @@ from mlx_lm.sample_utils import (
 )
 
 from actors.kv_blocks import ARRAYS, KVBlock, build_cache, cut_blocks, layer_kinds
+from actors.memory_estimate import Member, ModelMemory, StepPlan, plan_step, prompt_need
 from actors.messages import (
     RequestFinished,
     SamplingParams,
@@ -156,9 +158,14 @@ class Engine:
         stream: mx.Stream | None = None,
         block_size: int = 0,
         fingerprint: str = "",
+        memory: ModelMemory | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
+        # The model's memory shape, for the per-chunk gate (None: no gate).
+        self.memory = memory
+        self.prefill_step_size = prefill_step_size
+        self.gate_failures = 0
         self.eos_ids = frozenset(tokenizer.eos_token_ids)
         # Prefix cache (block_size 0 turns it off; so does a model whose caches cannot be cut).
         self.block_size = block_size
@@ -183,6 +190,7 @@ class Engine:
         self._by_uid: dict[int, Request] = {}
         self.steps = 0
         self.generated_tokens = 0
+        self.prefill_tokens = 0  # prompt tokens run through the model
 
     # -- commands ----------------------------------------------------------------------
 
@@ -304,17 +312,41 @@ class Engine:
 
     # -- the step ------------------------------------------------------------------------
 
-    def step(self) -> list[Event]:
-        """Run one step of the batch (a decode step plus at most one prefill chunk)."""
+    def step(self, limit: int | None = None, floor: int = 0) -> list[Event]:
+        """Run one step of the batch (a decode step plus at most one prefill chunk).
+
+        ``limit``: bytes of MLX memory the step must stay under (the per-chunk gate; None:
+        no gate). Prefilling requests that no longer fit fail alone, and waiting ones join
+        the prefill only while the whole prefill fits. ``floor``: memory in use at idle, to
+        tell a request that can never fit (413) from one that came at a bad time (503)."""
         if not self.requests:
             return []
+        events: list[Event] = []
+        admit: int | None = None
+        if limit is not None and self.memory is not None:
+            admit = self._gate(limit, max(floor, self.memory.weights_bytes), events)
+            if not self.requests:
+                return events
+        configured = self.gen.prefill_batch_size
+        if admit is not None:
+            # BatchGenerator takes min(prefill_batch_size - prefilling, ...) new sequences.
+            self.gen.prefill_batch_size = len(self.gen._prompt_batch) + admit
+        counted = self.gen._counters.prompt_tokens
         try:
             prompt_responses, responses = self.gen.next()
+            self.prefill_tokens += self.gen._counters.prompt_tokens - counted
         except Exception as exc:  # the model step failed: no request in it can go on
             log.exception("batch step failed; failing %d requests", len(self.requests))
-            return self._fail_all(f"engine step failed: {exc}")
+            return events + self._fail_all(f"engine step failed: {exc}")
+        finally:
+            self.gen.prefill_batch_size = configured
         self.steps += 1
-        events: list[Event] = []
+        if any(r.end_of_prompt for r in prompt_responses):
+            # Sequences joined the generation batch: its cache is rebuilt, padded to the
+            # longest. Build it now, in the step the gate counted it in, not in the next.
+            mx.eval([a for _, a in tree_flatten([c.state for c in
+                                                 self.gen._generation_batch.prompt_cache])
+                     if isinstance(a, mx.array)])
         if self.caching:
             self._cut_at_boundaries(prompt_responses)
         for resp in responses:
@@ -335,11 +367,21 @@ class Engine:
             req = self._by_uid.get(r.uid)
             if req is None or not r.end_of_segment or r.end_of_prompt:
                 continue
+            if self._block_tokens_at(req, req.cached_tokens + r.progress[0]) == 0:
+                continue  # no new block at this boundary: spare the copy of the cache
             try:
                 cache, tokens = self.gen.extract_cache([r.uid])[r.uid]
                 self._cut(req, cache, len(tokens), req.hashes)
             except Exception:  # caching is an optimisation: never fail the request for it
                 log.exception("could not cut prefix blocks of %s", req.request_id)
+
+    def _block_tokens_at(self, req: Request, n_tokens: int) -> int:
+        """Tokens of the new blocks ``_cut`` keeps when the prompt reaches ``n_tokens``."""
+        last = min(n_tokens // self.block_size, len(req.hashes))
+        first = last - 1 if self.hybrid else req.stored
+        if last <= req.stored or first < 0:
+            return 0
+        return (last - first) * self.block_size
 
     def _cut_finished(self, req: Request, cache: list[Any], tokens: list[int]) -> None:
         """At the end of a request, keep the blocks its answer completed too (plain KV models:
@@ -468,6 +510,77 @@ class Engine:
         mx.clear_cache()
         return events
 
+    # -- the per-chunk memory gate -------------------------------------------------------------
+
+    def _gate(self, limit: int, floor: int, events: list[Event]) -> int:
+        """Fail the prefilling requests the next step cannot fit, and return how many waiting
+        ones may start prefilling (``actors.memory_estimate.plan_step``)."""
+        gen = self.gen
+        prefilling = [
+            self._member(uid, seq[0], len(tokens))
+            for uid, seq, tokens in zip(gen._prompt_batch.uids, gen._currently_processing,
+                                        gen._prompt_batch.tokens, strict=True)
+        ]
+        free = max(0, gen.prefill_batch_size - len(prefilling))
+        queued = list(gen._unprocessed_sequences)[:free]
+        # An unprocessed sequence: (uid, segments, max_tokens, cache, cached tokens, ...).
+        waiting = [self._member(seq[0], seq[1], len(seq[4])) for seq in queued]
+        decode_len = max((len(t) for t in gen._generation_batch.tokens), default=0)
+
+        def plan(usage: int) -> StepPlan:
+            return plan_step(self.memory, usage=usage, limit=limit,
+                             decoding=len(gen._generation_batch), decode_len=decode_len,
+                             prefilling=prefilling, waiting=waiting,
+                             step=self.prefill_step_size)
+
+        active, cached = mx.get_active_memory(), mx.get_cache_memory()
+        p = plan(active + cached)
+        if cached and (p.fail or p.reject_waiting or p.admit < len(waiting)):
+            # The allocator's cache is memory MLX can give back: give it back, then decide.
+            mx.clear_cache()
+            cached = mx.get_cache_memory()
+            p = plan(active + cached)
+        doomed = [gen._prompt_batch.uids[i] for i in p.fail]
+        if p.reject_waiting:
+            doomed.append(queued[0][0])
+        for uid in doomed:
+            req = self._by_uid.get(uid)
+            if req is not None:
+                events.append(self._fail_for_memory(req, limit, floor, active + cached))
+        return p.admit
+
+    def _member(self, uid: int, segments: list[list[int]], in_cache: int) -> Member:
+        """Where one sequence stands, for the gate: its cache, what is left of its prompt,
+        its next chunk, and the prefix-cache blocks it cuts next step and until it ends."""
+        remaining = sum(len(seg) for seg in segments)
+        chunk = min(len(segments[0]), self.prefill_step_size) if segments else 0
+        req = self._by_uid.get(uid)
+        cut_now = blocks_left = 0
+        if self.caching and req is not None and req.hashes:
+            blocks_left = max(0, len(req.hashes) - req.stored) * self.block_size
+            if len(segments) > 1 and chunk == len(segments[0]):  # a boundary this step
+                cut_now = self._block_tokens_at(req, in_cache + chunk)
+        return Member(in_cache=in_cache, remaining=remaining, chunk=chunk, cut_now=cut_now,
+                      blocks_left=blocks_left)
+
+    def _fail_for_memory(self, req: Request, limit: int, floor: int, usage: int
+                         ) -> RequestFinished:
+        """Take one request out of the batch for want of memory, freeing its cache."""
+        self.gen.remove([req.uid])
+        self.gate_failures += 1
+        need = prompt_need(self.memory, prompt_tokens=req.prompt_len,
+                           step=self.prefill_step_size,
+                           block_size=self.block_size if self.caching else 0)
+        mb = 1e6
+        # 413: it could never fit, even at idle; 503: memory held by other work.
+        status = 413 if need > limit - floor else 503
+        message = (
+            f"out of memory for this prompt's prefill: it needs about {need / mb:.0f} MB more; "
+            f"{usage / mb:.0f} MB of the {limit / mb:.0f} MB memory limit are in use"
+        )
+        log.warning("request %s failed by the memory gate: %s", req.request_id, message)
+        return self._finish(req, "error", error=message, status=status)
+
     def stats(self) -> dict[str, Any]:
         return {
             "requests": len(self.requests),
@@ -476,6 +589,8 @@ class Engine:
             "decoding": len(self.gen._generation_batch),
             "steps": self.steps,
             "generated_tokens": self.generated_tokens,
+            "prefill_tokens": self.prefill_tokens,
+            "gate_failures": self.gate_failures,
         }
 
     def close(self) -> None:

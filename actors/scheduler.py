@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_load
 
 from actors.cache_messages import (
@@ -32,11 +33,20 @@ from actors.cache_messages import (
     CancelWrites,
     DropRamBlocks,
     LookupPrefix,
+    RamBlocksDropped,
     ReadBlocks,
     WriteBlock,
 )
 from actors.engine import Engine, RequestError
 from actors.kv_blocks import KVBlock, from_numpy, to_numpy
+from actors.memory_estimate import OK, model_memory
+from actors.memory_messages import (
+    DescribeLoad,
+    EngineLoad,
+    GetMemoryLimits,
+    MemoryLimits,
+    Retire,
+)
 from actors.messages import (
     AbortRequest,
     AddRequest,
@@ -57,6 +67,8 @@ MLX_THREAD = "mlx"
 # How long one step may wait for room in the SSD writer's queue before dropping blocks.
 WRITE_WAIT_S = 0.25
 LOOKUP_TIMEOUT_S = 1.0
+# A starting scheduler asks the memory monitor for the limits; it does not wait longer.
+LIMITS_TIMEOUT_S = 2.0
 
 
 def context_length(config: dict[str, Any]) -> int:
@@ -78,9 +90,22 @@ class _Loading:
     n_disk: int
 
 
+def weights_profile(model: Any) -> tuple[int, int | None]:
+    """(bytes of the model's parameters, bytes per element of the floating dtype holding most
+    of them): quantized weights are integers, their scales carry the compute dtype."""
+    total = 0
+    floats: dict[int, int] = {}
+    for _, p in tree_flatten(model.parameters()):
+        total += p.nbytes
+        if mx.issubdtype(p.dtype, mx.floating):
+            floats[p.dtype.size] = floats.get(p.dtype.size, 0) + p.nbytes
+    return total, max(floats, key=lambda k: floats[k]) if floats else None
+
+
 class Scheduler(Actor):
     """Continuous batching for one model. Messages: AddRequest (via ``stream``), AbortRequest,
-    DescribeEngine (via ``ask``), BlocksRead, DropRamBlocks, and its own Step."""
+    DescribeEngine (via ``ask``), BlocksRead, DropRamBlocks, MemoryLimits (from the memory
+    monitor), DescribeLoad and Retire (from the engine pool), and its own Step."""
 
     def __init__(
         self,
@@ -93,9 +118,13 @@ class Scheduler(Actor):
         block_size: int = 0,
         index: str = "cache_index",
         writer: str = "ssd_writer",
+        model_id: str | None = None,
+        memory_monitor: str = "memory_monitor",
     ) -> None:
         self.model_spec = model
-        self.model_name = model or DEFAULT_MODEL
+        # The pool resolves models itself and passes the name the model is served as.
+        self.model_id = model_id
+        self.model_name = model_id or model or DEFAULT_MODEL
         self.max_queue = max_queue
         self._engine_kwargs = dict(
             max_batch_size=max_batch_size,
@@ -105,6 +134,10 @@ class Scheduler(Actor):
         )
         self.index_name = index
         self.writer_name = writer
+        self.monitor_name = memory_monitor
+        self.limits: MemoryLimits | None = None
+        self.retired = False
+        self._last_active = time.monotonic()
         self.engine: Engine | None = None
         self.card: ModelCard | None = None
         self._replies: dict[str, Reply] = {}
@@ -121,15 +154,17 @@ class Scheduler(Actor):
         started = time.perf_counter()
         # Conversion (a GGUF or the bundled default) makes MLX arrays too: it runs here.
         resolved = resolve_model(self.model_spec)
-        self.model_name = resolved.name
+        self.model_name = self.model_id or resolved.name
         stream = mx.new_stream(mx.default_device())
         with mx.stream(stream):
             model, tokenizer, config = mlx_load(str(resolved.path), return_config=True)
         fingerprint = model_fingerprint(resolved.path)
+        weights, dtype_bytes = weights_profile(model)
+        memory = model_memory(config, dtype_bytes=dtype_bytes, weights_bytes=weights)
         self.engine = Engine(model, tokenizer, stream=stream, fingerprint=fingerprint,
-                             **self._engine_kwargs)
+                             memory=memory, **self._engine_kwargs)
         self.card = ModelCard(
-            id=resolved.name,
+            id=self.model_name,
             context_length=context_length(config),
             source=resolved.source,
             path=str(resolved.path),
@@ -139,15 +174,30 @@ class Scheduler(Actor):
             log.warning("%s: its cache layers cannot be cut into blocks; prefix cache off",
                         resolved.name)
         log.info(
-            "loaded %s from %s in %.1fs", resolved.name, resolved.path,
+            "loaded %s from %s in %.1fs", self.model_name, resolved.path,
             time.perf_counter() - started,
         )
+        monitor = self.system.find(self.monitor_name)
+        if monitor is not None:
+            # The limits from the first step on; from then the monitor sends them every poll.
+            try:
+                self.limits = await monitor.ask(GetMemoryLimits(), timeout=LIMITS_TIMEOUT_S)
+            except (AskTimeout, ActorDead):
+                pass
 
     async def on_stop(self, error: BaseException | None) -> None:
         if self.engine is not None:
             for rid in list(self.engine.requests):
                 self._deliver([self.engine.abort(rid)])
             self.engine.close()
+            index = self.system.find(self.index_name)
+            if error is None and self.engine.blocks and index is not None:
+                # Unloaded: the RAM tier goes with the model. (A restart restarts the index
+                # with it, which forgets RAM blocks by itself.)
+                try:
+                    index.try_tell(RamBlocksDropped(hashes=list(self.engine.blocks)))
+                except (MailboxFull, ActorDead):
+                    pass
         for reply in self._replies.values():
             reply.close()
         for loading in self._loading.values():
@@ -161,6 +211,7 @@ class Scheduler(Actor):
                 self._step_queued = False
                 await self._step()
             case AddRequest():
+                self._last_active = time.monotonic()
                 await self._add(msg, self.take_reply())
             case BlocksRead():
                 self._loaded(msg)
@@ -171,6 +222,16 @@ class Scheduler(Actor):
                     self.engine.blocks.pop(h, None)
             case DescribeEngine():
                 return self.card
+            case MemoryLimits():
+                self.limits = msg
+                if msg.pressure != OK:
+                    mx.clear_cache()  # the allocator's cache is the cheapest memory to give
+            case DescribeLoad():
+                return EngineLoad(in_flight=self._in_flight(), idle_s=self._idle_s())
+            case Retire():
+                # Everything sent before this message has been handled: idle now means idle.
+                self.retired = self._in_flight() == 0
+                return self.retired
             case _:
                 raise TypeError(f"scheduler cannot handle {type(msg).__name__}")
         self._queue_step()
@@ -178,8 +239,21 @@ class Scheduler(Actor):
 
     # -- requests ------------------------------------------------------------------------
 
+    def _in_flight(self) -> int:
+        return len(self.engine.requests) + len(self._loading) if self.engine else 0
+
+    def _idle_s(self) -> float:
+        return 0.0 if self._in_flight() else time.monotonic() - self._last_active
+
     async def _add(self, msg: AddRequest, reply: Reply) -> None:
         engine = self.engine
+        if self.retired:
+            # The pool is unloading this model: the request raced the unload. 503 with
+            # Retry-After: a retry loads the model again.
+            reply.send(_refused(msg, 503, f"model {self.model_name!r} is being unloaded; "
+                                "retry shortly"))
+            reply.close()
+            return
         if engine.waiting + len(self._loading) >= self.max_queue:
             reply.send(_refused(msg, 429, "the scheduler's queue is full; retry shortly"))
             reply.close()
@@ -292,7 +366,10 @@ class Scheduler(Actor):
         for rid in [rid for rid, ld in self._loading.items() if ld.reply.consumer_gone]:
             self._loading.pop(rid).reply.close()
         if engine.has_work:
-            events = engine.step()
+            limits = self.limits
+            events = engine.step(limit=limits.limit if limits and limits.guard else None,
+                                 floor=limits.floor if limits else 0)
+            self._last_active = time.monotonic()
             self._deliver(events)
             self._tps_window.append((time.perf_counter(), engine.generated_tokens))
             del self._tps_window[:-64]
@@ -386,6 +463,10 @@ class Scheduler(Actor):
             "batch_size": stats["decoding"],
             "steps": stats["steps"],
             "generated_tokens": stats["generated_tokens"],
+            "prefill_tokens": stats["prefill_tokens"],
+            "gate_failures": stats["gate_failures"],
+            "memory_limit_bytes": self.limits.limit if self.limits else 0,
+            "retired": self.retired,
             "tokens_per_s": round(tps, 2),
             "ram_blocks": len(engine.blocks),
             "ram_block_bytes": sum(b.nbytes for b in engine.blocks.values()),

@@ -6,25 +6,27 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from actors.admission import ADMISSION_THREAD, Admission
-from actors.cache_index import CacheIndex
-from actors.config import ServeConfig
-from actors.messages import DescribeEngine, ModelCard
+from actors.config import ServeConfig, model_specs
+from actors.memory_monitor import MEMORY_THREAD, MONITOR_NAME, MemoryMonitor
+from actors.messages import ListModels, ModelCard
 from actors.model_store import troupe_home
-from actors.scheduler import MLX_THREAD, Scheduler
-from actors.ssd_writer import SsdWriter
+from actors.pool import POOL_NAME, EnginePool, engine_names
+from actors.scheduler import MLX_THREAD
 from runtime import ActorRef, ActorSystem, Restart
-
-# The cache index describes the scheduler's RAM blocks: when one restarts, both must.
-KV_GROUP = "kv"
 
 
 @dataclass(frozen=True)
 class ServingHandles:
-    """Refs to the serving actors, for the HTTP layer and for programs that embed the server."""
+    """Refs to the serving actors, for the HTTP layer and for programs that embed the server.
+
+    ``models`` lists every configured model; ``schedulers`` those loaded at start (the
+    first model): the others load on their first request (``pool``)."""
 
     admission: ActorRef
     schedulers: dict[str, ActorRef]
     models: list[ModelCard]
+    pool: ActorRef | None = None
+    monitor: ActorRef | None = None
 
 
 def cache_dir(config: ServeConfig) -> Path:
@@ -32,57 +34,70 @@ def cache_dir(config: ServeConfig) -> Path:
 
 
 async def start_serving(system: ActorSystem, config: ServeConfig) -> ServingHandles:
-    """Load the model on the MLX thread and start the serving actors; returns when ready."""
-    scheduler = await system.spawn(
-        Scheduler,
-        name="scheduler",
-        thread=MLX_THREAD,
-        restart=Restart.PERMANENT,
-        group=KV_GROUP,
-        mailbox_size=max(1024, config.max_queue * 2),
-        model=config.model,
-        max_batch_size=config.max_batch_size,
-        prefill_batch_size=config.prefill_batch_size,
-        prefill_step_size=config.prefill_step_size,
-        max_queue=config.max_queue,
-        block_size=config.block_size,
-    )
-    card: ModelCard = await scheduler.ask(DescribeEngine(), timeout=30.0)
+    """Load the first model on the MLX thread and start the serving actors; returns when ready.
+
+    Start order: the engine pool (which resolves every model and loads the first, with its
+    cache index and SSD writer), the memory monitor, then admission; actors stop in reverse.
+    """
+    cache = None
     if config.block_size > 0:
         directory = cache_dir(config)
         directory.mkdir(parents=True, exist_ok=True)
-        await system.spawn(
-            CacheIndex,
-            name="cache_index",
-            thread="cache-index",
-            restart=Restart.PERMANENT,
-            group=KV_GROUP,
-            mailbox_size=4096,
-            cache_dir=str(directory),
-            fingerprint=card.fingerprint,
-            ram_max_bytes=config.cache_ram_max,
-            disk_max_bytes=config.cache_disk_max,
-            scheduler="scheduler",
+        cache = {"cache_dir": str(directory), "ram_max_bytes": config.cache_ram_max,
+                 "disk_max_bytes": config.cache_disk_max}
+    pool = await system.spawn(
+        EnginePool,
+        name=POOL_NAME,
+        thread=MLX_THREAD,
+        restart=Restart.PERMANENT,
+        mailbox_size=256,
+        specs=model_specs(config),
+        engine=dict(
+            max_batch_size=config.max_batch_size,
+            prefill_batch_size=config.prefill_batch_size,
+            prefill_step_size=config.prefill_step_size,
+            max_queue=config.max_queue,
             block_size=config.block_size,
-        )
-        # The writer's mailbox is the bounded write queue the scheduler waits on (~250 ms).
-        await system.spawn(
-            SsdWriter,
-            name="ssd_writer",
-            thread="ssd",
-            restart=Restart.PERMANENT,
-            mailbox_size=64,
-            cache_dir=str(directory),
-            fingerprint=card.fingerprint,
-            disk_max_bytes=config.cache_disk_max,
-            index="cache_index",
-        )
+            memory_monitor=MONITOR_NAME,
+        ),
+        cache=cache,
+        models_memory=config.models_memory,
+        pin=config.pin,
+        idle_ttl=config.idle_ttl,
+        scheduler_mailbox=max(1024, config.max_queue * 2),
+    )
+    cards: list[ModelCard] = await pool.ask(ListModels(), timeout=30.0)
+    names = [engine_names(i, card.id) for i, card in enumerate(cards)]
+    # After the first model loaded: its memory is counted in the default limit as held.
+    monitor = await system.spawn(
+        MemoryMonitor,
+        name=MONITOR_NAME,
+        thread=MEMORY_THREAD,
+        restart=Restart.PERMANENT,
+        mailbox_size=64,
+        limit=config.memory_limit,
+        poll_s=config.memory_poll_ms / 1000,
+        guard=config.prefill_guard,
+        pool=POOL_NAME,
+        schedulers=[n.scheduler for n in names],
+        indexes=[n.cache_index for n in names] if cache else [],
+    )
+    loaded = {card.id: system.find(n.scheduler) for card, n in zip(cards, names, strict=True)}
     admission = await system.spawn(
         Admission,
         name="admission",
         thread=ADMISSION_THREAD,
         restart=Restart.PERMANENT,
         mailbox_size=1024,
-        models=[(card, scheduler)],
+        models=[(card, loaded[card.id]) for card in cards],
+        pool=POOL_NAME,
+        prefill_step_size=config.prefill_step_size,
+        block_size=config.block_size,
     )
-    return ServingHandles(admission=admission, schedulers={card.id: scheduler}, models=[card])
+    return ServingHandles(
+        admission=admission,
+        schedulers={model: ref for model, ref in loaded.items() if ref is not None},
+        models=cards,
+        pool=pool,
+        monitor=monitor,
+    )

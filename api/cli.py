@@ -102,9 +102,17 @@ def _maybe_preload_openblas(choice: str) -> None:
         os.execve(sys.executable, command, env)
 
 
-def _serve(args: argparse.Namespace) -> int:
+def serve_config(args: argparse.Namespace) -> ServeConfig:
+    """The ``ServeConfig`` of parsed ``serve`` arguments (flags not given keep its defaults)."""
     fields = {f.name for f in msgspec.structs.fields(ServeConfig)}
-    config = ServeConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    values = {k: v for k, v in vars(args).items() if k in fields}
+    if isinstance(values.get("model"), list) and len(values["model"]) == 1:
+        values["model"] = values["model"][0]  # one --model: the one-model server of old
+    return ServeConfig(**values)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    config = serve_config(args)
     _setup_logging(config.log_level)
     _maybe_preload_openblas(args.blas)
     try:
@@ -259,8 +267,10 @@ def build_parser() -> argparse.ArgumentParser:
     opt = argparse.SUPPRESS
     serve_cmd.add_argument(
         "--model",
+        action="append",
         default=opt,
-        help="model directory, .gguf file or Hugging Face repo id (default: the bundled model)",
+        help="model directory, .gguf file or Hugging Face repo id (default: the bundled model); "
+        "repeat it to serve several models, each loaded on its first request",
     )
     serve_cmd.add_argument("--host", default=opt, help=f"default: {_DEFAULTS.host}")
     serve_cmd.add_argument("--port", type=int, default=opt, help=f"default: {_DEFAULTS.port}")
@@ -372,6 +382,51 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve_cmd.add_argument(
         "--log-level", choices=_LOG_LEVELS, default=opt, help=f"default: {_DEFAULTS.log_level}"
+    )
+    serve_cmd.add_argument(
+        "--memory-limit",
+        type=parse_size,
+        metavar="SIZE",
+        default=opt,
+        help="MLX memory to stay under, e.g. 6GB (default: 75%% of the RAM available at start, "
+        "or 90%% of Metal's recommended working set)",
+    )
+    serve_cmd.add_argument(
+        "--memory-poll",
+        dest="memory_poll_ms",
+        type=int,
+        metavar="MS",
+        default=opt,
+        help=f"how often memory is read, in ms (default: {_DEFAULTS.memory_poll_ms})",
+    )
+    serve_cmd.add_argument(
+        "--no-prefill-guard",
+        dest="prefill_guard",
+        action="store_false",
+        default=opt,
+        help="do not refuse (413) or stop prompts whose prefill would pass the memory limit",
+    )
+    serve_cmd.add_argument(
+        "--models-memory",
+        type=parse_size,
+        metavar="SIZE",
+        default=opt,
+        help="weights the loaded models may take; loading one more unloads the least recently "
+        "used idle one (default: no budget)",
+    )
+    serve_cmd.add_argument(
+        "--pin",
+        action="append",
+        metavar="MODEL",
+        default=opt,
+        help="never unload this model (repeatable)",
+    )
+    serve_cmd.add_argument(
+        "--idle-ttl",
+        type=float,
+        metavar="SECONDS",
+        default=opt,
+        help="unload a model idle this long (default: never)",
     )
 
     pull_cmd = commands.add_parser("pull", help="download/convert a model; print its directory")

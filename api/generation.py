@@ -56,7 +56,8 @@ def failure_of(finished: RequestFinished) -> ApiError | None:
         return None
     status = finished.error_status or 500
     message = finished.error or f"The request ended with finish_reason '{finished.finish_reason}'."
-    retry_after = DEFAULT_RETRY_AFTER_S if status == 429 else None
+    # 429 (a full queue) and 503 (memory short, a model being unloaded) pass with time.
+    retry_after = DEFAULT_RETRY_AFTER_S if status in (429, 503) else None
     return ApiError(status, message, retry_after=retry_after)
 
 

@@ -45,7 +45,9 @@ def default_model(tmp_path_factory: pytest.TempPathFactory) -> ResolvedModel:
         return resolve_model(None)
 
 
-@pytest.fixture(scope="session")
+# Module scope: the 540 MB model is freed when this module's tests are done, not held in MLX
+# memory for the rest of the session (which the memory tests would see).
+@pytest.fixture(scope="module")
 def loaded(default_model: ResolvedModel):
     """``mlx_lm.load`` of the converted default model: (model, TokenizerWrapper)."""
     return mlx_lm.load(str(default_model.path))
