@@ -149,7 +149,8 @@ class EnginePool(Actor):
             found = self.system.find(names.scheduler)
             if found is not None and found.alive:
                 slot.ref = found
-                slot.cache_started = True
+            index = self.system.find(names.cache_index)
+            slot.cache_started = index is not None and index.alive
             self.slots[card.id] = slot
         known = {s.card.id for s in self.slots.values()} | {s or "default" for s in self.specs}
         unknown = self.pin - known

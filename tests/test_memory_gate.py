@@ -1,0 +1,92 @@
+"""Engine level: the per-chunk memory gate on tiny models (plain KV and hybrid)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+
+from actors.engine import Engine
+from actors.memory_estimate import model_memory
+from actors.messages import RequestFinished, SamplingParams, TokensGenerated
+from actors.scheduler import weights_profile
+
+SENTENCE = "The quick brown fox jumps over the lazy dog. "
+
+
+def make_engine(model_dir: Path, **kw) -> Engine:
+    model, tok, config = load(str(model_dir), return_config=True)
+    weights, dtype_bytes = weights_profile(model)
+    memory = model_memory(config, dtype_bytes=dtype_bytes, weights_bytes=weights)
+    return Engine(model, tok, memory=memory, **kw)
+
+
+def run(engine: Engine, prompts: dict[str, list[int]], limit: int | None,
+        max_tokens: int = 6) -> tuple[dict[str, list[int]], dict[str, RequestFinished], int]:
+    """Every request to its end; (tokens, finish events, most sequences prefilling at once)."""
+    for rid, prompt in prompts.items():
+        engine.add(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                               ignore_eos=True))
+    tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
+    finished: dict[str, RequestFinished] = {}
+    most = 0
+    for _ in range(10_000):
+        if not engine.has_work:
+            break
+        for ev in engine.step(limit=limit):
+            if isinstance(ev, TokensGenerated):
+                tokens[ev.request_id] += ev.token_ids
+            elif isinstance(ev, RequestFinished):
+                finished[ev.request_id] = ev
+        most = max(most, len(engine.gen._prompt_batch))
+    assert not engine.has_work
+    return tokens, finished, most
+
+
+@pytest.mark.parametrize("which", ["tiny_model_dir", "tiny_hybrid_dir"])
+def test_gate_with_room_to_spare_changes_no_token(which, request):
+    model_dir = request.getfixturevalue(which)
+    engine = make_engine(model_dir, prefill_step_size=64, block_size=16,
+                         fingerprint="f")
+    tok = engine.tokenizer
+    prompts = {f"r{i}": tok.encode(SENTENCE * (3 + 4 * i)) for i in range(4)}
+    free, _, _ = run(engine, prompts, limit=None)
+    engine = make_engine(model_dir, prefill_step_size=64, block_size=16, fingerprint="f")
+    gated, finished, _ = run(engine, prompts, limit=1 << 40)
+    assert gated == free
+    assert all(f.finish_reason == "length" for f in finished.values())
+
+
+def test_tight_limit_prefills_one_prompt_at_a_time_and_all_complete(tiny_model_dir):
+    engine = make_engine(tiny_model_dir, prefill_step_size=512)
+    tok = engine.tokenizer
+    prompts = {f"r{i}": tok.encode(SENTENCE * 160)[: 1400 + 10 * i] for i in range(6)}
+    mx.clear_cache()
+    usage = mx.get_active_memory()
+    limit = usage + 25_000_000  # one 1.4k-token prompt needs ~18 MB, two ~36 MB
+    mx.reset_peak_memory()
+    _, finished, most = run(engine, prompts, limit=limit)
+    assert most == 1
+    assert all(f.finish_reason == "length" for f in finished.values()), finished
+    assert mx.get_peak_memory() <= limit
+    free_engine = make_engine(tiny_model_dir, prefill_step_size=512)
+    _, _, most_free = run(free_engine, prompts, limit=None)
+    assert most_free > 1  # without the gate they prefill together
+
+
+def test_a_prompt_that_cannot_fit_an_idle_engine_fails_with_413_and_frees_its_slot(
+    tiny_model_dir,
+):
+    engine = make_engine(tiny_model_dir, prefill_step_size=512)
+    tok = engine.tokenizer
+    mx.clear_cache()
+    limit = mx.get_active_memory() + 5_000_000
+    prompts = {"long": tok.encode(SENTENCE * 160)[:1500], "short": tok.encode("Paris")}
+    tokens, finished, _ = run(engine, prompts, limit=limit)
+    assert finished["long"].finish_reason == "error"
+    assert finished["long"].error_status == 413
+    assert "out of memory" in finished["long"].error
+    assert finished["short"].finish_reason == "length" and len(tokens["short"]) == 6
+    assert engine.gate_failures == 1
