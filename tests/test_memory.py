@@ -176,7 +176,6 @@ async def test_flood_of_long_prompts_stays_under_the_limit_and_every_request_end
             assert body["error"]["message"]
     await asyncio.sleep(0.15)  # the monitor's next poll reads the last peak
     monitor = report(system, "memory_monitor")
-    print("flood:", statuses, "peak over limit:", (monitor["peak_max_bytes"] - limit) / MB, "MB")
     margin = 0.1 * limit
     assert monitor["peak_max_bytes"] <= limit + margin, (monitor, limit)
     sched = report(system, "scheduler")
