@@ -668,7 +668,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines += ["", "| goal | measured | holds |", "|---|---|---|"]
     for g in report["goals"]:
         holds = {True: "yes", False: "**no**", None: "not measured"}[g["holds"]]
-        lines.append(f"| {g['goal']} | {fmt(g['value'])} | {holds} |")
+        lines.append(f"| {g['goal']} | {fmt(g['value'], 3)} | {holds} |")
     return "\n".join(lines) + "\n"
 
 
@@ -734,11 +734,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    default=["serving", "prefix", "interference"])
     p.add_argument("--no-peer", action="store_true", help="skip mlx_lm.server")
     p.add_argument("--no-ceiling", action="store_true", help="skip the in-process ceiling")
-    p.add_argument("--troupe-args", default="", help="extra `troupe serve` flags, quoted")
-    p.add_argument("--peer-args", default="", help="extra mlx_lm.server flags, quoted")
+    p.add_argument("--troupe-args", default="",
+                   help="extra `troupe serve` flags, with '=': --troupe-args='--block-size 0'")
+    p.add_argument("--peer-args", default="",
+                   help="extra mlx_lm.server flags, with '=': --peer-args='--temp 0'")
     p.add_argument("--profile", action="store_true",
                    help="record each server with py-spy (pip install py-spy) into --out")
     p.add_argument("--out", default="bench-results", help="directory for results and logs")
+    p.add_argument("--from-json", metavar="PATH",
+                   help="run nothing: rewrite the Markdown and PNG of a saved harness.json")
     return p.parse_args(argv)
 
 
@@ -792,6 +796,13 @@ def write_report(out: Path, meta: dict[str, Any], reps: list[dict[str, Any]]) ->
 
 def main() -> None:
     args = parse_args()
+    if args.from_json:
+        report = json.loads(Path(args.from_json).read_text())
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        write_report(out, report["meta"], report["reps"])
+        print((out / "harness.md").read_text())
+        return
     same_blas_as_troupe_serve()
     # SIGTERM unwinds like an exception, so the servers this run started are stopped too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -95,6 +95,17 @@ def test_troupe_bench_writes_a_png_plot(bench_run: Path) -> None:
     assert (bench_run / "mlx_lm.server-rep0.log").exists()
 
 
+def test_from_json_rewrites_the_report_without_running_anything(bench_run: Path,
+                                                                 tmp_path: Path) -> None:
+    subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "harness.py"), "--from-json",
+         str(bench_run / "harness.json"), "--out", str(tmp_path)],
+        cwd=REPO, check=True, timeout=120, capture_output=True,
+    )
+    assert (tmp_path / "harness.md").read_text() == (bench_run / "harness.md").read_text()
+    assert (tmp_path / "harness.png").stat().st_size > 0
+
+
 def test_percentile_interpolates_and_is_none_without_values() -> None:
     assert harness.percentile([1.0, 2.0, 3.0, 4.0, 5.0], 50) == 3.0
     assert harness.percentile([0.0, 10.0], 99) == pytest.approx(9.9)
