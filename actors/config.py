@@ -17,6 +17,9 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     max_batch_size: int = 32
     prefill_batch_size: int = 8
     prefill_step_size: int = 512
+    # While sequences decode, a step's prefill takes at most about this many decode steps'
+    # time (0: whole prefill_step_size chunks), so streams keep flowing past a long prompt.
+    prefill_interleave: float = 1.5
     # Requests waiting for a batch slot beyond this get 429 with Retry-After.
     max_queue: int = 256
     default_max_tokens: int = 2048

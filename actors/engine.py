@@ -26,7 +26,16 @@ from mlx_lm.sample_utils import (
     make_sampler,
 )
 
-from actors.kv_blocks import ARRAYS, KVBlock, build_cache, cut_blocks, layer_kinds
+from actors.kv_blocks import (
+    ARRAYS,
+    KVBlock,
+    RamTier,
+    build_cache,
+    cut_blocks,
+    cut_tail,
+    head,
+    layer_kinds,
+)
 from actors.memory_estimate import Member, ModelMemory, StepPlan, plan_step, prompt_need
 from actors.messages import (
     RequestFinished,
@@ -39,6 +48,11 @@ from actors.messages import (
 from actors.prefix import block_hashes, usable_blocks
 
 log = logging.getLogger("actors.engine")
+
+# Interleaving prefill with decode: the fewest prompt tokens a prefilling sequence gets per
+# step, and how fast the step-time estimates follow new measurements.
+MIN_PREFILL_CHUNK = 16
+EMA = 0.3
 
 # Penalties look back over this many tokens (mlx-lm's default of 20 forgets too quickly for
 # OpenAI's presence/frequency semantics, which cover the whole completion).
@@ -144,6 +158,10 @@ class Request:
 Event = TokensGenerated | RequestFinished
 
 
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else EMA * new + (1 - EMA) * old
+
+
 class Engine:
     """Continuous batching over one model: requests join between steps, leave on finish/abort."""
 
@@ -159,12 +177,20 @@ class Engine:
         block_size: int = 0,
         fingerprint: str = "",
         memory: ModelMemory | None = None,
+        prefill_interleave: float = 0.0,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         # The model's memory shape, for the per-chunk gate (None: no gate).
         self.memory = memory
         self.prefill_step_size = prefill_step_size
+        # While sequences decode, a step's prefill may take about this many times a decode
+        # step (0: whole prefill_step_size chunks regardless), so running streams keep flowing
+        # while a long prompt is prefilled.
+        self.prefill_interleave = prefill_interleave
+        self._decode_s: float | None = None  # a decode step's time, smoothed
+        self._token_s: float | None = None  # one prompt token's prefill time, smoothed
+        self.last_prefill_budget: int | None = None
         self.gate_failures = 0
         self.eos_ids = frozenset(tokenizer.eos_token_ids)
         # Prefix cache (block_size 0 turns it off; so does a model whose caches cannot be cut).
@@ -177,7 +203,7 @@ class Engine:
              zip(make_prompt_cache(model), self.kinds, strict=True)]
             if self.kinds else []
         )
-        self.blocks: dict[str, KVBlock] = {}  # the RAM tier, owned by this thread
+        self.blocks = RamTier()  # the RAM tier, owned by this thread
         self.new_blocks: list[tuple[str, KVBlock]] = []  # cut since the caller last took them
         self._gen_kwargs = dict(
             completion_batch_size=max_batch_size,
@@ -191,6 +217,7 @@ class Engine:
         self.steps = 0
         self.generated_tokens = 0
         self.prefill_tokens = 0  # prompt tokens run through the model
+        self.partial_hit_tokens = 0  # prompt tokens taken from part of a block
 
     # -- commands ----------------------------------------------------------------------
 
@@ -237,10 +264,16 @@ class Engine:
         hashes = self.prompt_hashes(prompt)
         n_cached = len(cached)
         start = n_cached * self.block_size
+        prefix = list(cached)
+        partial = self._partial_hit(prompt, start, cached[-1].block_hash if cached else None)
+        if partial is not None:
+            prefix.append(partial)
+            start += partial.n_tokens
+            self.partial_hit_tokens += partial.n_tokens
         (uid,) = self.gen.insert_segments(
             [self._segments(prompt, start, len(hashes))],
             max_tokens=[sampling.max_tokens],
-            caches=[build_cache(self.model, self.kinds, list(cached)) if cached else None],
+            caches=[build_cache(self.model, self.kinds, prefix) if prefix else None],
             all_tokens=[prompt[:start]],
             samplers=[make_request_sampler(sampling)],
             logits_processors=[processors],
@@ -262,6 +295,21 @@ class Engine:
         self._by_uid[uid] = req
         return req
 
+    def _partial_hit(self, prompt: list[int], start: int, parent: str | None) -> KVBlock | None:
+        """After the whole blocks, the longest run of the prompt's next tokens that a block in
+        RAM following the same parent shares (a full block of another prompt, or a tail), cut
+        to that length: a shared chat template, a repeated prompt's last partial block and a
+        new ending reuse every token they share, not only whole blocks. Plain KV models
+        only (recurrent state exists only at a block's end), and one prompt token is always
+        left to run through the model."""
+        if not self.caching or self.hybrid:
+            return None
+        room = min(self.block_size, len(prompt) - 1 - start)
+        if room <= 0:
+            return None
+        block, n = self.blocks.best_partial(parent, prompt[start : start + room])
+        return head(block, n) if block is not None and n > 0 else None
+
     def _segments(self, prompt: list[int], start: int, n_blocks: int) -> list[list[int]]:
         """Split the uncached prompt where blocks should be cut during prefill: at the last
         full block for plain KV models (KV can be sliced afterwards), at every block boundary
@@ -277,17 +325,20 @@ class Engine:
         segments.append(prompt[lo:])
         return segments
 
-    def _cut(self, req: Request, cache: list[Any], n_tokens: int, hashes: list[str]) -> None:
-        """Keep the blocks of ``cache`` (n_tokens long) that are not stored yet."""
-        last = min(n_tokens // self.block_size, len(hashes))
+    def _cut(self, req: Request, cache: list[Any], tokens: list[int], hashes: list[str]) -> None:
+        """Keep the blocks of ``cache`` (holding ``tokens``) that are not stored yet."""
+        last = min(len(tokens) // self.block_size, len(hashes))
         first = last - 1 if self.hybrid else req.stored
         if last <= req.stored or first < 0:
             return
-        for blk in cut_blocks(cache, self.kinds, first, last, self.block_size, hashes):
-            if blk.block_hash not in self.blocks:
-                self.blocks[blk.block_hash] = blk
-                self.new_blocks.append((req.request_id, blk))
+        for blk in cut_blocks(cache, self.kinds, first, last, self.block_size, hashes, tokens):
+            self._keep(req, blk)
         req.stored = last
+
+    def _keep(self, req: Request, blk: KVBlock) -> None:
+        if blk.block_hash not in self.blocks:
+            self.blocks[blk.block_hash] = blk
+            self.new_blocks.append((req.request_id, blk))
 
     def take_new_blocks(self) -> list[tuple[str, KVBlock]]:
         blocks, self.new_blocks = self.new_blocks, []
@@ -327,19 +378,36 @@ class Engine:
             admit = self._gate(limit, max(floor, self.memory.weights_bytes), events)
             if not self.requests:
                 return events
-        configured = self.gen.prefill_batch_size
+        gen = self.gen
+        configured = gen.prefill_batch_size
+        prefilling = len(gen._prompt_batch)
         if admit is not None:
             # BatchGenerator takes min(prefill_batch_size - prefilling, ...) new sequences.
-            self.gen.prefill_batch_size = len(self.gen._prompt_batch) + admit
-        counted = self.gen._counters.prompt_tokens
+            gen.prefill_batch_size = prefilling + admit
+        budget = self._prefill_budget()
+        self.last_prefill_budget = budget
+        if budget is not None:
+            # Fewer prompts at a time, each with a real chunk, rather than all of them crawling:
+            # the first in line gets its first token soonest.
+            joiners = max(1, budget // self._min_chunk) - prefilling
+            gen.prefill_batch_size = prefilling + max(0, min(
+                joiners, gen.prefill_batch_size - prefilling))
+            n = max(1, min(gen.prefill_batch_size, prefilling + len(gen._unprocessed_sequences)))
+            self._set_chunk(max(self._min_chunk, budget // n))
+        counted = gen._counters.prompt_tokens
+        decoding = len(gen._generation_batch)
+        began = time.perf_counter()
         try:
-            prompt_responses, responses = self.gen.next()
-            self.prefill_tokens += self.gen._counters.prompt_tokens - counted
+            prompt_responses, responses = gen.next()
         except Exception as exc:  # the model step failed: no request in it can go on
             log.exception("batch step failed; failing %d requests", len(self.requests))
             return events + self._fail_all(f"engine step failed: {exc}")
         finally:
-            self.gen.prefill_batch_size = configured
+            gen.prefill_batch_size = configured
+            if budget is not None:
+                self._set_chunk(self.prefill_step_size)
+        self._measure(gen._counters.prompt_tokens - counted, decoding,
+                      time.perf_counter() - began)
         self.steps += 1
         if any(r.end_of_prompt for r in prompt_responses):
             # Sequences joined the generation batch: its cache is rebuilt, padded to the
@@ -361,6 +429,41 @@ class Engine:
                 events.append(self._finish(req, "error", error=str(exc), status=500))
         return events
 
+    def _prefill_budget(self) -> int | None:
+        """Prompt tokens this step may prefill (None: no limit beyond the chunk size).
+
+        While sequences decode, the step's prefill is held to ``prefill_interleave`` times a
+        decode step, from the measured time of a decode step and of one prompt token (which
+        grows with the context, so it is re-measured every step): a 2,000-token prompt then
+        arrives without stalling the streams. With nothing decoding, prefill runs flat out."""
+        if (self.prefill_interleave <= 0 or not len(self.gen._generation_batch)
+                or self._decode_s is None or self._token_s is None):
+            return None
+        tokens = int(self.prefill_interleave * self._decode_s / self._token_s)
+        return max(self._min_chunk, min(tokens, self.prefill_step_size))
+
+    @property
+    def _min_chunk(self) -> int:
+        return min(MIN_PREFILL_CHUNK, self.prefill_step_size)
+
+    def _set_chunk(self, n: int) -> None:
+        self.gen.prefill_step_size = n
+        self.gen._prompt_batch.prefill_step_size = n
+
+    def _measure(self, tokens: int, decoding: int, wall: float) -> None:
+        """Learn a decode step's time from steps without prefill, and a prompt token's from
+        the rest of the steps' time. Whole steps are timed: MLX evaluates lazily and the
+        decode runs one step ahead, so the work cannot be told apart inside a step."""
+        self.prefill_tokens += tokens
+        if not tokens:
+            if decoding:
+                self._decode_s = _ema(self._decode_s, wall)
+            return
+        spent = wall - (self._decode_s or 0.0 if decoding else 0.0)
+        if decoding and self._decode_s is None:
+            return  # no decode-only step seen yet: cannot split this one
+        self._token_s = _ema(self._token_s, max(spent, 0.0) / tokens)
+
     def _cut_at_boundaries(self, prompt_responses: list[Any]) -> None:
         """A prefill segment ended at a block boundary: cut the blocks it completed."""
         for r in prompt_responses:
@@ -371,7 +474,7 @@ class Engine:
                 continue  # no new block at this boundary: spare the copy of the cache
             try:
                 cache, tokens = self.gen.extract_cache([r.uid])[r.uid]
-                self._cut(req, cache, len(tokens), req.hashes)
+                self._cut(req, cache, tokens, req.hashes)
             except Exception:  # caching is an optimisation: never fail the request for it
                 log.exception("could not cut prefix blocks of %s", req.request_id)
 
@@ -384,13 +487,19 @@ class Engine:
         return (last - first) * self.block_size
 
     def _cut_finished(self, req: Request, cache: list[Any], tokens: list[int]) -> None:
-        """At the end of a request, keep the blocks its answer completed too (plain KV models:
-        the next turn of a conversation resends prompt and answer)."""
+        """At the end of a request, keep the blocks its answer completed too, and what is
+        left after the last whole block as a tail (plain KV models: the next turn of a
+        conversation resends prompt and answer; a repeated prompt ends in that tail)."""
         if not self.caching or self.hybrid or not cache:
             return
         try:
-            self._cut(req, cache, len(tokens),
-                      block_hashes(self.fingerprint, tokens, self.block_size))
+            hashes = block_hashes(self.fingerprint, tokens, self.block_size)
+            self._cut(req, cache, tokens, hashes)
+            start = len(hashes) * self.block_size
+            if start < len(tokens):
+                parent = hashes[-1] if hashes else None
+                self._keep(req, cut_tail(cache, start, tokens, parent,
+                                         parent or self.fingerprint))
         except Exception:
             log.exception("could not cut prefix blocks of %s", req.request_id)
 
@@ -590,6 +699,8 @@ class Engine:
             "steps": self.steps,
             "generated_tokens": self.generated_tokens,
             "prefill_tokens": self.prefill_tokens,
+            "partial_hit_tokens": self.partial_hit_tokens,
+            "prefill_budget": self.last_prefill_budget,
             "gate_failures": self.gate_failures,
         }
 

@@ -7,6 +7,8 @@ models). Blocks cross to other actors only as numpy (``to_numpy``/``from_numpy``
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +45,11 @@ class KVBlock:
     n_tokens: int
     # Per layer: (keys, values) for KV layers, the list of state arrays for ARRAYS layers.
     layers: list[Any]
+    # The token ids the block covers (None when not known): what a partial hit compares.
+    tokens: tuple[int, ...] | None = None
+    # A tail: the partial last block of a finished sequence. RAM only, never written to disk,
+    # never part of a chain; it serves partial hits only.
+    tail: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -59,6 +66,7 @@ def cut_blocks(
     last: int,
     block_size: int,
     hashes: list[str],
+    tokens: Sequence[int] | None = None,
 ) -> list[KVBlock]:
     """Blocks ``first..last-1`` of one sequence's cache (as extracted from the batch).
 
@@ -84,10 +92,112 @@ def cut_blocks(
                 parent_hash=hashes[b - 1] if b > 0 else None,
                 n_tokens=block_size,
                 layers=layers,
+                tokens=None if tokens is None else tuple(tokens[lo:hi]),
             )
         )
     mx.eval([a for blk in blocks for layer in blk.layers if layer for a in layer if a is not None])
     return blocks
+
+
+def cut_tail(
+    cache: list[Any], start: int, tokens: Sequence[int], parent_hash: str | None, key: str
+) -> KVBlock:
+    """The KV of ``tokens[start:]`` (fewer than a block) as a tail block; plain KV models only.
+    ``key`` names what precedes it (the parent's hash, or the model fingerprint at the root)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"tail|{key}|".encode())
+    h.update(",".join(map(str, tokens[start:])).encode())
+    layers = []
+    for c in cache:
+        k, v, _ = c.state
+        layers.append((mx.contiguous(k[..., start:len(tokens), :]),
+                       mx.contiguous(v[..., start:len(tokens), :])))
+    mx.eval([a for layer in layers for a in layer])
+    return KVBlock(block_hash="tail-" + h.hexdigest(), parent_hash=parent_hash,
+                   n_tokens=len(tokens) - start, layers=layers,
+                   tokens=tuple(tokens[start:]), tail=True)
+
+
+def head(block: KVBlock, n: int) -> KVBlock:
+    """The first ``n`` tokens of a plain-KV block (a partial hit): views, no copy."""
+    return KVBlock(
+        block_hash=block.block_hash,
+        parent_hash=block.parent_hash,
+        n_tokens=n,
+        layers=[(k[..., :n, :], v[..., :n, :]) for k, v in block.layers],
+        tokens=None if block.tokens is None else block.tokens[:n],
+        tail=True,
+    )
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading items ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class RamTier:
+    """The RAM tier of the prefix cache: blocks by hash, and each parent's children, so that
+    after the longest chain of whole blocks a prompt can take the longest shared run of
+    tokens from any block that follows the same parent (a partial hit)."""
+
+    def __init__(self) -> None:
+        self._blocks: dict[str, KVBlock] = {}
+        self._children: dict[str | None, dict[str, KVBlock]] = {}
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, h: object) -> bool:
+        return h in self._blocks
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._blocks)
+
+    def __getitem__(self, h: str) -> KVBlock:
+        return self._blocks[h]
+
+    def __setitem__(self, h: str, block: KVBlock) -> None:
+        self.pop(h)
+        self._blocks[h] = block
+        self._children.setdefault(block.parent_hash, {})[h] = block
+
+    def get(self, h: str) -> KVBlock | None:
+        return self._blocks.get(h)
+
+    def values(self) -> Iterator[KVBlock]:
+        return iter(self._blocks.values())
+
+    def pop(self, h: str, default: KVBlock | None = None) -> KVBlock | None:
+        block = self._blocks.pop(h, None)
+        if block is None:
+            return default
+        siblings = self._children.get(block.parent_hash)
+        if siblings is not None:
+            siblings.pop(h, None)
+            if not siblings:
+                del self._children[block.parent_hash]
+        return block
+
+    def best_partial(
+        self, parent: str | None, tokens: Sequence[int]
+    ) -> tuple[KVBlock | None, int]:
+        """The block after ``parent`` sharing the longest run of ``tokens`` (and its length;
+        (None, 0) when none shares a first token). Ties go to the newest block."""
+        best, best_n = None, 0
+        if not tokens:
+            return best, best_n
+        for block in self._children.get(parent, {}).values():
+            if block.tokens is None or not block.tokens or block.tokens[0] != tokens[0]:
+                continue
+            n = common_prefix(block.tokens, tokens)
+            if n >= best_n:
+                best, best_n = block, n
+        return best, best_n
 
 
 def build_cache(model: Any, kinds: list[str], blocks: list[KVBlock]) -> list[Any]:

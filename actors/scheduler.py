@@ -114,6 +114,7 @@ class Scheduler(Actor):
         max_batch_size: int = 32,
         prefill_batch_size: int = 8,
         prefill_step_size: int = 512,
+        prefill_interleave: float = 0.0,
         max_queue: int = 256,
         block_size: int = 0,
         index: str = "cache_index",
@@ -130,6 +131,7 @@ class Scheduler(Actor):
             max_batch_size=max_batch_size,
             prefill_batch_size=prefill_batch_size,
             prefill_step_size=prefill_step_size,
+            prefill_interleave=prefill_interleave,
             block_size=block_size,
         )
         self.index_name = index
@@ -306,12 +308,16 @@ class Scheduler(Actor):
             return  # aborted while reading
         cached = list(loading.ram)
         stored = []
+        size = self.engine.block_size
+        prompt = loading.msg.prompt_tokens
         for data in msg.blocks:
             try:
                 block = from_numpy(data, self.engine.kinds, self.engine.state_sizes)
             except Exception:
                 log.exception("block %s read from disk is unusable", data.block_hash)
                 break
+            # Its tokens are the prompt's at its place in the chain: partial hits compare them.
+            block.tokens = tuple(prompt[len(cached) * size : (len(cached) + 1) * size])
             cached.append(block)
             if block.block_hash not in self.engine.blocks:
                 # Promoted to RAM: the next request with this prefix skips the disk.
@@ -400,6 +406,8 @@ class Scheduler(Actor):
         began = time.monotonic()
         deadline = began + WRITE_WAIT_S
         for request_id, block in new:
+            if block.tail:
+                continue  # tails live in RAM only
             msg = WriteBlock(block=to_numpy(block), request_id=request_id,
                              epoch=self._epochs.get(request_id, 0))
             try:
@@ -464,6 +472,7 @@ class Scheduler(Actor):
             "steps": stats["steps"],
             "generated_tokens": stats["generated_tokens"],
             "prefill_tokens": stats["prefill_tokens"],
+            "partial_hit_tokens": stats["partial_hit_tokens"],
             "gate_failures": stats["gate_failures"],
             "memory_limit_bytes": self.limits.limit if self.limits else 0,
             "retired": self.retired,

@@ -296,6 +296,15 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"prompt tokens per prefill chunk (default: {_DEFAULTS.prefill_step_size})",
     )
     serve_cmd.add_argument(
+        "--prefill-interleave",
+        type=float,
+        metavar="R",
+        default=opt,
+        help="while sequences decode, hold a step's prefill to about R decode steps' time, "
+        "so streams keep flowing past a long prompt; 0: whole chunks "
+        f"(default: {_DEFAULTS.prefill_interleave})",
+    )
+    serve_cmd.add_argument(
         "--max-queue",
         type=int,
         metavar="N",

@@ -201,3 +201,77 @@ def test_hybrid_model_batches_like_mlx_lm(tiny_hybrid_dir):
     res = run(engine)
     for rid, p in prompts.items():
         assert res[rid]["tokens"] == reference_tokens(model, tok, p, 10), rid
+
+
+# -- prefill interleaved with decode -------------------------------------------------------
+
+
+def test_a_long_prompt_is_prefilled_in_budgeted_chunks_while_streams_decode(loaded):
+    """With streams decoding, each step prefills only the budget (from the decode step's and a
+    prompt token's times); every stream gets a token every step; the output is unchanged."""
+    model, tok = loaded
+    long_prompt = encode(tok, " ".join(PROMPTS) * 3)
+    assert len(long_prompt) > 150
+    short = {f"s{i}": encode(tok, p) for i, p in enumerate(PROMPTS[:4])}
+
+    engine = Engine(model, tok, prefill_step_size=512, prefill_interleave=1.0)
+    # Fixed timings so the budget is known: a decode step 8x a prompt token -> 8 tokens a
+    # step, raised to the 16-token floor.
+    engine._measure = lambda *a: None
+    engine._decode_s, engine._token_s = 0.08, 0.01
+    for rid, p in short.items():
+        engine.add(rid, p, greedy(400, ignore_eos=True))
+    got: dict[str, list[int]] = {rid: [] for rid in [*short, "long"]}
+    while any(len(got[r]) == 0 for r in short):
+        for ev in engine.step():
+            if isinstance(ev, TokensGenerated):
+                got[ev.request_id] += ev.token_ids
+    engine.add("long", long_prompt, greedy(8))
+    steps = 0
+    while not got["long"]:
+        before = engine.prefill_tokens
+        counts = {r: len(got[r]) for r in short}
+        for ev in engine.step():
+            if isinstance(ev, TokensGenerated):
+                got[ev.request_id] += ev.token_ids
+        steps += 1
+        assert engine.last_prefill_budget == 16
+        assert engine.prefill_tokens - before <= 16
+        assert all(len(got[r]) == counts[r] + 1 for r in short), "a stream missed a step"
+    assert steps >= len(long_prompt) // 16
+    while "long" in engine.requests:
+        for ev in engine.step():
+            if isinstance(ev, TokensGenerated):
+                got[ev.request_id] += ev.token_ids
+    assert got["long"] == reference_tokens(model, tok, long_prompt, 8)
+    for r in short:
+        engine.abort(r)
+
+
+def test_prefill_runs_whole_chunks_when_nothing_decodes_or_interleave_is_off(loaded):
+    model, tok = loaded
+    engine = Engine(model, tok, prefill_step_size=32, prefill_interleave=1.0)
+    engine._decode_s, engine._token_s = 0.08, 0.01
+    engine.add("a", encode(tok, " ".join(PROMPTS)), greedy(4))
+    engine.step()
+    assert engine.last_prefill_budget is None  # nothing was decoding
+    assert engine.prefill_tokens == 32
+
+    off = Engine(model, tok, prefill_step_size=64, prefill_interleave=0.0)
+    off._decode_s, off._token_s = 0.08, 0.01
+    assert off._prefill_budget() is None
+
+
+def test_step_times_are_learned_from_whole_steps():
+    from actors.engine import EMA
+
+    engine = Engine.__new__(Engine)
+    engine.prefill_tokens = 0
+    engine._decode_s = engine._token_s = None
+    engine._measure(0, 4, 0.2)  # decode only: a decode step is 0.2 s
+    assert engine._decode_s == pytest.approx(0.2)
+    engine._measure(100, 4, 1.2)  # decode + 100 prompt tokens: 10 ms a token
+    assert engine._token_s == pytest.approx(0.01)
+    engine._measure(50, 0, 1.0)  # prefill alone: 20 ms a token, smoothed
+    assert engine._token_s == pytest.approx(EMA * 0.02 + (1 - EMA) * 0.01)
+    assert engine.prefill_tokens == 150

@@ -189,9 +189,9 @@ async def test_request_past_admission_that_breaches_the_chunk_gate_fails_alone(
     aiohttp_client, tiny_model_dir, tok
 ):
     # Chunks of 8 tokens: a 1800-token prompt prefills over ~200 steps, time to tighten the
-    # limit while it does.
+    # limit while it does. Whole chunks (no interleave budget): both prompts prefill at once.
     client, system, handles = await serve(aiohttp_client, str(tiny_model_dir),
-                                          prefill_step_size=8)
+                                          prefill_step_size=8, prefill_interleave=0.0)
     model = handles.models[0].id
     url = str(client.make_url("/v1/completions"))
     async with aiohttp.ClientSession() as session:

@@ -14,7 +14,7 @@ from mlx_lm import load
 from tiny_model import make_tiny_model
 
 from actors.engine import Engine
-from actors.kv_blocks import from_numpy, to_numpy
+from actors.kv_blocks import common_prefix, from_numpy, to_numpy
 from actors.messages import RequestFinished, SamplingParams, TokensGenerated
 from actors.prefix import block_hashes, model_fingerprint, usable_blocks
 
@@ -69,7 +69,13 @@ def test_repeated_prompt_reuses_its_prefix_with_identical_output(arch_fixture, r
     assert len(hit) == n_usable, "every boundary crossed during prefill was captured"
 
     warm, warm_cached = run(engine, "b", prompt, cached=hit)
-    assert warm_cached == n_usable * BLOCK
+    if engine.hybrid:
+        # Recurrent state exists only at block ends: whole blocks only.
+        assert warm_cached == n_usable * BLOCK
+    else:
+        # The whole blocks, then the first request's tail up to the last prompt token (which
+        # must run through the model for the first output's logits).
+        assert warm_cached == len(prompt) - 1
     assert warm == cold
 
 
@@ -119,7 +125,9 @@ def test_answer_blocks_serve_the_next_turn_of_a_conversation(tiny_model_dir):
     reference = make_engine(tiny_model_dir)
     cold, _ = run(reference, "cold", turn2)
     warm, cached_tokens = run(engine, "t2", turn2, cached=hit)
-    assert cached_tokens == len(hit) * BLOCK
+    # Whole blocks, then the first turn's tail: everything its cache held (mlx-lm's
+    # generation runs one token ahead, so its cache ends with the answer's last token).
+    assert cached_tokens == len(prompt) + len(answer)
     assert warm == cold
 
 
@@ -147,3 +155,119 @@ def test_hybrid_blocks_hold_the_recurrent_state_at_their_own_boundary(tiny_hybri
                 continue
             for got, want in zip(layer, c.cache, strict=True):
                 assert mx.allclose(got, want, atol=1e-4).item(), f"block {k}"
+
+
+# -- partial hits: token-granular reuse after the whole blocks ---------------------------------
+
+
+def test_a_shared_beginning_shorter_than_a_block_is_reused(tiny_model_dir):
+    """Two prompts sharing a chat template's worth of tokens (less than a block) and then
+    differing: the second takes the shared tokens from the first's first block."""
+    engine = make_engine(tiny_model_dir)
+    tok = engine.tokenizer
+    first = tok.encode("Sys: terse. Tell me about foxes and dogs and the long grass.")
+    second = tok.encode("Sys: terse. Where do rivers go when they reach the sea?")
+    shared = first[: common_prefix(first, second)]
+    assert 0 < len(shared) < BLOCK
+    run(engine, "a", first)
+    warm, cached = run(engine, "b", second)
+    cold, _ = run(make_engine(tiny_model_dir), "cold", second)
+    assert cached == len(shared)
+    assert warm == cold
+    assert engine.partial_hit_tokens == len(shared)
+
+
+def test_a_new_ending_reuses_every_shared_token(tiny_model_dir):
+    engine = make_engine(tiny_model_dir)
+    tok = engine.tokenizer
+    text = tok.encode(LONG)
+    a = text + tok.encode(" Summarise this in one word.")
+    b = text + tok.encode(" Translate the last sentence into French.")
+    common = common_prefix(a, b)
+    assert common % BLOCK, "the prompts must part inside a block"
+    run(engine, "a", a)
+    warm, cached = run(engine, "b", b, cached=cached_for(engine, b))
+    cold, _ = run(make_engine(tiny_model_dir), "cold", b)
+    assert cached == common
+    assert warm == cold
+
+
+def test_partial_hits_of_different_lengths_batch_together(tiny_model_dir):
+    """Several requests in flight at once, each with a prefix of another length (whole blocks
+    plus part of one, part of one only, none): each gives its cold greedy tokens."""
+    engine = make_engine(tiny_model_dir)
+    tok = engine.tokenizer
+    text = tok.encode(LONG)
+    run(engine, "seed", text)
+    prompts = {
+        "repeat": text,
+        "ending": text[:50] + tok.encode(" and then the dog slept."),
+        "short": text[:5] + tok.encode(" rivers and seas"),
+        "fresh": tok.encode("Entirely different words here, nothing shared at all."),
+    }
+    reference = make_engine(tiny_model_dir)
+    want = {rid: run(reference, rid, p)[0] for rid, p in prompts.items()}
+    got: dict[str, list[int]] = {rid: [] for rid in prompts}
+    cached: dict[str, int] = {}
+    for rid, p in prompts.items():
+        engine.add(rid, p, greedy(), cached=cached_for(engine, p))
+    while engine.has_work:
+        for ev in engine.step():
+            if isinstance(ev, TokensGenerated):
+                got[ev.request_id] += ev.token_ids
+            elif isinstance(ev, RequestFinished):
+                cached[ev.request_id] = ev.usage.cached_tokens
+    assert cached == {"repeat": len(text) - 1, "ending": 50, "short": 5, "fresh": 0}
+    assert got == want
+
+
+def test_hybrid_models_take_whole_blocks_only(tiny_hybrid_dir):
+    engine = make_engine(tiny_hybrid_dir)
+    tok = engine.tokenizer
+    text = tok.encode(LONG)
+    run(engine, "a", text)
+    b = text[: BLOCK + 5] + tok.encode(" something else entirely")
+    _, cached = run(engine, "b", b, cached=cached_for(engine, b))
+    assert cached == BLOCK
+    assert engine.partial_hit_tokens == 0
+    assert not any(blk.tail for blk in engine.blocks.values())
+
+
+def test_tails_are_ram_only_and_named_by_what_precedes_them(tiny_model_dir):
+    engine = make_engine(tiny_model_dir)
+    prompt = engine.tokenizer.encode(LONG)
+    run(engine, "a", prompt)
+    new = engine.take_new_blocks()
+    tails = [blk for _, blk in new if blk.tail]
+    assert len(tails) == 1
+    (tail,) = tails
+    whole = [blk for _, blk in new if not blk.tail]
+    total = len(prompt) + 12  # prompt and answer (generation runs one token ahead)
+    assert tail.n_tokens == total % BLOCK
+    assert tail.parent_hash == whole[-1].block_hash
+    assert len(whole) == total // BLOCK
+    assert tail.layers[0][0].shape[2] == tail.n_tokens
+
+
+def test_ram_tier_tracks_children_and_prefers_the_longest_run():
+    from actors.kv_blocks import KVBlock, RamTier
+
+    def blk(h, parent, tokens):
+        return KVBlock(block_hash=h, parent_hash=parent, n_tokens=len(tokens), layers=[],
+                       tokens=tuple(tokens))
+
+    tier = RamTier()
+    tier["a"] = blk("a", None, [1, 2, 3, 4])
+    tier["b"] = blk("b", None, [1, 2, 9, 9])
+    tier["c"] = blk("c", "a", [5, 6])
+    assert tier.best_partial(None, [1, 2, 3, 7]) == (tier["a"], 3)
+    assert tier.best_partial(None, [1, 2, 9]) == (tier["b"], 3)
+    assert tier.best_partial(None, [8]) == (None, 0)
+    assert tier.best_partial("a", [5, 0]) == (tier["c"], 1)
+    assert tier.best_partial(None, []) == (None, 0)
+    tier.pop("a")
+    assert tier.best_partial(None, [1, 2, 3, 7]) == (tier["b"], 2)
+    assert "a" not in tier and len(tier) == 2
+    tier.pop("b")
+    assert tier.best_partial(None, [1, 2]) == (None, 0)
+    assert tier._children == {"a": {"c": tier["c"]}}
