@@ -6,7 +6,7 @@ request plays (see ``_play``). The ``scripted`` and ``client`` fixtures serve it
 binds them by name: ``scripted, client = http_stack.scripted, http_stack.client``), and
 ``Scripted.app``/``Scripted.start`` serve it with other settings. ``real_stack`` starts the
 real serving actors on a model directory and serves them with ``api.server.serve_http``, the
-embedding API ``troupe serve`` uses.
+embedding API ``troupe serve`` uses; ``real_client`` puts them behind a test client.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from aiohttp import web
@@ -44,6 +44,9 @@ from api.app import create_app
 from api.server import HttpServer, serve_http, start_http
 from runtime import Actor, ActorRef, ActorSystem, Message, Reply, ReplyStream
 from runtime.reply import open_reply
+
+if TYPE_CHECKING:
+    from actors.serving import ServingHandles
 
 MODEL = "tiny-test"
 BUSY_MODEL = "busy-test"  # admission refuses it with 429 and Retry-After
@@ -248,6 +251,24 @@ async def real_stack(model_dir: Path, **fields: Any) -> AsyncIterator[RealStack]
         async with serve_http(system, config, handles) as server:
             card = handles.models[0]
             yield RealStack(server=server, system=system, model=card.id, model_path=card.path)
+
+
+async def real_client(
+    aiohttp_client: Any, config: ServeConfig
+) -> tuple[TestClient, ActorSystem, ServingHandles]:
+    """The real serving actors behind a test client; they stop when its app cleans up."""
+    from actors.serving import start_serving  # imports MLX: only tests that need it pay
+
+    system = ActorSystem()
+    await system.__aenter__()
+    handles = await start_serving(system, config)
+    app = create_app(system=system, admission=handles.admission, config=config)
+
+    async def close_system(_app: web.Application) -> None:
+        await system.__aexit__(None, None, None)
+
+    app.on_cleanup.append(close_system)
+    return await aiohttp_client(app), system, handles
 
 
 def parse_named_sse(body: str) -> list[tuple[str, dict[str, Any]]]:
