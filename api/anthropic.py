@@ -8,7 +8,6 @@ prompt tokens through either API. Answers and streams follow Anthropic's shapes 
 
 from __future__ import annotations
 
-import uuid
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -17,8 +16,8 @@ from msgspec import Meta
 
 from actors.config import ServeConfig
 from actors.messages import (
-    AdmissionTicket,
     AdmitChat,
+    Admitted,
     CountTokens,
     RequestEvent,
     RequestFinished,
@@ -28,7 +27,8 @@ from actors.messages import (
 )
 from api.decode import decode_body
 from api.errors import ApiError, ask_admission
-from api.generation import Renderer, answer
+from api.generation import Renderer
+from api.generation_route import generate
 from api.shutdown import generation
 from api.sse import Frame
 from api.telemetry import RECORD
@@ -95,6 +95,8 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
 
 
 class TextBlock(msgspec.Struct, kw_only=True):
+    """A text content block (``type`` "text"), or a text delta (``type`` "text_delta")."""
+
     type: str
     text: str
 
@@ -122,26 +124,19 @@ class MessageStart(msgspec.Struct, kw_only=True):
     message: Message
 
 
-class ContentBlockStart(msgspec.Struct, kw_only=True):
+class ContentBlockEvent(msgspec.Struct, kw_only=True):
+    """An event about one content block: content_block_stop as it is; start and delta add."""
+
     type: str
     index: int
+
+
+class ContentBlockStart(ContentBlockEvent, kw_only=True):
     content_block: TextBlock
 
 
-class TextDelta(msgspec.Struct, kw_only=True):
-    type: str
-    text: str
-
-
-class ContentBlockDelta(msgspec.Struct, kw_only=True):
-    type: str
-    index: int
-    delta: TextDelta
-
-
-class ContentBlockStop(msgspec.Struct, kw_only=True):
-    type: str
-    index: int
+class ContentBlockDelta(ContentBlockEvent, kw_only=True):
+    delta: TextBlock
 
 
 class StopDelta(msgspec.Struct, kw_only=True):
@@ -314,11 +309,11 @@ def stop_details(
 
 
 class _MessagesRenderer(Renderer):
-    def __init__(self, message_id: str, model: str, prompt_tokens: int, stops: list[str]) -> None:
-        self.message_id = message_id
-        self.model = model
-        self.prompt_tokens = prompt_tokens
-        self.stops = stops
+    def __init__(self, req: MessagesRequest, msg: AdmitChat, admitted: Admitted) -> None:
+        self.message_id = msg.request_id
+        self.model = admitted.model
+        self.prompt_tokens = admitted.prompt_tokens
+        self.stops = msg.sampling.stop
         self.delivered = 0
 
     def _usage(self, prompt_tokens: int, cached: int, output_tokens: int) -> MessageUsage:
@@ -366,7 +361,7 @@ class _MessagesRenderer(Renderer):
         if not event.text:
             return []
         delta = ContentBlockDelta(
-            type="content_block_delta", index=0, delta=TextDelta(type="text_delta", text=event.text)
+            type="content_block_delta", index=0, delta=TextBlock(type="text_delta", text=event.text)
         )
         return [("content_block_delta", _encoder.encode(delta))]
 
@@ -377,9 +372,9 @@ class _MessagesRenderer(Renderer):
             delta=StopDelta(stop_reason=reason, stop_sequence=sequence),
             usage=OutputUsage(output_tokens=finished.usage.completion_tokens),
         )
+        stop = ContentBlockEvent(type="content_block_stop", index=0)
         return [
-            ("content_block_stop", _encoder.encode(ContentBlockStop(type="content_block_stop",
-                                                                    index=0))),
+            ("content_block_stop", _encoder.encode(stop)),
             ("message_delta", _encoder.encode(delta)),
             ("message_stop", _encoder.encode(Bare(type="message_stop"))),
         ]
@@ -416,16 +411,9 @@ class AnthropicRoutes:
     @generation
     async def messages(self, request: web.Request) -> web.StreamResponse:
         """``POST /v1/messages``."""
-        req = decode_body(await request.read(), _messages_decoder)
-        message_id = f"msg_{uuid.uuid4().hex}"
-        record = request[RECORD]
-        record.request_id, record.model = message_id, req.model
-        msg = admit_message(req, message_id)
-        ticket: AdmissionTicket = await ask_admission(self.admission, msg)
-        renderer = _MessagesRenderer(
-            message_id, ticket.admitted.model, ticket.admitted.prompt_tokens, msg.sampling.stop
+        return await generate(
+            request, self.admission, _messages_decoder, "msg_", admit_message, _MessagesRenderer
         )
-        return await answer(request, ticket, renderer, stream=bool(req.stream))
 
     async def count_tokens(self, request: web.Request) -> web.Response:
         """``POST /v1/messages/count_tokens``: the prompt's size, without generating."""

@@ -8,8 +8,8 @@ OpenAI's response objects: whole, or as server-sent chunks.
 from __future__ import annotations
 
 import time
-import uuid
 from abc import abstractmethod
+from functools import partial
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -18,9 +18,9 @@ from msgspec import Meta
 
 from actors.config import ServeConfig
 from actors.messages import (
-    AdmissionTicket,
     AdmitChat,
     AdmitCompletion,
+    Admitted,
     ListModels,
     ModelCard,
     RequestEvent,
@@ -30,12 +30,11 @@ from actors.messages import (
     TokensGenerated,
     Usage,
 )
-from api.decode import decode_body
 from api.errors import ApiError, ask_admission
-from api.generation import Renderer, answer
+from api.generation import Renderer
+from api.generation_route import generate
 from api.shutdown import generation
 from api.sse import DONE, Frame
-from api.telemetry import RECORD
 from runtime import ActorRef
 
 # --- request schemas -----------------------------------------------------------------------
@@ -162,11 +161,16 @@ class ChatChoice(msgspec.Struct, kw_only=True):
     finish_reason: str
 
 
-class ChatCompletion(msgspec.Struct, kw_only=True):
+class OpenAIObject(msgspec.Struct, kw_only=True):
+    """The fields every response object and chunk starts with."""
+
     id: str
     object: str
     created: int
     model: str
+
+
+class ChatCompletion(OpenAIObject, kw_only=True):
     choices: list[ChatChoice]
     usage: UsageOut
 
@@ -183,12 +187,8 @@ class ChatChunkChoice(msgspec.Struct, kw_only=True):
     finish_reason: str | None
 
 
-class ChatCompletionChunk(msgspec.Struct, kw_only=True, omit_defaults=True):
+class ChatCompletionChunk(OpenAIObject, kw_only=True, omit_defaults=True):
     # omit_defaults drops ``usage`` from every chunk but the usage chunk.
-    id: str
-    object: str
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
     usage: UsageOut | None = None
 
@@ -200,13 +200,9 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     finish_reason: str | None
 
 
-class Completion(msgspec.Struct, kw_only=True, omit_defaults=True):
+class Completion(OpenAIObject, kw_only=True, omit_defaults=True):
     """A ``text_completion`` object: the whole answer, or one streamed chunk of it."""
 
-    id: str
-    object: str
-    created: int
-    model: str
     choices: list[CompletionChoice]
     usage: UsageOut | None = None
 
@@ -295,10 +291,6 @@ def _sampling(
         top_logprobs=top_logprobs,
         **{name: value for name, value in fields.items() if value is not None},
     )
-
-
-def _include_usage(req: SamplingRequest) -> bool:
-    return bool(req.stream_options and req.stream_options.include_usage)
 
 
 def admit_chat(req: ChatCompletionRequest, request_id: str, default_max_tokens: int) -> AdmitChat:
@@ -422,12 +414,29 @@ def _legacy_logprobs(items: list[TokenLogprob], offset: int) -> CompletionLogpro
 class _OpenAIRenderer(Renderer):
     """What chat and legacy completions share: ids, ``[DONE]``, the error event."""
 
-    def __init__(self, request_id: str, model: str, *, logprobs: bool, include_usage: bool) -> None:
-        self.request_id = request_id
-        self.model = model
-        self.logprobs = logprobs
-        self.include_usage = include_usage
+    def __init__(
+        self, req: SamplingRequest, msg: AdmitChat | AdmitCompletion, admitted: Admitted
+    ) -> None:
+        self.request_id = msg.request_id
+        self.model = admitted.model
+        self.logprobs = msg.sampling.logprobs
+        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
         self.created = int(time.time())
+
+    def _encode(
+        self, kind: type[OpenAIObject], name: str, choices: list[Any], usage: UsageOut | None
+    ) -> bytes:
+        """A response object or chunk of this request; ``name`` is its ``object`` field."""
+        return _encoder.encode(
+            kind(
+                id=self.request_id,
+                object=name,
+                created=self.created,
+                model=self.model,
+                choices=choices,
+                usage=usage,
+            )
+        )
 
     def opening(self, first: RequestEvent) -> list[Frame]:
         return []
@@ -452,41 +461,27 @@ class _OpenAIRenderer(Renderer):
 
 
 class _ChatRenderer(_OpenAIRenderer):
-    def _chunk(self, delta: Delta, logprobs: ChatLogprobs | None, finish: str | None) -> bytes:
+    def _chunk(self, choices: list[ChatChunkChoice], usage: UsageOut | None = None) -> bytes:
+        return self._encode(ChatCompletionChunk, "chat.completion.chunk", choices, usage)
+
+    def _choice(self, delta: Delta, logprobs: ChatLogprobs | None, finish: str | None) -> bytes:
         choice = ChatChunkChoice(index=0, delta=delta, logprobs=logprobs, finish_reason=finish)
-        return _encoder.encode(
-            ChatCompletionChunk(
-                id=self.request_id,
-                object="chat.completion.chunk",
-                created=self.created,
-                model=self.model,
-                choices=[choice],
-            )
-        )
+        return self._chunk([choice])
 
     def opening(self, first: RequestEvent) -> list[Frame]:
-        return [(None, self._chunk(Delta(role="assistant", content=""), None, None))]
+        return [(None, self._choice(Delta(role="assistant", content=""), None, None))]
 
     def delta(self, event: TokensGenerated) -> list[Frame]:
         logprobs = _chat_logprobs(event.logprobs) if self.logprobs and event.logprobs else None
         if not event.text and logprobs is None:
             return []
-        return [(None, self._chunk(Delta(content=event.text), logprobs, None))]
+        return [(None, self._choice(Delta(content=event.text), logprobs, None))]
 
     def finish_chunk(self, finished: RequestFinished) -> bytes:
-        return self._chunk(Delta(), None, finished.finish_reason)
+        return self._choice(Delta(), None, finished.finish_reason)
 
     def usage_chunk(self, usage: Usage) -> bytes:
-        return _encoder.encode(
-            ChatCompletionChunk(
-                id=self.request_id,
-                object="chat.completion.chunk",
-                created=self.created,
-                model=self.model,
-                choices=[],
-                usage=_usage(usage),
-            )
-        )
+        return self._chunk([], _usage(usage))
 
     def whole(self, deltas: list[TokensGenerated], finished: RequestFinished) -> bytes:
         logprobs = [item for event in deltas for item in event.logprobs or ()]
@@ -498,34 +493,16 @@ class _ChatRenderer(_OpenAIRenderer):
             logprobs=_chat_logprobs(logprobs) if self.logprobs else None,
             finish_reason=finished.finish_reason,
         )
-        return _encoder.encode(
-            ChatCompletion(
-                id=self.request_id,
-                object="chat.completion",
-                created=self.created,
-                model=self.model,
-                choices=[choice],
-                usage=_usage(finished.usage),
-            )
-        )
+        return self._encode(ChatCompletion, "chat.completion", [choice], _usage(finished.usage))
 
 
 class _CompletionRenderer(_OpenAIRenderer):
-    def __init__(self, request_id: str, model: str, *, logprobs: bool, include_usage: bool) -> None:
-        super().__init__(request_id, model, logprobs=logprobs, include_usage=include_usage)
+    def __init__(self, req: CompletionRequest, msg: AdmitCompletion, admitted: Admitted) -> None:
+        super().__init__(req, msg, admitted)
         self._text_offset = 0  # legacy logprobs count characters across the whole answer
 
-    def _encode(self, choices: list[CompletionChoice], usage: UsageOut | None = None) -> bytes:
-        return _encoder.encode(
-            Completion(
-                id=self.request_id,
-                object="text_completion",
-                created=self.created,
-                model=self.model,
-                choices=choices,
-                usage=usage,
-            )
-        )
+    def _chunk(self, choices: list[CompletionChoice], usage: UsageOut | None = None) -> bytes:
+        return self._encode(Completion, "text_completion", choices, usage)
 
     def delta(self, event: TokensGenerated) -> list[Frame]:
         logprobs = None
@@ -535,16 +512,16 @@ class _CompletionRenderer(_OpenAIRenderer):
         if not event.text and logprobs is None:
             return []
         choice = CompletionChoice(index=0, text=event.text, logprobs=logprobs, finish_reason=None)
-        return [(None, self._encode([choice]))]
+        return [(None, self._chunk([choice]))]
 
     def finish_chunk(self, finished: RequestFinished) -> bytes:
         choice = CompletionChoice(
             index=0, text="", logprobs=None, finish_reason=finished.finish_reason
         )
-        return self._encode([choice])
+        return self._chunk([choice])
 
     def usage_chunk(self, usage: Usage) -> bytes:
-        return self._encode([], _usage(usage))
+        return self._chunk([], _usage(usage))
 
     def whole(self, deltas: list[TokensGenerated], finished: RequestFinished) -> bytes:
         logprobs = [item for event in deltas for item in event.logprobs or ()]
@@ -554,7 +531,7 @@ class _CompletionRenderer(_OpenAIRenderer):
             logprobs=_legacy_logprobs(logprobs, 0) if self.logprobs else None,
             finish_reason=finished.finish_reason,
         )
-        return self._encode([choice], _usage(finished.usage))
+        return self._chunk([choice], _usage(finished.usage))
 
 
 # --- routes --------------------------------------------------------------------------------
@@ -578,32 +555,18 @@ class OpenAIRoutes:
     @generation
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         """``POST /v1/chat/completions``."""
-        req = decode_body(await request.read(), _chat_decoder)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        record = request[RECORD]
-        record.request_id, record.model = request_id, req.model
-        msg = admit_chat(req, request_id, self.config.default_max_tokens)
-        ticket: AdmissionTicket = await ask_admission(self.admission, msg)
-        renderer = _ChatRenderer(
-            request_id, ticket.admitted.model, logprobs=bool(req.logprobs),
-            include_usage=_include_usage(req),
+        admit = partial(admit_chat, default_max_tokens=self.config.default_max_tokens)
+        return await generate(
+            request, self.admission, _chat_decoder, "chatcmpl-", admit, _ChatRenderer
         )
-        return await answer(request, ticket, renderer, stream=bool(req.stream))
 
     @generation
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """``POST /v1/completions``."""
-        req = decode_body(await request.read(), _completion_decoder)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        record = request[RECORD]
-        record.request_id, record.model = request_id, req.model
-        msg = admit_completion(req, request_id, self.config.default_max_tokens)
-        ticket: AdmissionTicket = await ask_admission(self.admission, msg)
-        renderer = _CompletionRenderer(
-            request_id, ticket.admitted.model, logprobs=req.logprobs is not None,
-            include_usage=_include_usage(req),
+        admit = partial(admit_completion, default_max_tokens=self.config.default_max_tokens)
+        return await generate(
+            request, self.admission, _completion_decoder, "cmpl-", admit, _CompletionRenderer
         )
-        return await answer(request, ticket, renderer, stream=bool(req.stream))
 
     async def models(self, request: web.Request) -> web.Response:
         """``GET /v1/models``."""

@@ -1,9 +1,12 @@
 """Servers for the HTTP tests: a scripted admission actor (no model) and the real stack.
 
-``ScriptedAdmission`` answers like the real admission actor; the text of the last message
-(or the prompt) names the script its request plays (see ``SCRIPTS``). ``real_stack`` starts
-the real serving actors on a model directory and serves them with ``api.server.serve_http``,
-the embedding API ``troupe serve`` uses.
+This is the one place the tests start a server stack. ``ScriptedAdmission`` answers like the
+real admission actor; the text of the last message (or the prompt) names the script its
+request plays (see ``_play``). The ``scripted`` and ``client`` fixtures serve it (a test module
+binds them by name: ``scripted, client = http_stack.scripted, http_stack.client``), and
+``Scripted.app``/``Scripted.start`` serve it with other settings. ``real_stack`` starts the
+real serving actors on a model directory and serves them with ``api.server.serve_http``, the
+embedding API ``troupe serve`` uses; ``real_client`` puts them behind a test client.
 """
 
 from __future__ import annotations
@@ -12,9 +15,13 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient
 
 from actors.config import ServeConfig
 from actors.messages import (
@@ -28,26 +35,52 @@ from actors.messages import (
     ModelCard,
     RequestFinished,
     RequestStarted,
+    TokenLogprob,
     TokensGenerated,
+    TopLogprob,
     Usage,
 )
-from api.server import HttpServer, serve_http
-from runtime import Actor, ActorRef, ActorSystem, Message, Reply
+from api.app import create_app
+from api.server import HttpServer, serve_http, start_http
+from runtime import Actor, ActorRef, ActorSystem, Message, Reply, ReplyStream
 from runtime.reply import open_reply
+
+if TYPE_CHECKING:
+    from actors.serving import ServingHandles
 
 MODEL = "tiny-test"
 BUSY_MODEL = "busy-test"  # admission refuses it with 429 and Retry-After
 DELTAS = ["Hel", "lo", " world"]
 STOP = "END"
+MAX_BODY = 4096
+ENDLESS = 4000  # how many tokens the "endless" script sends at the most
 
 
-def _finished(rid: str, reason: str, completion: int, **extra: Any) -> RequestFinished:
+@dataclass
+class Record:
+    """What the scripted admission saw and did, for the tests to assert on."""
+
+    seen: list[Message] = field(default_factory=list)
+    # Held here so that only an explicit close (not garbage collection of the handler's
+    # last reference) can mark a consumer gone: the tests pin the explicit close.
+    streams: list[ReplyStream[Any]] = field(default_factory=list)
+    consumer_gone: asyncio.Event = field(default_factory=asyncio.Event)
+    tokens_sent: int = 0
+
+
+def _finished(
+    rid: str, reason: str, completion: int, cached: int = 2, **extra: Any
+) -> RequestFinished:
     return RequestFinished(
         request_id=rid,
         finish_reason=reason,
-        usage=Usage(prompt_tokens=5, completion_tokens=completion, cached_tokens=2),
+        usage=Usage(prompt_tokens=5, completion_tokens=completion, cached_tokens=cached),
         **extra,
     )
+
+
+def _failed(rid: str, completion: int, error: str, status: int) -> RequestFinished:
+    return _finished(rid, "error", completion, cached=0, error=error, error_status=status)
 
 
 def _matched_stop() -> dict[str, Any]:
@@ -55,42 +88,43 @@ def _matched_stop() -> dict[str, Any]:
     return {"stop_sequence": STOP} if "stop_sequence" in RequestFinished.__struct_fields__ else {}
 
 
-async def _play(reply: Reply, rid: str, script: str) -> None:
+def _logprob(token: str, token_id: int) -> TokenLogprob:
+    top = TopLogprob(token=token, token_id=token_id, logprob=-0.25, bytes=list(token.encode()))
+    alt = TopLogprob(token="X", token_id=99, logprob=-2.5, bytes=[88])
+    return TokenLogprob(
+        token=token,
+        token_id=token_id,
+        logprob=-0.25,
+        bytes=list(token.encode()),
+        top_logprobs=[top, alt],
+    )
+
+
+async def _play(reply: Reply, rid: str, script: str, logprobs: bool, record: Record) -> None:
     if script == "refuse-before-start":
-        reply.send(
-            RequestFinished(
-                request_id=rid,
-                finish_reason="error",
-                usage=Usage(prompt_tokens=5, completion_tokens=0),
-                error="The scheduler queue is full.",
-                error_status=429,
-            )
-        )
+        reply.send(_failed(rid, 0, "The scheduler queue is full.", 429))
         reply.close()
         return
     reply.send(RequestStarted(request_id=rid, prompt_tokens=5, cached_tokens=2))
     if script == "endless":
-        for i in range(4000):
+        for i in range(ENDLESS):
             if not reply.send(TokensGenerated(request_id=rid, text="x", token_ids=[i])):
                 break
+            record.tokens_sent += 1
             await asyncio.sleep(0.005)
+        if reply.consumer_gone:
+            record.consumer_gone.set()
         reply.close()
         return
     if script == "fail-mid-stream":
         reply.send(TokensGenerated(request_id=rid, text="partial", token_ids=[1]))
-        reply.send(
-            RequestFinished(
-                request_id=rid,
-                finish_reason="error",
-                usage=Usage(prompt_tokens=5, completion_tokens=1),
-                error="Out of memory during decode.",
-                error_status=503,
-            )
-        )
+        reply.send(_failed(rid, 1, "Out of memory during decode.", 503))
         reply.close()
         return
     for i, text in enumerate(DELTAS):
-        reply.send(TokensGenerated(request_id=rid, text=text, token_ids=[i]))
+        token_logprobs = [_logprob(text, i)] if logprobs else None
+        reply.send(TokensGenerated(request_id=rid, text=text, token_ids=[i],
+                                   logprobs=token_logprobs))
         await asyncio.sleep(0.1 if script == "slow" else 0)
     if script == "length":
         reply.send(_finished(rid, "length", len(DELTAS)))
@@ -110,14 +144,14 @@ def _script(msg: AdmitChat | AdmitCompletion) -> str:
 
 
 class ScriptedAdmission(Actor):
-    """Answers like the real admission actor; records what it was asked in ``seen``."""
+    """Answers like the real admission actor; records what it was asked and did in ``record``."""
 
-    def __init__(self, seen: list[Message]) -> None:
-        self.seen = seen
+    def __init__(self, record: Record) -> None:
+        self.record = record
         self.tasks: set[asyncio.Task[None]] = set()
 
     async def handle(self, msg: Message) -> Any:
-        self.seen.append(msg)
+        self.record.seen.append(msg)
         match msg:
             case ListModels():
                 return [ModelCard(id=MODEL, context_length=4096, source="test", path="/nowhere")]
@@ -130,7 +164,9 @@ class ScriptedAdmission(Actor):
                 if script == "crash-admission":
                     raise RuntimeError("admission bug")
                 reply, events = open_reply()
-                task = asyncio.create_task(_play(reply, msg.request_id, script))
+                self.record.streams.append(events)
+                play = _play(reply, msg.request_id, script, msg.sampling.logprobs, self.record)
+                task = asyncio.create_task(play)
                 self.tasks.add(task)
                 task.add_done_callback(self.tasks.discard)
                 admitted = Admitted(request_id=msg.request_id, model=msg.model, prompt_tokens=5)
@@ -146,7 +182,7 @@ class ScriptedAdmission(Actor):
                                  code="model_not_found")
 
     def report(self) -> dict[str, Any]:
-        return {"admitted": len(self.seen), "refused": {"404": 1}}
+        return {"admitted": len(self.record.seen), "refused": {"404": 1}}
 
 
 @dataclass
@@ -155,18 +191,45 @@ class Scripted:
 
     system: ActorSystem
     admission: ActorRef
-    seen: list[Message]
+    record: Record
+
+    @property
+    def seen(self) -> list[Message]:
+        """Every message the admission was asked, in order."""
+        return self.record.seen
 
     def config(self, **fields: Any) -> ServeConfig:
-        return ServeConfig(port=0, default_max_tokens=77, max_body_bytes=4096, **fields)
+        return ServeConfig(port=0, default_max_tokens=77, max_body_bytes=MAX_BODY, **fields)
+
+    def app(self, **fields: Any) -> web.Application:
+        """The HTTP app on the scripted admission, with ``config(**fields)``."""
+        return create_app(system=self.system, admission=self.admission,
+                          config=self.config(**fields))
+
+    async def start(self, **fields: Any) -> HttpServer:
+        """The HTTP app served on a free port of 127.0.0.1; the caller closes it."""
+        return await start_http(self.system, self.config(**fields), self)
 
 
 @asynccontextmanager
 async def scripted_system() -> AsyncIterator[Scripted]:
     async with ActorSystem() as system:
-        seen: list[Message] = []
-        admission = await system.spawn(ScriptedAdmission, name="admission", seen=seen)
-        yield Scripted(system=system, admission=admission, seen=seen)
+        record = Record()
+        admission = await system.spawn(ScriptedAdmission, name="admission", record=record)
+        yield Scripted(system=system, admission=admission, record=record)
+
+
+@pytest.fixture
+async def scripted() -> AsyncIterator[Scripted]:
+    """A scripted admission in a running actor system."""
+    async with scripted_system() as stack:
+        yield stack
+
+
+@pytest.fixture
+async def client(aiohttp_client: Any, scripted: Scripted) -> TestClient:
+    """A test client of the app on the scripted admission."""
+    return await aiohttp_client(scripted.app())
 
 
 @dataclass
@@ -188,6 +251,24 @@ async def real_stack(model_dir: Path, **fields: Any) -> AsyncIterator[RealStack]
         async with serve_http(system, config, handles) as server:
             card = handles.models[0]
             yield RealStack(server=server, system=system, model=card.id, model_path=card.path)
+
+
+async def real_client(
+    aiohttp_client: Any, config: ServeConfig
+) -> tuple[TestClient, ActorSystem, ServingHandles]:
+    """The real serving actors behind a test client; they stop when its app cleans up."""
+    from actors.serving import start_serving  # imports MLX: only tests that need it pay
+
+    system = ActorSystem()
+    await system.__aenter__()
+    handles = await start_serving(system, config)
+    app = create_app(system=system, admission=handles.admission, config=config)
+
+    async def close_system(_app: web.Application) -> None:
+        await system.__aexit__(None, None, None)
+
+    app.on_cleanup.append(close_system)
+    return await aiohttp_client(app), system, handles
 
 
 def parse_named_sse(body: str) -> list[tuple[str, dict[str, Any]]]:

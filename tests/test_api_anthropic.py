@@ -5,11 +5,11 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import anthropic
+import http_stack
 import openai
 import pytest
 from aiohttp.test_utils import TestClient
@@ -21,29 +21,17 @@ from http_stack import (
     Scripted,
     parse_named_sse,
     real_stack,
-    scripted_system,
 )
 from mlx_lm.utils import load_tokenizer
 
 from actors.messages import AdmitChat, CountTokens
-from api.app import create_app
-from api.server import start_http
 
 MESSAGES = "/v1/messages"
 COUNT = "/v1/messages/count_tokens"
 
 
-@pytest.fixture
-async def scripted() -> AsyncIterator[Scripted]:
-    async with scripted_system() as scripted:
-        yield scripted
-
-
-@pytest.fixture
-async def client(aiohttp_client: Any, scripted: Scripted) -> TestClient:
-    app = create_app(system=scripted.system, admission=scripted.admission,
-                     config=scripted.config())
-    return await aiohttp_client(app)
+# The scripted stack's fixtures, bound here by name so that pytest finds them.
+scripted, client = http_stack.scripted, http_stack.client
 
 
 def body(content: Any = "hello", **fields: Any) -> dict[str, Any]:
@@ -303,8 +291,7 @@ async def test_count_tokens_returns_input_tokens_from_admission(
 async def test_missing_api_key_on_messages_is_authentication_error(
     aiohttp_client: Any, scripted: Scripted
 ) -> None:
-    app = create_app(system=scripted.system, admission=scripted.admission,
-                     config=scripted.config(api_key="sekret"))
+    app = scripted.app(api_key="sekret")
     client = await aiohttp_client(app)
     for headers in ({}, {"x-api-key": "wrong"}):
         resp = await client.post(MESSAGES, json=body(), headers=headers)
@@ -320,7 +307,7 @@ async def test_missing_api_key_on_messages_is_authentication_error(
 async def test_anthropic_client_create_stream_and_errors_on_scripted_server(
     scripted: Scripted,
 ) -> None:
-    server = await start_http(scripted.system, scripted.config(api_key="sekret"), scripted)
+    server = await scripted.start(api_key="sekret")
     client = anthropic.AsyncAnthropic(base_url=server.url, api_key="sekret", max_retries=0)
     try:
         message = await client.messages.create(

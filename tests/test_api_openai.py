@@ -1,210 +1,30 @@
 """The OpenAI HTTP layer, against a real ActorSystem and a scripted admission actor.
 
-No model here: ``ScriptedAdmission`` answers like the real admission actor (404 for unknown
-models, a ticket whose events come from ``ScriptedEngine``), and the prompt text picks the
-script the engine plays. The real engine is tested elsewhere.
+No model here: ``ScriptedAdmission`` (tests/http_stack.py) answers like the real admission
+actor (404 for unknown models, a ticket whose events a script plays), and the prompt text picks
+the script. The real engine is tested elsewhere.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+import http_stack
 import openai
 import pytest
-from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
+from http_stack import BUSY_MODEL, DELTAS, ENDLESS, MAX_BODY, MODEL, Scripted, parse_data_sse
 
-from actors.config import ServeConfig
-from actors.messages import (
-    AdmissionError,
-    AdmissionTicket,
-    AdmitChat,
-    AdmitCompletion,
-    Admitted,
-    ListModels,
-    ModelCard,
-    RequestFinished,
-    RequestStarted,
-    TokenLogprob,
-    TokensGenerated,
-    TopLogprob,
-    Usage,
-)
-from api.app import create_app
-from runtime import Actor, ActorRef, ActorSystem, Message, Reply, ReplyStream
-
-MODEL = "tiny-test"
-BUSY_MODEL = "busy-test"  # admission refuses it with 429 and Retry-After
-MAX_BODY = 4096
-DELTAS = ["Hel", "lo", " world"]
-
-
-class Play(Message, frozen=True, kw_only=True):
-    """Ask the scripted engine to play ``script`` for one request."""
-
-    request_id: str
-    script: str
-    logprobs: bool
-
-
-class Recorder:
-    """What the scripted actors saw, for the tests to assert on."""
-
-    def __init__(self) -> None:
-        self.admitted: list[AdmitChat | AdmitCompletion] = []
-        # Held here so that only an explicit close (not garbage collection of the handler's
-        # last reference) can mark a consumer gone: the tests pin the explicit close.
-        self.streams: list[ReplyStream[Any]] = []
-        self.consumer_gone = asyncio.Event()
-        self.tokens_sent = 0
-
-
-def _logprob(token: str, token_id: int) -> TokenLogprob:
-    top = TopLogprob(token=token, token_id=token_id, logprob=-0.25, bytes=list(token.encode()))
-    alt = TopLogprob(token="X", token_id=99, logprob=-2.5, bytes=[88])
-    return TokenLogprob(
-        token=token,
-        token_id=token_id,
-        logprob=-0.25,
-        bytes=list(token.encode()),
-        top_logprobs=[top, alt],
-    )
-
-
-class ScriptedEngine(Actor):
-    """Plays a script into the taken Reply from a background task, as the scheduler does."""
-
-    def __init__(self, recorder: Recorder) -> None:
-        self.recorder = recorder
-        self.tasks: set[asyncio.Task[None]] = set()
-
-    async def handle(self, msg: Play) -> None:
-        task = asyncio.create_task(self.play(self.take_reply(), msg))
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-
-    async def play(self, reply: Reply, msg: Play) -> None:
-        rid = msg.request_id
-        usage = Usage(prompt_tokens=5, completion_tokens=len(DELTAS), cached_tokens=2)
-        if msg.script == "refuse-before-start":
-            reply.send(
-                RequestFinished(
-                    request_id=rid,
-                    finish_reason="error",
-                    usage=Usage(prompt_tokens=5, completion_tokens=0),
-                    error="The scheduler queue is full.",
-                    error_status=429,
-                )
-            )
-            reply.close()
-            return
-        reply.send(RequestStarted(request_id=rid, prompt_tokens=5, cached_tokens=2))
-        if msg.script == "endless":
-            for i in range(2000):
-                if not reply.send(TokensGenerated(request_id=rid, text="x", token_ids=[i])):
-                    break
-                self.recorder.tokens_sent += 1
-                await asyncio.sleep(0.005)
-            if reply.consumer_gone:
-                self.recorder.consumer_gone.set()
-            reply.close()
-            return
-        if msg.script == "fail-mid-stream":
-            reply.send(TokensGenerated(request_id=rid, text="partial", token_ids=[1]))
-            reply.send(
-                RequestFinished(
-                    request_id=rid,
-                    finish_reason="error",
-                    usage=Usage(prompt_tokens=5, completion_tokens=1),
-                    error="Out of memory during decode.",
-                    error_status=503,
-                )
-            )
-            reply.close()
-            return
-        for i, text in enumerate(DELTAS):
-            logprobs = [_logprob(text, i)] if msg.logprobs else None
-            reply.send(TokensGenerated(request_id=rid, text=text, token_ids=[i], logprobs=logprobs))
-            await asyncio.sleep(0)
-        reason = "length" if msg.script == "length" else "stop"
-        reply.send(RequestFinished(request_id=rid, finish_reason=reason, usage=usage))
-        reply.close()
-
-
-def _prompt_text(msg: AdmitChat | AdmitCompletion) -> str:
-    if isinstance(msg, AdmitChat):
-        return msg.messages[-1]["content"]
-    return msg.prompt if isinstance(msg.prompt, str) else "token ids"
-
-
-class ScriptedAdmission(Actor):
-    """Answers like the real admission actor; the last prompt text names the script."""
-
-    def __init__(self, engine: ActorRef, recorder: Recorder) -> None:
-        self.engine = engine
-        self.recorder = recorder
-
-    async def handle(self, msg: Message) -> Any:
-        match msg:
-            case ListModels():
-                return [ModelCard(id=MODEL, context_length=4096, source="test", path="/nowhere")]
-            case AdmitChat() | AdmitCompletion():
-                self.recorder.admitted.append(msg)
-                if msg.model == BUSY_MODEL:
-                    raise AdmissionError(429, "Too many requests queued.", retry_after=2.5)
-                if msg.model != MODEL:
-                    raise AdmissionError(
-                        404,
-                        f"The model '{msg.model}' does not exist.",
-                        param="model",
-                        code="model_not_found",
-                    )
-                script = _prompt_text(msg)
-                if script == "crash-admission":
-                    raise RuntimeError("admission bug")
-                events = await self.engine.stream(
-                    Play(request_id=msg.request_id, script=script, logprobs=msg.sampling.logprobs)
-                )
-                self.recorder.streams.append(events)
-                admitted = Admitted(request_id=msg.request_id, model=msg.model, prompt_tokens=5)
-                return AdmissionTicket(admitted=admitted, events=events)
-        raise TypeError(f"unexpected message {msg!r}")
-
+from actors.messages import AdmitChat, AdmitCompletion
 
 # --- fixtures and helpers ------------------------------------------------------------------
 
-
-@pytest.fixture
-async def system() -> Any:
-    async with ActorSystem() as system:
-        yield system
-
-
-@pytest.fixture
-def recorder() -> Recorder:
-    return Recorder()
-
-
-async def _make_app(system: ActorSystem, recorder: Recorder, **config: Any) -> web.Application:
-    engine = await system.spawn(ScriptedEngine, name="engine", recorder=recorder)
-    admission = await system.spawn(
-        ScriptedAdmission, name="admission", engine=engine, recorder=recorder
-    )
-    serve_config = ServeConfig(max_body_bytes=MAX_BODY, default_max_tokens=77, **config)
-    return create_app(system=system, admission=admission, config=serve_config)
-
-
-@pytest.fixture
-async def app(system: ActorSystem, recorder: Recorder) -> web.Application:
-    return await _make_app(system, recorder)
-
-
-@pytest.fixture
-async def client(aiohttp_client: Any, app: web.Application) -> TestClient:
-    return await aiohttp_client(app)
+# The scripted stack's fixtures, bound here by name so that pytest finds them.
+scripted, client = http_stack.scripted, http_stack.client
 
 
 def chat_body(content: str = "hello", **fields: Any) -> dict[str, Any]:
@@ -215,16 +35,7 @@ async def read_sse(resp: Any) -> list[dict[str, Any]]:
     """Parse an SSE body exactly: ``data: <json>`` events only, ``data: [DONE]`` last."""
     assert resp.headers["Content-Type"] == "text/event-stream"
     assert resp.headers["Cache-Control"] == "no-cache"
-    body = (await resp.read()).decode()
-    assert body.endswith("\n\n")
-    events = body[: -len("\n\n")].split("\n\n")
-    payloads = []
-    for event in events:
-        assert event.startswith("data: ") and "\n" not in event, event
-        payloads.append(event[len("data: ") :])
-    assert payloads[-1] == "[DONE]"
-    assert "[DONE]" not in payloads[:-1]
-    return [json.loads(p) for p in payloads[:-1]]
+    return parse_data_sse((await resp.read()).decode())
 
 
 def assert_error_shape(body: dict[str, Any], *, param: str | None = None) -> dict[str, Any]:
@@ -264,20 +75,20 @@ async def test_chat_completion_has_openai_shape_and_usage(client: TestClient) ->
     ]
     assert body["usage"] == {
         "prompt_tokens": 5,
-        "completion_tokens": 3,
-        "total_tokens": 8,
+        "completion_tokens": 4,  # the 3 deltas and the end-of-sequence token
+        "total_tokens": 9,
         "prompt_tokens_details": {"cached_tokens": 2},
     }
 
 
 async def test_chat_response_id_is_the_admitted_request_id(
-    client: TestClient, recorder: Recorder
+    client: TestClient, scripted: Scripted
 ) -> None:
     body = await (await client.post("/v1/chat/completions", json=chat_body())).json()
-    assert recorder.admitted[-1].request_id == body["id"]
+    assert scripted.seen[-1].request_id == body["id"]
 
 
-async def test_chat_fields_become_sampling_params(client: TestClient, recorder: Recorder) -> None:
+async def test_chat_fields_become_sampling_params(client: TestClient, scripted: Scripted) -> None:
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
     resp = await client.post(
         "/v1/chat/completions",
@@ -317,7 +128,7 @@ async def test_chat_fields_become_sampling_params(client: TestClient, recorder: 
         },
     )
     assert resp.status == 200, await resp.text()
-    msg = recorder.admitted[-1]
+    msg = scripted.seen[-1]
     assert isinstance(msg, AdmitChat)
     assert msg.model == MODEL
     assert msg.messages == [
@@ -339,25 +150,25 @@ async def test_chat_fields_become_sampling_params(client: TestClient, recorder: 
 
 
 async def test_chat_unsent_fields_keep_defaults_and_null_means_unsent(
-    client: TestClient, recorder: Recorder
+    client: TestClient, scripted: Scripted
 ) -> None:
     resp = await client.post(
         "/v1/chat/completions",
         json=chat_body(temperature=None, stop=None, tools=None, stream=None, seed=None),
     )
     assert resp.status == 200
-    s = recorder.admitted[-1].sampling
+    s = scripted.seen[-1].sampling
     assert s.max_tokens == 77  # ServeConfig.default_max_tokens
     assert (s.temperature, s.top_p, s.stop, s.seed, s.logprobs) == (1.0, 1.0, [], None, False)
 
 
-async def test_tool_choice_none_hides_the_tools(client: TestClient, recorder: Recorder) -> None:
+async def test_tool_choice_none_hides_the_tools(client: TestClient, scripted: Scripted) -> None:
     tools = [{"type": "function", "function": {"name": "f"}}]
     resp = await client.post(
         "/v1/chat/completions", json=chat_body(tools=tools, tool_choice="none")
     )
     assert resp.status == 200
-    assert recorder.admitted[-1].tools is None
+    assert scripted.seen[-1].tools is None
 
 
 async def test_chat_logprobs_use_openai_shape(client: TestClient) -> None:
@@ -411,8 +222,8 @@ async def test_chat_stream_include_usage_ends_with_usage_chunk(client: TestClien
     assert chunks[-1]["choices"] == []
     assert chunks[-1]["usage"] == {
         "prompt_tokens": 5,
-        "completion_tokens": 3,
-        "total_tokens": 8,
+        "completion_tokens": 4,  # the 3 deltas and the end-of-sequence token
+        "total_tokens": 9,
         "prompt_tokens_details": {"cached_tokens": 2},
     }
 
@@ -429,7 +240,7 @@ async def test_chat_stream_deltas_carry_logprobs(client: TestClient) -> None:
 # --- legacy completions --------------------------------------------------------------------
 
 
-async def test_completion_has_text_completion_shape(client: TestClient, recorder: Recorder) -> None:
+async def test_completion_has_text_completion_shape(client: TestClient, scripted: Scripted) -> None:
     resp = await client.post(
         "/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 9, "stop": []}
     )
@@ -441,8 +252,8 @@ async def test_completion_has_text_completion_shape(client: TestClient, recorder
     assert body["choices"] == [
         {"index": 0, "text": "Hello world", "logprobs": None, "finish_reason": "stop"}
     ]
-    assert body["usage"]["total_tokens"] == 8
-    msg = recorder.admitted[-1]
+    assert body["usage"]["total_tokens"] == 9
+    msg = scripted.seen[-1]
     assert isinstance(msg, AdmitCompletion)
     assert (msg.request_id, msg.prompt, msg.sampling.max_tokens) == (body["id"], "hello", 9)
 
@@ -452,14 +263,14 @@ async def test_completion_has_text_completion_shape(client: TestClient, recorder
     [([1, 2, 3], [1, 2, 3]), (["hello"], "hello"), ([[4, 5]], [4, 5])],
 )
 async def test_completion_prompt_may_be_token_ids_or_a_one_item_list(
-    client: TestClient, recorder: Recorder, prompt: Any, expected: Any
+    client: TestClient, scripted: Scripted, prompt: Any, expected: Any
 ) -> None:
     resp = await client.post("/v1/completions", json={"model": MODEL, "prompt": prompt})
     assert resp.status == 200
-    assert recorder.admitted[-1].prompt == expected
+    assert scripted.seen[-1].prompt == expected
 
 
-async def test_completion_legacy_logprobs_shape(client: TestClient, recorder: Recorder) -> None:
+async def test_completion_legacy_logprobs_shape(client: TestClient, scripted: Scripted) -> None:
     resp = await client.post(
         "/v1/completions", json={"model": MODEL, "prompt": "hello", "logprobs": 2}
     )
@@ -471,8 +282,8 @@ async def test_completion_legacy_logprobs_shape(client: TestClient, recorder: Re
         "text_offset": [0, 3, 5],
     }
     assert (
-        recorder.admitted[-1].sampling.logprobs,
-        recorder.admitted[-1].sampling.top_logprobs,
+        scripted.seen[-1].sampling.logprobs,
+        scripted.seen[-1].sampling.top_logprobs,
     ) == (
         True,
         2,
@@ -498,7 +309,7 @@ async def test_completion_stream_chunks_then_usage_then_done(client: TestClient)
     assert chunks[3]["choices"] == [
         {"index": 0, "text": "", "logprobs": None, "finish_reason": "stop"}
     ]
-    assert chunks[4]["choices"] == [] and chunks[4]["usage"]["completion_tokens"] == 3
+    assert chunks[4]["choices"] == [] and chunks[4]["usage"]["completion_tokens"] == 4
     assert len(chunks) == 5
 
 
@@ -515,11 +326,11 @@ async def test_models_lists_what_admission_serves(client: TestClient) -> None:
     assert (model["id"], model["object"], model["owned_by"]) == (MODEL, "model", "mlx-troupe")
 
 
-async def test_health_is_ok_while_admission_runs(client: TestClient, system: ActorSystem) -> None:
+async def test_health_is_ok_while_admission_runs(client: TestClient, scripted: Scripted) -> None:
     resp = await client.get("/health")
     assert resp.status == 200
     assert await resp.json() == {"status": "ok"}
-    await system.stop(system.get("admission"))
+    await scripted.system.stop(scripted.admission)
     resp = await client.get("/health")
     assert resp.status == 503
     assert_error_shape(await resp.json())
@@ -622,13 +433,13 @@ BAD_REQUESTS = [
 
 @pytest.mark.parametrize(("path", "body", "param"), BAD_REQUESTS)
 async def test_bad_request_is_400_in_error_shape_and_server_keeps_serving(
-    client: TestClient, recorder: Recorder, path: str, body: bytes, param: str | None
+    client: TestClient, scripted: Scripted, path: str, body: bytes, param: str | None
 ) -> None:
     resp = await client.post(path, data=body, headers={"Content-Type": "application/json"})
     assert resp.status == 400
     error = assert_error_shape(await resp.json(), param=param)
     assert error["type"] == "invalid_request_error"
-    assert recorder.admitted == []  # refused before admission
+    assert scripted.seen == []  # refused before admission
     await assert_still_serving(client)
 
 
@@ -721,24 +532,24 @@ async def test_unexpected_exception_is_500_server_error(client: TestClient) -> N
 
 
 async def test_client_disconnect_mid_stream_closes_events_stream(
-    client: TestClient, recorder: Recorder
+    client: TestClient, scripted: Scripted
 ) -> None:
     resp = await client.post(CHAT, json=chat_body("endless", stream=True))
     assert resp.status == 200
     await resp.content.readuntil(b"\n\n")  # the role chunk
     await resp.content.readuntil(b"\n\n")  # the first delta
     resp.close()  # drop the connection mid-stream
-    await asyncio.wait_for(recorder.consumer_gone.wait(), timeout=5)
-    assert recorder.tokens_sent < 2000
+    await asyncio.wait_for(scripted.record.consumer_gone.wait(), timeout=5)
+    assert scripted.record.tokens_sent < ENDLESS
     await assert_still_serving(client)
 
 
 async def test_client_disconnect_while_waiting_closes_events_stream(
-    client: TestClient, recorder: Recorder
+    client: TestClient, scripted: Scripted
 ) -> None:
     with pytest.raises(asyncio.TimeoutError):
         await client.post(CHAT, json=chat_body("endless"), timeout=aiohttp.ClientTimeout(total=0.2))
-    await asyncio.wait_for(recorder.consumer_gone.wait(), timeout=5)
+    await asyncio.wait_for(scripted.record.consumer_gone.wait(), timeout=5)
     await assert_still_serving(client)
 
 
@@ -746,9 +557,9 @@ async def test_client_disconnect_while_waiting_closes_events_stream(
 
 
 async def test_api_key_is_required_on_v1_when_configured(
-    aiohttp_client: Any, system: ActorSystem, recorder: Recorder
+    aiohttp_client: Any, scripted: Scripted
 ) -> None:
-    client = await aiohttp_client(await _make_app(system, recorder, api_key="sekret"))
+    client = await aiohttp_client(scripted.app(api_key="sekret"))
     resp = await client.post(CHAT, json=chat_body())
     assert resp.status == 401
     assert assert_error_shape(await resp.json())["code"] == "invalid_api_key"
@@ -762,11 +573,9 @@ async def test_api_key_is_required_on_v1_when_configured(
 
 
 async def test_cors_allows_configured_origins_only(
-    aiohttp_client: Any, system: ActorSystem, recorder: Recorder
+    aiohttp_client: Any, scripted: Scripted
 ) -> None:
-    client = await aiohttp_client(
-        await _make_app(system, recorder, allowed_origins=["http://ui.local"])
-    )
+    client = await aiohttp_client(scripted.app(allowed_origins=["http://ui.local"]))
     preflight = {"Origin": "http://ui.local", "Access-Control-Request-Method": "POST"}
     resp = await client.options(CHAT, headers=preflight)
     assert resp.status == 204
@@ -787,12 +596,9 @@ async def test_cors_allows_configured_origins_only(
 
 
 @pytest.fixture
-async def openai_client(app: web.Application) -> Any:
-    server = TestServer(app, host="127.0.0.1", port=0)
-    await server.start_server()
-    client = openai.AsyncOpenAI(
-        base_url=str(server.make_url("/v1")), api_key="unused", max_retries=0
-    )
+async def openai_client(scripted: Scripted) -> AsyncIterator[openai.AsyncOpenAI]:
+    server = await scripted.start()
+    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
     try:
         yield client
     finally:
@@ -806,7 +612,7 @@ async def test_openai_client_chat_create(openai_client: openai.AsyncOpenAI) -> N
     )
     assert completion.choices[0].message.content == "Hello world"
     assert completion.choices[0].finish_reason == "stop"
-    assert completion.usage is not None and completion.usage.total_tokens == 8
+    assert completion.usage is not None and completion.usage.total_tokens == 9
 
 
 async def test_openai_client_chat_stream(openai_client: openai.AsyncOpenAI) -> None:
@@ -822,7 +628,7 @@ async def test_openai_client_chat_stream(openai_client: openai.AsyncOpenAI) -> N
             text.append(chunk.choices[0].delta.content)
         usage = chunk.usage or usage
     assert "".join(text) == "Hello world"
-    assert usage is not None and usage.completion_tokens == 3
+    assert usage is not None and usage.completion_tokens == 4
 
 
 async def test_openai_client_completions_create(openai_client: openai.AsyncOpenAI) -> None:

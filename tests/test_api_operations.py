@@ -9,11 +9,11 @@ import logging
 import os
 import sys
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import http_stack
 import pytest
 from aiohttp.test_utils import TestClient
 from http_stack import (
@@ -22,13 +22,10 @@ from http_stack import (
     parse_data_sse,
     parse_named_sse,
     real_stack,
-    scripted_system,
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from api.app import create_app
 from api.cli import build_parser
-from api.server import start_http
 from api.shutdown import INFLIGHT
 from runtime import Actor, Message
 
@@ -55,17 +52,8 @@ class FakeScheduler(Actor):
         return {"model": MODEL, "running": 3, "waiting": 4, "batch_size": 2}
 
 
-@pytest.fixture
-async def scripted() -> AsyncIterator[Scripted]:
-    async with scripted_system() as scripted:
-        yield scripted
-
-
-@pytest.fixture
-async def client(aiohttp_client: Any, scripted: Scripted) -> TestClient:
-    app = create_app(system=scripted.system, admission=scripted.admission,
-                     config=scripted.config())
-    return await aiohttp_client(app)
+# The scripted stack's fixtures, bound here by name so that pytest finds them.
+scripted, client = http_stack.scripted, http_stack.client
 
 
 def chat(content: str = "hello", **fields: Any) -> dict[str, Any]:
@@ -180,8 +168,7 @@ async def test_each_app_has_its_own_metrics_registry(
     aiohttp_client: Any, scripted: Scripted
 ) -> None:
     one, two = [
-        await aiohttp_client(create_app(system=scripted.system, admission=scripted.admission,
-                                        config=scripted.config()))
+        await aiohttp_client(scripted.app())
         for _ in range(2)
     ]
     assert (await one.post("/v1/chat/completions", json=chat())).status == 200
@@ -209,8 +196,7 @@ GUARDED = [
 async def test_api_key_guards_every_route_but_health(
     aiohttp_client: Any, scripted: Scripted, method: str, path: str, payload: Any, shape: str
 ) -> None:
-    app = create_app(system=scripted.system, admission=scripted.admission,
-                     config=scripted.config(api_key="sekret"))
+    app = scripted.app(api_key="sekret")
     client = await aiohttp_client(app)
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"x-api-key": "wrong"}):
         resp = await client.request(method, path, json=payload, headers=headers)
@@ -246,10 +232,7 @@ async def test_cors_answers_each_listed_origin(aiohttp_client: Any, scripted: Sc
     origins = build_parser().parse_args(
         ["serve", "--allowed-origins", "http://a.local,http://b.local"]
     ).allowed_origins
-    client = await aiohttp_client(create_app(
-        system=scripted.system, admission=scripted.admission,
-        config=scripted.config(allowed_origins=origins),
-    ))
+    client = await aiohttp_client(scripted.app(allowed_origins=origins))
     for origin in ("http://a.local", "http://b.local"):
         resp = await client.get("/v1/models", headers={"Origin": origin})
         assert resp.headers["Access-Control-Allow-Origin"] == origin
@@ -299,7 +282,7 @@ async def test_access_log_writes_one_key_value_line_per_request(
 
 async def test_requests_in_flight_finish_within_the_grace_period(scripted: Scripted) -> None:
     async with asyncio.timeout(30):  # a broken shutdown fails here rather than hangs
-        server = await start_http(scripted.system, scripted.config(shutdown_grace=10), scripted)
+        server = await scripted.start(shutdown_grace=10)
         async with aiohttp.ClientSession() as session:
             streamed = await session.post(f"{server.url}/v1/chat/completions",
                                           json=chat("slow", stream=True))
@@ -324,7 +307,7 @@ async def test_shutdown_ends_unfinished_requests_cleanly_and_refuses_new_connect
     scripted: Scripted,
 ) -> None:
     async with asyncio.timeout(30):  # a broken shutdown fails here rather than hangs
-        server = await start_http(scripted.system, scripted.config(shutdown_grace=0.5), scripted)
+        server = await scripted.start(shutdown_grace=0.5)
         host, port = server.runner.addresses[0][:2]
         url = server.url
         async with aiohttp.ClientSession() as session:

@@ -13,13 +13,13 @@ from typing import Any
 import aiohttp
 import mlx.core as mx
 import pytest
+from http_stack import real_client
 from mlx_lm.utils import load_tokenizer
 from tiny_model import make_tiny_model
 
 from actors.config import ServeConfig
 from actors.memory_messages import SetMemoryLimit
-from actors.serving import ServingHandles, start_serving
-from api.app import create_app
+from actors.serving import ServingHandles
 from runtime import ActorSystem
 
 MB = 1_000_000
@@ -28,17 +28,18 @@ SENTENCE = "The quick brown fox jumps over the lazy dog. "
 
 async def serve(aiohttp_client: Any, model: str | list[str], **overrides: Any):
     config = ServeConfig(model=model, **{"block_size": 0, "memory_poll_ms": 50, **overrides})
-    system = ActorSystem()
-    await system.__aenter__()
-    handles = await start_serving(system, config)
-    app = create_app(system=system, admission=handles.admission, config=config)
+    return await real_client(aiohttp_client, config)
 
-    async def close_system(_app) -> None:
-        await system.__aexit__(None, None, None)
 
-    app.on_cleanup.append(close_system)
-    client = await aiohttp_client(app)
-    return client, system, handles
+async def serve_under_limit(aiohttp_client: Any, model_dir: Path, headroom: int,
+                            **overrides: Any):
+    """Serve on a clean memory baseline; the limit is ``headroom`` bytes above its usage."""
+    gc.collect()
+    mx.clear_cache()
+    client, system, handles = await serve(aiohttp_client, str(model_dir), **overrides)
+    limit = report(system, "memory_monitor")["usage_bytes"] + headroom
+    await set_limit(handles, limit)
+    return client, system, handles, limit
 
 
 def report(system: ActorSystem, name: str) -> dict:
@@ -79,15 +80,10 @@ def second_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 async def test_long_prompt_gets_413_before_any_header_and_a_short_one_is_served(
     aiohttp_client, tiny_model_dir, tok
 ):
-    gc.collect()
-    mx.clear_cache()
     # One 2000-token chunk: ~80 MB of attention scores on the tiny model, a short prompt ~1 MB.
-    client, system, handles = await serve(aiohttp_client, str(tiny_model_dir),
-                                          prefill_step_size=2048)
+    client, system, handles, limit = await serve_under_limit(
+        aiohttp_client, tiny_model_dir, 30 * MB, prefill_step_size=2048)
     model = handles.models[0].id
-    usage = report(system, "memory_monitor")["usage_bytes"]
-    limit = usage + 30 * MB
-    await set_limit(handles, limit)
     before = report(system, "scheduler")["prefill_tokens"]
     long_prompt = prompt_of(tok, 2000)
     long_text = tok.decode(long_prompt)
@@ -144,15 +140,10 @@ async def test_no_prefill_guard_admits_what_the_guard_refuses(aiohttp_client, ti
 async def test_flood_of_long_prompts_stays_under_the_limit_and_every_request_ends_cleanly(
     aiohttp_client, tiny_model_dir, tok
 ):
-    gc.collect()
-    mx.clear_cache()
-    client, system, handles = await serve(aiohttp_client, str(tiny_model_dir),
-                                          prefill_step_size=512)
-    model = handles.models[0].id
-    usage = report(system, "memory_monitor")["usage_bytes"]
     # One 1500-token prompt needs ~19 MB at its last chunk; eight at once would need ~150 MB.
-    limit = usage + 40 * MB
-    await set_limit(handles, limit)
+    client, system, handles, limit = await serve_under_limit(
+        aiohttp_client, tiny_model_dir, 40 * MB, prefill_step_size=512)
+    model = handles.models[0].id
 
     async def one(i: int) -> tuple[int, Any]:
         body = {"model": model, "prompt": prompt_of(tok, 1400 + 10 * i), "max_tokens": 8,

@@ -1,0 +1,56 @@
+"""A generation route's steps, the same for OpenAI's routes and Anthropic's.
+
+Decode the body, name the request, admit it, and answer it whole or streamed
+(``api.generation.answer``). Each route brings what differs: its schema's decoder, its id
+prefix, how a request becomes an admission message, and the ``Renderer`` of its shapes.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from typing import Protocol, TypeVar
+
+import msgspec
+from aiohttp import web
+
+from actors.messages import AdmissionTicket, AdmitChat, AdmitCompletion, Admitted
+from api.decode import decode_body
+from api.errors import ask_admission
+from api.generation import Renderer, answer
+from api.telemetry import RECORD
+from runtime import ActorRef
+
+
+class GenerationRequest(Protocol):
+    """What every generation request body has."""
+
+    @property
+    def model(self) -> str: ...
+
+    @property
+    def stream(self) -> bool | None: ...
+
+
+R = TypeVar("R", bound=GenerationRequest)
+M = TypeVar("M", AdmitChat, AdmitCompletion)
+
+
+async def generate(
+    request: web.Request,
+    admission: ActorRef,
+    decoder: msgspec.json.Decoder[R],
+    id_prefix: str,
+    admit: Callable[[R, str], M],
+    renderer: Callable[[R, M, Admitted], Renderer],
+) -> web.StreamResponse:
+    """Answer a generation request: ``admit(body, request_id)`` is what admission is asked,
+    ``renderer(body, admit_message, admitted)`` renders the answer."""
+    req = decode_body(await request.read(), decoder)
+    request_id = f"{id_prefix}{uuid.uuid4().hex}"
+    record = request[RECORD]
+    record.request_id, record.model = request_id, req.model
+    msg = admit(req, request_id)
+    ticket: AdmissionTicket = await ask_admission(admission, msg)
+    rendering = renderer(req, msg, ticket.admitted)
+    return await answer(request, ticket, rendering, stream=bool(req.stream))
