@@ -24,7 +24,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_serving import (  # noqa: E402
+from harness import (  # noqa: E402
     free_port,
     resolve_default_model,
     same_blas_as_troupe_serve,
@@ -102,8 +102,8 @@ class _PopenShim:
 
 
 async def main_async(args) -> dict:
-    model_dir, name = (args.model, Path(args.model).name) if args.model \
-        else resolve_default_model()
+    model_dir = args.model or resolve_default_model()
+    name = Path(model_dir).name
     words = PARAGRAPH.split()
     # ~1.3 tokens per word for this text; unique per run so no earlier cache can help.
     text = " ".join(words * (args.prompt_tokens // len(words) // 1 + 1))
