@@ -51,8 +51,10 @@ log = logging.getLogger("actors.engine")
 
 # Interleaving prefill with decode: the fewest prompt tokens a prefilling sequence gets per
 # step, and how fast the step-time estimates follow new measurements.
-MIN_PREFILL_CHUNK = 16
+MIN_PREFILL_CHUNK = 32
 EMA = 0.3
+# A prompt whose whole rest is within this many step budgets is prefilled in one piece.
+SHORT_PROMPT = 4
 
 # Penalties look back over this many tokens (mlx-lm's default of 20 forgets too quickly for
 # OpenAI's presence/frequency semantics, which cover the whole completion).
@@ -311,15 +313,16 @@ class Engine:
         return head(block, n) if block is not None and n > 0 else None
 
     def _segments(self, prompt: list[int], start: int, n_blocks: int) -> list[list[int]]:
-        """Split the uncached prompt where blocks should be cut during prefill: at the last
-        full block for plain KV models (KV can be sliced afterwards), at every block boundary
-        for hybrid ones (recurrent state exists only at the position just reached)."""
-        if not self.caching or n_blocks * self.block_size <= start:
+        """Split the uncached prompt where blocks must be cut during prefill: at every block
+        boundary for hybrid models (recurrent state exists only at the position just reached).
+        Plain KV models are not split: their KV is sliced into blocks once the prompt is
+        prefilled (a split would cost a model step of its own, one more step to the first
+        token)."""
+        if not self.hybrid or n_blocks * self.block_size <= start:
             return [prompt[start:]]
         B = self.block_size
-        cuts = range(start + B, n_blocks * B + 1, B) if self.hybrid else [n_blocks * B]
         segments, lo = [], start
-        for cut in cuts:
+        for cut in range(start + B, n_blocks * B + 1, B):
             segments.append(prompt[lo:cut])
             lo = cut
         segments.append(prompt[lo:])
@@ -387,13 +390,7 @@ class Engine:
         budget = self._prefill_budget()
         self.last_prefill_budget = budget
         if budget is not None:
-            # Fewer prompts at a time, each with a real chunk, rather than all of them crawling:
-            # the first in line gets its first token soonest.
-            joiners = max(1, budget // self._min_chunk) - prefilling
-            gen.prefill_batch_size = prefilling + max(0, min(
-                joiners, gen.prefill_batch_size - prefilling))
-            n = max(1, min(gen.prefill_batch_size, prefilling + len(gen._unprocessed_sequences)))
-            self._set_chunk(max(self._min_chunk, budget // n))
+            self._set_chunk(self._chunk_for(budget))
         counted = gen._counters.prompt_tokens
         decoding = len(gen._generation_batch)
         began = time.perf_counter()
@@ -406,8 +403,9 @@ class Engine:
             gen.prefill_batch_size = configured
             if budget is not None:
                 self._set_chunk(self.prefill_step_size)
-        self._measure(gen._counters.prompt_tokens - counted, decoding,
-                      time.perf_counter() - began)
+        prefilled = gen._counters.prompt_tokens - counted
+        self.prefill_tokens += prefilled
+        self._measure(prefilled, decoding, time.perf_counter() - began)
         self.steps += 1
         if any(r.end_of_prompt for r in prompt_responses):
             # Sequences joined the generation batch: its cache is rebuilt, padded to the
@@ -442,6 +440,24 @@ class Engine:
         tokens = int(self.prefill_interleave * self._decode_s / self._token_s)
         return max(self._min_chunk, min(tokens, self.prefill_step_size))
 
+    def _chunk_for(self, budget: int) -> int:
+        """The chunk each prefilling sequence gets this step under ``budget`` tokens: the
+        budget shared out, except that a short prompt (all of it to prefill within
+        SHORT_PROMPT budgets) is never split: a chat message stalls the streams once, briefly,
+        and gets its first token without waiting for the long prompt beside it. (The end of
+        a long prompt is not short.)"""
+        gen = self.gen
+        joining = max(0, min(gen.prefill_batch_size - len(gen._prompt_batch),
+                             gen.completion_batch_size - len(gen._generation_batch),
+                             len(gen._unprocessed_sequences)))
+        # (rest to prefill, whole uncached prompt) of each sequence prefilling this step
+        work = [(sum(map(len, seq[0])), seq[2]) for seq in gen._currently_processing]
+        work += [(n, n) for n in (sum(map(len, seq[1])) for seq in
+                                  list(gen._unprocessed_sequences)[:joining])]
+        short = max((rest for rest, whole in work if whole <= SHORT_PROMPT * budget), default=0)
+        chunk = max(budget // max(1, len(work)), short, self._min_chunk)
+        return min(chunk, self.prefill_step_size)
+
     @property
     def _min_chunk(self) -> int:
         return min(MIN_PREFILL_CHUNK, self.prefill_step_size)
@@ -454,24 +470,32 @@ class Engine:
         """Learn a decode step's time from steps without prefill, and a prompt token's from
         the rest of the steps' time. Whole steps are timed: MLX evaluates lazily and the
         decode runs one step ahead, so the work cannot be told apart inside a step."""
-        self.prefill_tokens += tokens
         if not tokens:
             if decoding:
                 self._decode_s = _ema(self._decode_s, wall)
             return
-        spent = wall - (self._decode_s or 0.0 if decoding else 0.0)
         if decoding and self._decode_s is None:
             return  # no decode-only step seen yet: cannot split this one
+        spent = wall - (self._decode_s if decoding and self._decode_s else 0.0)
         self._token_s = _ema(self._token_s, max(spent, 0.0) / tokens)
 
     def _cut_at_boundaries(self, prompt_responses: list[Any]) -> None:
-        """A prefill segment ended at a block boundary: cut the blocks it completed."""
+        """Cut the blocks a prefill completed: for hybrid models when a segment ends at a
+        block boundary, for plain KV models once the whole prompt is in the cache."""
         for r in prompt_responses:
             req = self._by_uid.get(r.uid)
-            if req is None or not r.end_of_segment or r.end_of_prompt:
+            if req is None or not r.end_of_segment:
                 continue
-            if self._block_tokens_at(req, req.cached_tokens + r.progress[0]) == 0:
-                continue  # no new block at this boundary: spare the copy of the cache
+            if self.hybrid:
+                if r.end_of_prompt:
+                    continue
+                reached = req.cached_tokens + r.progress[0]
+            elif r.end_of_prompt:
+                reached = req.prompt_len
+            else:
+                continue
+            if self._block_tokens_at(req, reached) == 0:
+                continue  # no new block here: spare the copy of the cache
             try:
                 cache, tokens = self.gen.extract_cache([r.uid])[r.uid]
                 self._cut(req, cache, tokens, req.hashes)
@@ -667,8 +691,10 @@ class Engine:
         cut_now = blocks_left = 0
         if self.caching and req is not None and req.hashes:
             blocks_left = max(0, len(req.hashes) - req.stored) * self.block_size
-            if len(segments) > 1 and chunk == len(segments[0]):  # a boundary this step
-                cut_now = self._block_tokens_at(req, in_cache + chunk)
+            if self.hybrid and len(segments) > 1 and chunk == len(segments[0]):
+                cut_now = self._block_tokens_at(req, in_cache + chunk)  # a boundary this step
+            elif not self.hybrid and remaining == 1:
+                cut_now = self._block_tokens_at(req, req.prompt_len)  # the prompt ends this step
         return Member(in_cache=in_cache, remaining=remaining, chunk=chunk, cut_now=cut_now,
                       blocks_left=blocks_left)
 

@@ -8,7 +8,7 @@ import pytest
 from mlx_lm import load
 from reference import PROMPTS, detokenize, reference_tokens
 
-from actors.engine import Engine, StopStringFilter
+from actors.engine import MIN_PREFILL_CHUNK, Engine, StopStringFilter
 from actors.messages import RequestFinished, SamplingParams, TokensGenerated
 
 
@@ -216,7 +216,7 @@ def test_a_long_prompt_is_prefilled_in_budgeted_chunks_while_streams_decode(load
 
     engine = Engine(model, tok, prefill_step_size=512, prefill_interleave=1.0)
     # Fixed timings so the budget is known: a decode step 8x a prompt token -> 8 tokens a
-    # step, raised to the 16-token floor.
+    # step, raised to the floor (MIN_PREFILL_CHUNK).
     engine._measure = lambda *a: None
     engine._decode_s, engine._token_s = 0.08, 0.01
     for rid, p in short.items():
@@ -235,10 +235,10 @@ def test_a_long_prompt_is_prefilled_in_budgeted_chunks_while_streams_decode(load
             if isinstance(ev, TokensGenerated):
                 got[ev.request_id] += ev.token_ids
         steps += 1
-        assert engine.last_prefill_budget == 16
-        assert engine.prefill_tokens - before <= 16
+        assert engine.last_prefill_budget == MIN_PREFILL_CHUNK
+        assert engine.prefill_tokens - before <= MIN_PREFILL_CHUNK
         assert all(len(got[r]) == counts[r] + 1 for r in short), "a stream missed a step"
-    assert steps >= len(long_prompt) // 16
+    assert steps >= len(long_prompt) // MIN_PREFILL_CHUNK
     while "long" in engine.requests:
         for ev in engine.step():
             if isinstance(ev, TokensGenerated):
@@ -246,6 +246,35 @@ def test_a_long_prompt_is_prefilled_in_budgeted_chunks_while_streams_decode(load
     assert got["long"] == reference_tokens(model, tok, long_prompt, 8)
     for r in short:
         engine.abort(r)
+
+
+def test_a_short_prompt_is_never_split_even_beside_a_long_one(loaded):
+    """Under the budget, a chat-sized prompt (its rest within SHORT_PROMPT budgets) is
+    prefilled in one step: the budget holds back long prompts, not short ones."""
+    from actors.engine import SHORT_PROMPT
+
+    model, tok = loaded
+    engine = Engine(model, tok, prefill_step_size=512, prefill_interleave=1.0)
+    engine._measure = lambda *a: None
+    engine._decode_s, engine._token_s = 0.08, 0.01  # the floor: a MIN_PREFILL_CHUNK budget
+    engine.add("decoder", encode(tok, PROMPTS[0]), greedy(400, ignore_eos=True))
+    while not len(engine.gen._generation_batch):
+        engine.step()
+    long_prompt = encode(tok, " ".join(PROMPTS) * 3)
+    short = encode(tok, " ".join(reversed(PROMPTS)))[:40]
+    budget = MIN_PREFILL_CHUNK
+    assert budget < len(short) <= SHORT_PROMPT * budget < len(long_prompt)
+    engine.add("long", long_prompt, greedy(4))
+    engine.add("short", short, greedy(4))
+    before = engine.prefill_tokens
+    engine.step()
+    assert engine.last_prefill_budget == budget
+    # Both joined with a chunk the size of the short prompt's rest: the short one prefilled
+    # all of it but its last token (mlx-lm keeps that for the step that starts decoding),
+    # the long one that chunk.
+    assert engine.prefill_tokens - before == (len(short) - 1) + len(short)
+    for rid in list(engine.requests):
+        engine.abort(rid)
 
 
 def test_prefill_runs_whole_chunks_when_nothing_decodes_or_interleave_is_off(loaded):
@@ -266,7 +295,6 @@ def test_step_times_are_learned_from_whole_steps():
     from actors.engine import EMA
 
     engine = Engine.__new__(Engine)
-    engine.prefill_tokens = 0
     engine._decode_s = engine._token_s = None
     engine._measure(0, 4, 0.2)  # decode only: a decode step is 0.2 s
     assert engine._decode_s == pytest.approx(0.2)
@@ -274,4 +302,3 @@ def test_step_times_are_learned_from_whole_steps():
     assert engine._token_s == pytest.approx(0.01)
     engine._measure(50, 0, 1.0)  # prefill alone: 20 ms a token, smoothed
     assert engine._token_s == pytest.approx(EMA * 0.02 + (1 - EMA) * 0.01)
-    assert engine.prefill_tokens == 150
