@@ -405,7 +405,13 @@ class Engine:
                 self._set_chunk(self.prefill_step_size)
         prefilled = gen._counters.prompt_tokens - counted
         self.prefill_tokens += prefilled
-        self._measure(prefilled, decoding, time.perf_counter() - began)
+        wall = time.perf_counter() - began
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("step %d: %.0f ms, %d decoding, %d prompt tokens, budget %s, "
+                      "decode step %.0f ms, prompt token %.1f ms", self.steps, wall * 1e3,
+                      decoding, prefilled, budget, (self._decode_s or 0) * 1e3,
+                      (self._token_s or 0) * 1e3)
+        self._measure(prefilled, decoding, wall)
         self.steps += 1
         if any(r.end_of_prompt for r in prompt_responses):
             # Sequences joined the generation batch: its cache is rebuilt, padded to the
