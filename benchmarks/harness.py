@@ -680,7 +680,8 @@ def same_blas_as_troupe_serve() -> None:
     servers (which inherit the environment) and the in-process ceiling use the same BLAS."""
     from actors.blas import preload_command
 
-    plan = preload_command([str(Path(__file__).resolve()), *sys.argv[1:]])
+    # The script being run (sys.argv[0]): other benchmarks call this too.
+    plan = preload_command([str(Path(sys.argv[0]).resolve()), *sys.argv[1:]])
     if plan is not None:
         os.execve(sys.executable, *plan)
 
