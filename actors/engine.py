@@ -45,7 +45,7 @@ from actors.messages import (
     TopLogprob,
     Usage,
 )
-from actors.prefix import block_hashes, usable_blocks
+from actors.prefix import block_hashes, chain_hash, usable_blocks
 
 log = logging.getLogger("actors.engine")
 
@@ -482,7 +482,7 @@ class Engine:
             return
         if decoding and self._decode_s is None:
             return  # no decode-only step seen yet: cannot split this one
-        spent = wall - (self._decode_s if decoding and self._decode_s else 0.0)
+        spent = wall - (self._decode_s if decoding else 0.0)
         self._token_s = _ema(self._token_s, max(spent, 0.0) / tokens)
 
     def _cut_at_boundaries(self, prompt_responses: list[Any]) -> None:
@@ -490,16 +490,10 @@ class Engine:
         block boundary, for plain KV models once the whole prompt is in the cache."""
         for r in prompt_responses:
             req = self._by_uid.get(r.uid)
-            if req is None or not r.end_of_segment:
+            # Hybrid: segment ends inside the prompt; plain KV: the end of the prompt.
+            if req is None or not r.end_of_segment or r.end_of_prompt == self.hybrid:
                 continue
-            if self.hybrid:
-                if r.end_of_prompt:
-                    continue
-                reached = req.cached_tokens + r.progress[0]
-            elif r.end_of_prompt:
-                reached = req.prompt_len
-            else:
-                continue
+            reached = req.prompt_len if r.end_of_prompt else req.cached_tokens + r.progress[0]
             if self._block_tokens_at(req, reached) == 0:
                 continue  # no new block here: spare the copy of the cache
             try:
@@ -528,8 +522,8 @@ class Engine:
             start = len(hashes) * self.block_size
             if start < len(tokens):
                 parent = hashes[-1] if hashes else None
-                self._keep(req, cut_tail(cache, start, tokens, parent,
-                                         parent or self.fingerprint))
+                name = "tail-" + chain_hash(parent or self.fingerprint, tokens[start:])
+                self._keep(req, cut_tail(cache, start, tokens, parent, name))
         except Exception:
             log.exception("could not cut prefix blocks of %s", req.request_id)
 

@@ -7,7 +7,6 @@ models). Blocks cross to other actors only as numpy (``to_numpy``/``from_numpy``
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +58,12 @@ class KVBlock:
         return total
 
 
+def _kv_slice(c: Any, lo: int, hi: int) -> tuple[mx.array, mx.array]:
+    """Keys and values of positions ``lo..hi-1`` of a KV layer's cache, as new arrays."""
+    k, v, _ = c.state
+    return mx.contiguous(k[..., lo:hi, :]), mx.contiguous(v[..., lo:hi, :])
+
+
 def cut_blocks(
     cache: list[Any],
     kinds: list[str],
@@ -80,8 +85,7 @@ def cut_blocks(
         layers: list[Any] = []
         for c, kind in zip(cache, kinds, strict=True):
             if kind == KV:
-                k, v, _ = c.state
-                layers.append((mx.contiguous(k[..., lo:hi, :]), mx.contiguous(v[..., lo:hi, :])))
+                layers.append(_kv_slice(c, lo, hi))
             elif b == last - 1:
                 layers.append([None if a is None else mx.contiguous(a) for a in c.cache])
             else:
@@ -99,21 +103,13 @@ def cut_blocks(
     return blocks
 
 
-def cut_tail(
-    cache: list[Any], start: int, tokens: Sequence[int], parent_hash: str | None, key: str
-) -> KVBlock:
-    """The KV of ``tokens[start:]`` (fewer than a block) as a tail block; plain KV models only.
-    ``key`` names what precedes it (the parent's hash, or the model fingerprint at the root)."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(f"tail|{key}|".encode())
-    h.update(",".join(map(str, tokens[start:])).encode())
-    layers = []
-    for c in cache:
-        k, v, _ = c.state
-        layers.append((mx.contiguous(k[..., start:len(tokens), :]),
-                       mx.contiguous(v[..., start:len(tokens), :])))
+def cut_tail(cache: list[Any], start: int, tokens: Sequence[int], parent_hash: str | None,
+             block_hash: str) -> KVBlock:
+    """The KV of ``tokens[start:]`` (fewer than a block) as a tail block; plain KV models
+    only."""
+    layers = [_kv_slice(c, start, len(tokens)) for c in cache]
     mx.eval([a for layer in layers for a in layer])
-    return KVBlock(block_hash="tail-" + h.hexdigest(), parent_hash=parent_hash,
+    return KVBlock(block_hash=block_hash, parent_hash=parent_hash,
                    n_tokens=len(tokens) - start, layers=layers,
                    tokens=tuple(tokens[start:]), tail=True)
 
@@ -192,7 +188,7 @@ class RamTier:
         if not tokens:
             return best, best_n
         for block in self._children.get(parent, {}).values():
-            if block.tokens is None or not block.tokens or block.tokens[0] != tokens[0]:
+            if not block.tokens or block.tokens[0] != tokens[0]:
                 continue
             n = common_prefix(block.tokens, tokens)
             if n >= best_n:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -25,17 +26,23 @@ def model_fingerprint(model_dir: Path) -> str:
     return h.hexdigest()[:16]
 
 
+def chain_hash(parent: str, tokens: Sequence[int]) -> str:
+    """The name of ``tokens`` following what ``parent`` names (a block's hash, or the model
+    fingerprint at the start of a prompt)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent.encode())
+    h.update(b"|")
+    h.update(",".join(map(str, tokens)).encode())
+    return h.hexdigest()
+
+
 def block_hashes(fingerprint: str, tokens: list[int], block_size: int) -> list[str]:
     """Chain hashes of the full blocks of ``tokens``: block i's name covers every token
     before it, so equal names mean equal prefixes."""
     hashes: list[str] = []
     parent = fingerprint
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        h = hashlib.blake2b(digest_size=16)
-        h.update(parent.encode())
-        h.update(b"|")
-        h.update(",".join(map(str, tokens[start : start + block_size])).encode())
-        parent = h.hexdigest()
+        parent = chain_hash(parent, tokens[start : start + block_size])
         hashes.append(parent)
     return hashes
 
