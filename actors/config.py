@@ -34,6 +34,9 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     allowed_origins: list[str] = []
     shutdown_grace: float = 30.0
     log_level: str = "info"
+    # "native": faster CPU kernels with the same results (actors/cpu_kernels.py); "mlx":
+    # MLX's own.
+    cpu_kernels: str = "native"
     # Memory (docs/memory.md): bytes of MLX memory to stay under (None: 75% of the RAM
     # available at start, or 90% of Metal's recommended working set), how often the monitor
     # polls, and whether prompts are checked against the limit before and during prefill.

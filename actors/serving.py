@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from actors import cpu_kernels
 from actors.admission import ADMISSION_THREAD, Admission
 from actors.config import ServeConfig, model_specs
 from actors.memory_monitor import MEMORY_THREAD, MONITOR_NAME, MemoryMonitor
@@ -39,6 +40,8 @@ async def start_serving(system: ActorSystem, config: ServeConfig) -> ServingHand
     Start order: the engine pool (which resolves every model and loads the first, with its
     cache index and SSD writer), the memory monitor, then admission; actors stop in reverse.
     """
+    # Before any model runs: MLX reads PATH and TMPDIR when it first fuses a kernel.
+    cpu_kernels.enable(config.cpu_kernels, troupe_home())
     cache = None
     if config.block_size > 0:
         directory = cache_dir(config)

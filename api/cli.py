@@ -69,6 +69,7 @@ async def serve(config: ServeConfig) -> None:
         loop.add_signal_handler(sig, on_signal)
     try:
         # Lazy: the serving actors import MLX, which the rest of this module must not.
+        from actors import cpu_kernels
         from actors.blas import loaded_blas
         from actors.serving import start_serving
 
@@ -76,7 +77,8 @@ async def serve(config: ServeConfig) -> None:
             handles = await start_serving(system, config)
             async with serve_http(system, config, handles) as server:
                 model = ", ".join(card.id for card in handles.models) or config.model
-                log.info("serving %s on %s (BLAS: %s)", model, server.url, loaded_blas())
+                log.info("serving %s on %s (BLAS: %s; CPU kernels: %s)", model, server.url,
+                         loaded_blas(), cpu_kernels.describe())
                 await stop.wait()
                 log.info(
                     "shutting down: finishing in-flight requests (up to %.0fs)",
@@ -324,6 +326,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("TROUPE_BLAS", "auto"),
         help="auto: preload Debian's OpenBLAS when MLX would use its slow bundled reference "
         "BLAS (Linux); bundled: never (default: $TROUPE_BLAS, else auto)",
+    )
+    serve_cmd.add_argument(
+        "--cpu-kernels",
+        choices=("native", "mlx"),
+        default=opt,
+        help="native: MLX's kernels built for this CPU and a faster prefill attention, same "
+        f"results; mlx: MLX's own (default: {_DEFAULTS.cpu_kernels})",
     )
     serve_cmd.add_argument(
         "--block-size",

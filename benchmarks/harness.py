@@ -51,6 +51,7 @@ from typing import IO, Any
 import aiohttp
 
 REPO = Path(__file__).resolve().parents[1]
+START_ENV = dict(os.environ)
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]  # actors.blas, and plot.py beside this
 
 TROUPE = "mlx-troupe"
@@ -429,8 +430,10 @@ async def running(name: str, model_dir: str, args: argparse.Namespace,
     out_dir = Path(args.out)
     with tempfile.TemporaryDirectory(prefix="harness-cache-") as cache_dir, \
             open(out_dir / f"{name}-rep{rep}.log", "w") as log:
+        # The environment the harness started with: not the JIT settings the in-process
+        # ceiling put into this process (troupe makes its own; the peer runs MLX's).
         proc = subprocess.Popen(server_command(name, model_dir, port, cache_dir, args),
-                                stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+                                stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=START_ENV)
         spy = None
         try:
             ids = await wait_healthy(base, proc)
@@ -463,8 +466,9 @@ async def bench_servers(names: list[str], model_dir: str, work: Workload,
         steps += [("serving", c) for c in args.concurrency]
     steps += [(s, 0) for s in ("prefix", "interference") if s in args.scenarios]
     results: dict[str, dict[str, Any]] = {n: {"serving": {}} for n in names}
+    kernels = troupe_kernels(args.troupe_args)
     ceiling = None if args.no_ceiling or "serving" not in args.scenarios \
-        else load_ceiling(model_dir)
+        else load_ceiling(model_dir, kernels)
     if ceiling is not None:
         results[CEILING] = {"serving": {}}
     async with contextlib.AsyncExitStack() as stack:
@@ -509,10 +513,27 @@ async def run_step(server: Live, scenario: str, c: int, work: Workload,
 # --- the in-process ceiling ----------------------------------------------------------------
 
 
-def load_ceiling(model_dir: str) -> tuple[Any, Any]:
-    """The model and tokenizer, loaded in this process for the in-process ceiling."""
+def troupe_kernels(troupe_args: str) -> str:
+    """The ``--cpu-kernels`` value in the flags passed to troupe (default native)."""
+    words = shlex.split(troupe_args)
+    for i, word in enumerate(words):
+        if word.startswith("--cpu-kernels="):
+            return word.split("=", 1)[1]
+        if word == "--cpu-kernels" and i + 1 < len(words):
+            return words[i + 1]
+    return "native"
+
+
+def load_ceiling(model_dir: str, kernels: str = "native") -> tuple[Any, Any]:
+    """The model and tokenizer, loaded in this process for the in-process ceiling, on the
+    CPU kernels troupe serves with (``--troupe-args='--cpu-kernels mlx'`` gives MLX's to
+    both), so the ceiling measures what serving costs, not the kernels."""
     from mlx_lm import load  # lazy: the harness drives servers without MLX loaded
 
+    from actors import cpu_kernels
+    from actors.model_store import troupe_home
+
+    cpu_kernels.enable(kernels, troupe_home())
     return load(model_dir)
 
 

@@ -18,6 +18,7 @@ from mlx_lm.utils import load_tokenizer
 from tiny_model import make_tiny_model
 
 from actors.config import ServeConfig
+from actors.memory_estimate import model_memory_of, prompt_need
 from actors.memory_messages import SetMemoryLimit
 from actors.serving import ServingHandles
 from runtime import ActorSystem
@@ -140,9 +141,11 @@ async def test_no_prefill_guard_admits_what_the_guard_refuses(aiohttp_client, ti
 async def test_flood_of_long_prompts_stays_under_the_limit_and_every_request_ends_cleanly(
     aiohttp_client, tiny_model_dir, tok
 ):
-    # One 1500-token prompt needs ~19 MB at its last chunk; eight at once would need ~150 MB.
+    # Room for two 1.5k-token prompts (one needs ~19 MB at its last chunk with MLX's attention,
+    # ~40 MB with troupe's CPU kernels); eight at once would need four times the room.
+    one = prompt_need(model_memory_of(tiny_model_dir), prompt_tokens=1550, step=512)
     client, system, handles, limit = await serve_under_limit(
-        aiohttp_client, tiny_model_dir, 40 * MB, prefill_step_size=512)
+        aiohttp_client, tiny_model_dir, int(2.1 * one), prefill_step_size=512)
     model = handles.models[0].id
 
     async def one(i: int) -> tuple[int, Any]:

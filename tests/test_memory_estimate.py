@@ -12,7 +12,9 @@ from safetensors.numpy import save_file
 from actors.memory_estimate import (
     HARD,
     KV_STEP,
+    NATIVE_SCORE_FACTOR,
     OK,
+    SCORE_FACTOR,
     SOFT,
     Member,
     ModelMemory,
@@ -24,6 +26,7 @@ from actors.memory_estimate import (
     prefill_transient,
     pressure_level,
     prompt_need,
+    score_factor,
     step_need,
 )
 
@@ -91,10 +94,36 @@ def test_transient_matches_what_mlx_measured_on_the_default_model():
     # chunk over 512, 1536 and 2560 tokens of context took 33.4, 53.6 and 74.6 MB beyond the KV.
     m = model_memory(LLAMA, dtype_bytes=4)
     for context, measured in ((512, 33.4), (1536, 53.6), (2560, 74.6)):
-        estimate = prefill_transient(m, chunk=512, context=context) / MB
+        estimate = prefill_transient(m, chunk=512, context=context, factor=SCORE_FACTOR) / MB
         assert measured <= estimate <= 1.25 * measured, (context, estimate)
     # Four sequences at once: measured 129.5 MB for a 512-token chunk over 512 tokens.
-    assert 129.5 <= prefill_transient(m, chunk=512, context=512, batch=4) / MB <= 1.25 * 129.5
+    four = prefill_transient(m, chunk=512, context=512, batch=4, factor=SCORE_FACTOR) / MB
+    assert 129.5 <= four <= 1.25 * 129.5
+
+
+def test_transient_with_troupes_cpu_attention_matches_what_mlx_measured():
+    # The same measurement with actors/cpu_kernels.py's attention: 47.5, 103.1 and 161.4 MB,
+    # and 182.6 MB for four sequences.
+    m = model_memory(LLAMA, dtype_bytes=4)
+    for context, batch, measured in ((512, 1, 47.5), (1536, 1, 103.1), (2560, 1, 161.4),
+                                     (512, 4, 182.6)):
+        estimate = prefill_transient(m, chunk=512, context=context, batch=batch,
+                                     factor=NATIVE_SCORE_FACTOR) / MB
+        assert measured <= estimate <= 1.25 * measured, (context, batch, estimate)
+
+
+def test_the_factor_follows_the_attention_in_use():
+    from actors import cpu_kernels
+
+    was = cpu_kernels.enabled()
+    try:
+        cpu_kernels.disable()
+        assert score_factor() == SCORE_FACTOR
+        cpu_kernels.enable("native")
+        assert score_factor() == NATIVE_SCORE_FACTOR
+    finally:
+        if not was:
+            cpu_kernels.disable()
 
 
 def test_prompt_need_grows_with_the_prompt_and_the_chunk_not_with_anything_else():

@@ -1,0 +1,400 @@
+"""Faster MLX CPU kernels that give bit-for-bit the same results as MLX's own.
+
+Four changes, all measured on the default model (docs/benchmarks.md, "CPU kernels"):
+
+* **Fused kernels built for this CPU.** ``mx.compile`` on the CPU fuses elementwise ops into
+  C++ that MLX compiles at run time with ``g++ -std=c++17 -O3`` and no ``-march``: the ``fma``
+  of MLX's ``exp`` (used by ``sigmoid``, hence by mlx-lm's compiled SwiGLU) then goes through
+  a library call. A ``g++`` shim placed first on ``PATH`` adds ``-march=native``, and the
+  kernels go to a directory of their own (MLX writes them under ``$TMPDIR``), keyed by this
+  CPU, so no other process ever loads them. The shim also turns floating-point contraction
+  off, so the fused code rounds exactly as before: identical logits, measured and tested.
+* **Attention's softmax in prefill.** MLX's CPU ``scaled_dot_product_attention`` falls back
+  to primitives whose ``softmax`` computes each exponential through a library ``fma``; on a
+  512-token prompt that softmax is most of the attention's time. For prefill (more than one
+  query), in blocks of query rows that stay in the CPU's caches, the same arithmetic runs as:
+  row max, ``exp(s - max)`` as a fused kernel, the row sum in the order MLX's softmax adds in
+  (its ``sum``, checked once to add a row in order; else the last of a ``cumsum``), then
+  ``e * (1 / sum)``.
+* **Decode attention with grouped KV heads.** With one query per sequence, MLX's fallback
+  multiplies each query head by its keys separately (a batch of B x heads vector products);
+  the query heads that share a KV head go into one product instead (B x KV heads), with the
+  same sums. Its softmax stays MLX's: on short rows our extra passes measured slower.
+* **Rotary position embedding.** MLX's CPU ``rope`` recomputes its inverse frequencies and
+  spends about 25 ops on every call, two calls a layer every step; here the frequencies are
+  made once, the angles once for a layer's queries and keys, and the rotation is one fused
+  kernel.
+
+Everything here is process-wide (it replaces ``mx.fast.scaled_dot_product_attention`` and
+``mx.fast.rope``, and sets ``PATH``/``TMPDIR``) and meant for the serving process: ``enable``
+is idempotent and ``disable`` undoes it. ``--cpu-kernels mlx`` keeps MLX's kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+CHOICES = ("native", "mlx")
+# Prefill attention runs on blocks of query rows (at least 16) whose scores take about this
+# much: measured fastest at 256-512 KB on 2 EPYC cores, from 512 to 4,096 keys (1 MB and
+# more: slower past 1,024 keys, and whole arrays about 4 copies of the scores).
+FUSED_BLOCK_BYTES = 512 << 10
+# -ffp-contract=off: a product and a sum round separately, as in MLX's prebuilt kernels (with
+# -march=native alone GCC fuses them into FMAs and the logits move in the last bits).
+JIT_FLAGS = ("-march=native", "-ffp-contract=off")
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {}
+
+
+# --- the JIT compiler shim ------------------------------------------------------------------
+
+
+def _cpu_key() -> str:
+    """Names this CPU (model and feature flags), MLX's version and our flags."""
+    try:
+        import mlx.core as mx
+
+        version = mx.__version__
+    except ImportError:  # pragma: no cover - MLX is a dependency
+        version = "?"
+    ident = [platform.machine(), version, " ".join(JIT_FLAGS)]
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                ident.append(line)
+                if len(ident) >= 5:
+                    break
+    except OSError:
+        pass
+    return hashlib.blake2b("\n".join(ident).encode(), digest_size=8).hexdigest()
+
+
+def _compiler_accepts_flags(gxx: str) -> bool:
+    try:
+        done = subprocess.run(
+            [gxx, *JIT_FLAGS, "-std=c++17", "-x", "c++", "-fsyntax-only", "-"],
+            input=b"int main() { return 0; }\n", capture_output=True, timeout=60,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0
+
+
+def jit_env(home: Path) -> dict[str, str] | None:
+    """``PATH`` and ``TMPDIR`` that make MLX's JIT build kernels for this CPU, or None where
+    that is not possible (not Linux, no ``g++``, the flags refused, the directory not
+    writable). Writes the shim under ``home/jit``."""
+    if not sys.platform.startswith("linux"):
+        return None
+    path = os.environ.get("PATH", "")
+    shim_dir = home / "jit" / "bin"
+    dirs = [d for d in path.split(os.pathsep) if d and Path(d) != shim_dir]
+    gxx = shutil.which("g++", path=os.pathsep.join(dirs))
+    if gxx is None or not _compiler_accepts_flags(gxx):
+        return None
+    kernels = home / "jit" / _cpu_key()
+    shim = shim_dir / "g++"
+    text = f'#!/bin/sh\nexec "{gxx}" "$@" {" ".join(JIT_FLAGS)}\n'
+    try:
+        kernels.mkdir(parents=True, exist_ok=True)
+        shim_dir.mkdir(parents=True, exist_ok=True)
+        if not shim.exists() or shim.read_text() != text:
+            tmp = shim.with_name(f".g++.{os.getpid()}")
+            tmp.write_text(text)
+            tmp.chmod(0o755)
+            tmp.replace(shim)  # atomic: two servers starting at once both see a whole file
+    except OSError as exc:
+        log.info("CPU kernels: no JIT shim (%s)", exc)
+        return None
+    return {"PATH": os.pathsep.join([str(shim_dir), *dirs]), "TMPDIR": str(kernels)}
+
+
+# --- attention -------------------------------------------------------------------------------
+
+
+def _fused() -> tuple[Any, Any]:
+    import mlx.core as mx
+
+    fns = _state.get("fused")
+    if fns is None:
+        fns = _state["fused"] = (
+            mx.compile(lambda s, m: mx.exp(s - m)),
+            mx.compile(lambda e, total: e * (1.0 / total)),
+            mx.compile(lambda s, keep, low, m: mx.exp(mx.where(keep, s, low) - m)),
+        )
+    return fns
+
+
+def softmax_rows(scores: Any, keep: Any = None) -> Any:
+    """``mx.softmax(scores, axis=-1)`` for float32, to the bit, with the exponentials fused;
+    with ``keep`` (a boolean mask), the softmax of ``where(keep, scores, lowest float)``, the
+    masked copy alive only until its row maxima are taken."""
+    import mlx.core as mx
+
+    shifted_exp, normalize, masked_exp = _fused()
+    if keep is None:
+        e = shifted_exp(scores, scores.max(axis=-1, keepdims=True))
+    else:
+        low = mx.array(mx.finfo(scores.dtype).min, scores.dtype)
+        top = mx.where(keep, scores, low).max(axis=-1, keepdims=True)
+        e = masked_exp(scores, keep, low, top)
+    if _sum_is_sequential():
+        total = e.sum(axis=-1, keepdims=True)
+    else:  # the last of a running sum adds in MLX's softmax's order anywhere, at a row's cost
+        total = mx.cumsum(e, axis=-1)[..., -1:]
+    return normalize(e, total)
+
+
+def _sum_is_sequential() -> bool:
+    """Whether MLX's CPU ``sum`` adds a contiguous row from first to last, as its ``softmax``
+    does (it does where SIMD width is 1, as in the Linux wheel): checked once, to the bit."""
+    import mlx.core as mx
+
+    known = _state.get("sequential_sum")
+    if known is None:
+        rows = mx.array(np.random.default_rng(7).standard_normal((4, 777)).astype(np.float32))
+        rows = mx.exp(rows * 8)
+        known = bool(mx.array_equal(rows.sum(axis=-1), mx.cumsum(rows, axis=-1)[:, -1]).item())
+        _state["sequential_sum"] = known
+    return known
+
+
+def attention(q: Any, k: Any, v: Any, *, scale: float, mask: Any = None, sinks: Any = None,
+              stream: Any = None) -> Any:
+    """``mx.fast.scaled_dot_product_attention`` with MLX's CPU arithmetic, in fewer, faster steps.
+
+    Takes float32 attention (4-D, no sinks, default stream, CPU): prefill (more than one
+    query) with the fused softmax, and decode (one query) of grouped-query attention with
+    each KV head's queries in one matrix product instead of one per query head. Hands
+    everything else to MLX's own function."""
+    import mlx.core as mx
+
+    original = _state["sdpa"]
+    mask_ok = mask is None or isinstance(mask, mx.array) or mask == "causal"
+    if (stream is not None or sinks is not None or not mask_ok or q.ndim != 4 or k.ndim != 4
+            or q.dtype != mx.float32 or k.dtype != mx.float32 or v.dtype != mx.float32
+            or mx.default_device() != mx.cpu or q.shape[1] % k.shape[1]
+            or (isinstance(mask, mx.array) and mask.ndim > 4)):
+        return original(q, k, v, scale=scale, mask=mask, sinks=sinks, stream=stream)
+    b, n_q, length, dim = q.shape
+    n_kv, keys = k.shape[1], k.shape[2]
+    repeats = n_q // n_kv
+    if length == 1 and repeats == 1:
+        return original(q, k, v, scale=scale, mask=mask, sinks=sinks, stream=stream)
+    # The steps and their order are those of MLX's fallback (mlx/fast.cpp); every product
+    # and sum is the one it computes, so the result is the same to the bit.
+    q = mx.array(scale, q.dtype) * q
+    if length == 1:
+        # [B, kv, repeats, D] @ [B, kv, D, keys]: one product per KV head. A causal mask
+        # with one query allows every key.
+        scores = q.reshape(b, n_kv, repeats, dim) @ k.swapaxes(-1, -2)
+        if isinstance(mask, mx.array):
+            scores = _apply_mask(scores, mask, (b, n_q, 1, keys), scores.shape)
+        out = mx.softmax(scores, axis=-1, precise=True) @ v
+        return out.reshape(b, n_q, 1, -1)
+    if repeats > 1:
+        q = q.reshape(b, n_kv, repeats, length, dim)
+        k = mx.expand_dims(k, 2)
+        v = mx.expand_dims(v, 2)
+    keys_t = k.swapaxes(-1, -2)
+    if isinstance(mask, str):
+        mask = mx.arange(keys - length, keys)[:, None] >= mx.arange(keys)[None]
+    # The products are MLX's own calls on the whole arrays (a threaded BLAS may split a
+    # product's rows differently for a different number of rows, and round differently); the
+    # softmax between them runs on blocks of rows, one after the other, so that its passes
+    # stay in the CPU's caches and its copies of the scores stay small.
+    scores = q @ keys_t
+    rows = max(16, FUSED_BLOCK_BYTES // max(1, b * n_q * keys * 4))
+    probs = []
+    for start in range(0, length, rows):
+        stop = min(length, start + rows)
+        block = scores[..., start:stop, :]
+        if probs:  # after the previous block, so that block's copies are freed first
+            block = mx.depends(block, probs[-1])
+        keep = None
+        if mask is not None:
+            part = mask[..., start:stop, :] if mask.ndim >= 2 and mask.shape[-2] == length \
+                else mask
+            if part.dtype == mx.bool_:
+                keep = mx.broadcast_to(part, (b, n_q, stop - start, keys)).reshape(block.shape)
+            else:
+                block = _apply_mask(block, part, (b, n_q, stop - start, keys), block.shape)
+        probs.append(softmax_rows(block, keep))
+    p = probs[0] if len(probs) == 1 else mx.concatenate(probs, axis=-2)
+    return (p @ v).reshape(b, n_q, length, -1)
+
+
+def _apply_mask(scores: Any, mask: Any, full: tuple[int, ...], shape: tuple[int, ...]) -> Any:
+    """MLX's fallback's masking: a boolean mask keeps scores (others get the lowest float), any
+    other is added."""
+    import mlx.core as mx
+
+    mask = mx.broadcast_to(mask, full).reshape(shape)
+    if mask.dtype == mx.bool_:
+        return mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+    return scores + mask.astype(scores.dtype)
+
+
+# --- rotary position embedding ---------------------------------------------------------------
+
+_rope_memo = threading.local()
+
+
+def _logf(x: float) -> float:
+    """``std::log`` of a float, as MLX's C++ computes it: libm's ``logf``."""
+    fn = _state.get("logf")
+    if fn is None:
+        libm = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")
+        fn = libm.logf
+        fn.argtypes, fn.restype = [ctypes.c_float], ctypes.c_float
+        _state["logf"] = fn
+    return fn(x)
+
+
+def _inv_freqs(base: float, half: int) -> Any:
+    """MLX's default inverse frequencies, ``exp(-i * log(base) / half)``, made once."""
+    import mlx.core as mx
+
+    key = ("inv_freqs", base, half)
+    inv = _state.get(key)
+    if inv is None:
+        step = float(np.float32(_logf(base)) / np.float32(half))  # float arithmetic, as in C++
+        inv = mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * mx.array(step, mx.float32))
+        mx.eval(inv)
+        _state[key] = inv
+    return inv
+
+
+def _rotate() -> Any:
+    import mlx.core as mx
+
+    fn = _state.get("rotate")
+    if fn is None:
+        def rotate(x: Any, cos: Any, sin: Any) -> Any:
+            half = cos.shape[-1]
+            x1, x2 = x[..., :half], x[..., half:2 * half]
+            parts = [x1 * cos - x2 * sin, x1 * sin + x2 * cos]
+            if x.shape[-1] > 2 * half:
+                parts.append(x[..., 2 * half:])
+            return mx.concatenate(parts, axis=-1)
+
+        fn = _state["rotate"] = mx.compile(rotate)
+    return fn
+
+
+def rope(a: Any, dims: int, *, traditional: bool, base: float | None, scale: float,
+         offset: Any, freqs: Any = None, stream: Any = None) -> Any:
+    """``mx.fast.rope`` with MLX's CPU arithmetic in about a third of the ops.
+
+    MLX's CPU fallback recomputes the inverse frequencies on every call and spends ~25 ops a
+    call (two calls a layer, every step). Here the default inverse frequencies are made once,
+    the cosines and sines of a step are made once for a layer's queries and keys (the same
+    offset object), and the rotation is one compiled kernel: the same products, sums and
+    roundings. Takes float32, non-traditional, 4-D input on the default stream."""
+    import mlx.core as mx
+
+    original = _state["rope"]
+    if (stream is not None or traditional or a.ndim != 4 or a.dtype != mx.float32
+            or dims % 2 or dims > a.shape[-1] or mx.default_device() != mx.cpu
+            or (freqs is None) == (base is None)):
+        return original(a, dims, traditional=traditional, base=base, scale=scale,
+                        offset=offset, freqs=freqs, stream=stream)
+    length = a.shape[2]
+    memo = getattr(_rope_memo, "last", None)
+    key = (dims, base, scale, length, id(freqs) if freqs is not None else None)
+    same_offset = memo is not None and (
+        memo[1] is offset if isinstance(offset, mx.array)
+        else not isinstance(memo[1], mx.array) and memo[1] == offset)
+    if same_offset and memo[0] == key:
+        cos, sin = memo[2], memo[3]
+    else:
+        off = offset if isinstance(offset, mx.array) else mx.array(offset, mx.int32)
+        if off.ndim > 1 or (off.size != 1 and off.size != a.shape[0]):
+            return original(a, dims, traditional=traditional, base=base, scale=scale,
+                            offset=offset, freqs=freqs, stream=stream)
+        if off.dtype.size != 4:
+            off = off.astype(mx.int32)
+        if off.size > 1:
+            off = off[:, None, None]
+        positions = (mx.arange(length, dtype=mx.float32) + off) * mx.array(scale, mx.float32)
+        if freqs is None:
+            inv = _inv_freqs(base, dims // 2)
+        else:
+            inv = mx.reciprocal(freqs.astype(mx.float32))
+        theta = positions[..., None] * inv
+        cos, sin = mx.cos(theta), mx.sin(theta)
+        _rope_memo.last = (key, offset, cos, sin, freqs)  # refs keep the ids unique
+    return _rotate()(a, cos, sin)
+
+
+# --- switching ---------------------------------------------------------------------------------
+
+
+def enable(choice: str = "native", home: Path | None = None) -> str:
+    """Use the faster kernels in this process (``choice`` "native"), or MLX's ("mlx").
+    Returns a line for the start-up log."""
+    if choice not in CHOICES:
+        raise ValueError(f"cpu kernels must be one of {', '.join(CHOICES)}, not {choice!r}")
+    if choice == "mlx":
+        disable()
+        return "MLX's own"
+    import mlx.core as mx
+
+    with _lock:
+        if "sdpa" not in _state:
+            _state["sdpa"] = mx.fast.scaled_dot_product_attention
+            _state["rope"] = mx.fast.rope
+            mx.fast.scaled_dot_product_attention = attention
+            mx.fast.rope = rope
+        if "env" not in _state and home is not None:
+            env = jit_env(home)
+            _state["env"] = {k: os.environ.get(k) for k in env} if env else {}
+            if env:
+                os.environ.update(env)
+    return describe()
+
+
+def disable() -> None:
+    """Back to MLX's kernels: its attention and rope, and ``PATH``/``TMPDIR`` as they were."""
+    import mlx.core as mx
+
+    with _lock:
+        original = _state.pop("sdpa", None)
+        if original is not None:
+            mx.fast.scaled_dot_product_attention = original
+            mx.fast.rope = _state.pop("rope")
+        _rope_memo.__dict__.clear()
+        for key, value in (_state.pop("env", None) or {}).items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def enabled() -> bool:
+    return "sdpa" in _state
+
+
+def describe() -> str:
+    """The kernels this process runs, for the start-up log."""
+    if "sdpa" not in _state:
+        return "MLX's own"
+    jit = ("fused kernels built for this CPU" if _state.get("env")
+           else "fused kernels with MLX's default flags")
+    return f"native ({jit}; attention and rope in fewer ops)"
