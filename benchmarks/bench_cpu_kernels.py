@@ -5,8 +5,8 @@ it, and MLX reads its JIT settings when it builds), stay up for the whole run an
 every measurement runs in one and then the other, alternating which goes first, for
 ``--rounds`` rounds, so a shared machine's load falls on both alike. Each times, on the default
 model (``troupe pull``'s directory) in float32: a batch of 8 chat-length prompts (74 tokens)
-prefilled together, a 512- and a 1,024-token prompt (512-token chunks, as the server
-prefills), and one decode step of 1, 16 and 32 sequences at 100 tokens of context. The report
+prefilled together, a 512-, a 1,024- and a 2,048-token prompt (512-token chunks, as the
+server prefills), and one decode step of 1, 16 and 32 sequences at 100 tokens of context. The report
 gives medians and the median of the per-round ratios; both processes hash the logits of a
 300-token prompt, which must be the same. On Linux it re-executes itself with OpenBLAS
 preloaded, as ``troupe serve`` does.
@@ -36,8 +36,8 @@ from harness import blas_name, resolve_default_model, same_blas_as_troupe_serve 
 CHOICES = ("mlx", "native")
 
 
-MEASUREMENTS = ("prefill_8x74", "prefill_512", "prefill_1024", "decode_b1", "decode_b16",
-                "decode_b32")
+MEASUREMENTS = ("prefill_8x74", "prefill_512", "prefill_1024", "prefill_2048", "decode_b1",
+                "decode_b16", "decode_b32")
 
 
 def child(model_dir: str, choice: str, home: str) -> None:
@@ -77,7 +77,8 @@ def child(model_dir: str, choice: str, home: str) -> None:
         return step
 
     work = {"prefill_8x74": prefill(8, 74), "prefill_512": prefill(1, 512),
-            "prefill_1024": prefill(1, 1024), "decode_b1": decode(1),
+            "prefill_1024": prefill(1, 1024), "prefill_2048": prefill(1, 2048),
+            "decode_b1": decode(1),
             "decode_b16": decode(16), "decode_b32": decode(32)}
     for fn in work.values():
         fn()  # warm-up: kernels get built, memory allocated

@@ -52,6 +52,7 @@ import aiohttp
 
 REPO = Path(__file__).resolve().parents[1]
 START_ENV = dict(os.environ)
+tempfile.gettempdir()  # cached now: the ceiling's CPU kernels later point TMPDIR at their JIT
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]  # actors.blas, and plot.py beside this
 
 TROUPE = "mlx-troupe"
