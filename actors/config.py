@@ -20,6 +20,9 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     # While sequences decode, a step's prefill takes at most about this many decode steps'
     # time (0: whole prefill_step_size chunks), so streams keep flowing past a long prompt.
     prefill_interleave: float = 1.5
+    # An idle engine waits this many milliseconds after a request arrives before stepping,
+    # so a burst of requests is prefilled in one step (0: step at once).
+    arrival_window_ms: float = 20.0
     # Requests waiting for a batch slot beyond this get 429 with Retry-After.
     max_queue: int = 256
     default_max_tokens: int = 2048

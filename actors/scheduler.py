@@ -121,8 +121,12 @@ class Scheduler(Actor):
         writer: str = "ssd_writer",
         model_id: str | None = None,
         memory_monitor: str = "memory_monitor",
+        arrival_window_ms: float = 0.0,
     ) -> None:
         self.model_spec = model
+        # An idle engine waits this long after a request arrives before its first step, so a
+        # burst of requests is prefilled together rather than in one step per arrival.
+        self.arrival_window_s = max(0.0, arrival_window_ms) / 1000
         # The pool resolves models itself and passes the name the model is served as.
         self.model_id = model_id
         self.model_name = model_id or model or DEFAULT_MODEL
@@ -214,7 +218,10 @@ class Scheduler(Actor):
                 await self._step()
             case AddRequest():
                 self._last_active = time.monotonic()
+                idle = self.engine is not None and not self.engine.has_work
                 await self._add(msg, self.take_reply())
+                if idle and self.arrival_window_s > 0:
+                    self._queue_step(delay=self.arrival_window_s)
             case BlocksRead():
                 self._loaded(msg)
             case AbortRequest(request_id=rid):
@@ -440,8 +447,12 @@ class Scheduler(Actor):
                 del self._replies[event.request_id]
                 self._epochs.pop(event.request_id, None)
 
-    def _queue_step(self) -> None:
+    def _queue_step(self, delay: float = 0.0) -> None:
         if self._step_queued or self.engine is None or not self.engine.has_work:
+            return
+        if delay > 0:
+            self._step_queued = True
+            asyncio.get_running_loop().call_later(delay, self._delayed_step)
             return
         try:
             self.ref.try_tell(Step())
@@ -452,6 +463,10 @@ class Scheduler(Actor):
         except ActorDead:
             # Stopping: the mailbox is closed and being drained; on_stop ends what is left.
             pass
+
+    def _delayed_step(self) -> None:
+        self._step_queued = False
+        self._queue_step()
 
     def report(self) -> dict[str, Any]:
         engine = self.engine

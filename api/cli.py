@@ -307,6 +307,15 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default: {_DEFAULTS.prefill_interleave})",
     )
     serve_cmd.add_argument(
+        "--arrival-window",
+        dest="arrival_window_ms",
+        type=float,
+        metavar="MS",
+        default=opt,
+        help="an idle server waits this long after a request arrives before its first step, "
+        f"so a burst is prefilled together; 0: at once (default: {_DEFAULTS.arrival_window_ms})",
+    )
+    serve_cmd.add_argument(
         "--max-queue",
         type=int,
         metavar="N",

@@ -1,0 +1,46 @@
+"""An idle scheduler waits ``arrival_window_ms`` after a request arrives, so a burst of
+requests is prefilled in one step instead of one step per arrival."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from actors.config import ServeConfig
+from actors.serving import start_serving
+from api.app import create_app
+from runtime import ActorSystem
+
+
+async def steps_for(aiohttp_client, model_dir: Path, window_ms: float, prompts: list[str],
+                    stagger_s: float) -> int:
+    config = ServeConfig(model=str(model_dir), block_size=0, arrival_window_ms=window_ms)
+    async with ActorSystem() as system:
+        handles = await start_serving(system, config)
+        client = await aiohttp_client(create_app(system=system, admission=handles.admission,
+                                                 config=config))
+        model = handles.models[0].id
+
+        async def one(i: int, prompt: str) -> None:
+            await asyncio.sleep(i * stagger_s)
+            resp = await client.post("/v1/completions", json={
+                "model": model, "prompt": prompt, "max_tokens": 6, "temperature": 0,
+                "ignore_eos": True})
+            assert resp.status == 200, await resp.text()
+
+        await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        sched = next(s for s in system.snapshot() if s.name.startswith("scheduler"))
+        await client.close()
+        return sched.report["steps"]
+
+
+async def test_a_burst_on_an_idle_server_is_prefilled_in_one_step(aiohttp_client,
+                                                                   tiny_model_dir) -> None:
+    prompts = ["one fish", "two fish, red fish", "blue fish", "a fish in a dish of fish"]
+    alone = await steps_for(aiohttp_client, tiny_model_dir, 400, prompts[:1], 0)
+    # Four arrivals 50 ms apart, all inside a 400 ms window: the steps of one request.
+    together = await steps_for(aiohttp_client, tiny_model_dir, 400, prompts, 0.05)
+    # Without the window each arrival starts at the next step: more steps.
+    apart = await steps_for(aiohttp_client, tiny_model_dir, 0, prompts, 0.05)
+    assert together == alone, (together, alone)
+    assert apart > together, (apart, together)
