@@ -23,6 +23,10 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     # An idle engine waits this many milliseconds after a request arrives before stepping,
     # so a burst of requests is prefilled in one step (0: step at once).
     arrival_window_ms: float = 20.0
+    # While sequences decode, one model call a step: the prefill chunk and the last prompt
+    # token of joining sequences ride in the decode step's forward pass (actors/mixed.py;
+    # llama-shaped models). False: mlx-lm's separate calls.
+    mixed_step: bool = True
     # Requests waiting for a batch slot beyond this get 429 with Retry-After.
     max_queue: int = 256
     default_max_tokens: int = 2048

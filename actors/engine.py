@@ -15,7 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.generate import StopSequences
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import (
     apply_min_p,
@@ -45,6 +45,7 @@ from actors.messages import (
     TopLogprob,
     Usage,
 )
+from actors.mixed import MixedBatchGenerator
 from actors.prefix import block_hashes, chain_hash, usable_blocks
 
 log = logging.getLogger("actors.engine")
@@ -52,6 +53,9 @@ log = logging.getLogger("actors.engine")
 # Interleaving prefill with decode: the fewest prompt tokens a prefilling sequence gets per
 # step, and how fast the step-time estimates follow new measurements.
 MIN_PREFILL_CHUNK = 32
+# With the chunk in the decode step's forward pass (actors/mixed.py) a prefill token costs
+# no call of its own, and a small chunk is no dearer per token than a large one.
+MIN_MIXED_CHUNK = 8
 EMA = 0.3
 # A prompt whose whole rest is within this many step budgets is prefilled in one piece.
 SHORT_PROMPT = 4
@@ -180,6 +184,7 @@ class Engine:
         fingerprint: str = "",
         memory: ModelMemory | None = None,
         prefill_interleave: float = 0.0,
+        mixed: bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -212,8 +217,9 @@ class Engine:
             prefill_batch_size=prefill_batch_size,
             prefill_step_size=prefill_step_size,
             stream=stream,
+            mixed=mixed,
         )
-        self.gen = BatchGenerator(model, **self._gen_kwargs)
+        self.gen = MixedBatchGenerator(model, **self._gen_kwargs)
         self.requests: dict[str, Request] = {}
         self._by_uid: dict[int, Request] = {}
         self.steps = 0
@@ -466,7 +472,8 @@ class Engine:
 
     @property
     def _min_chunk(self) -> int:
-        return min(MIN_PREFILL_CHUNK, self.prefill_step_size)
+        floor = MIN_MIXED_CHUNK if self.gen.mixed else MIN_PREFILL_CHUNK
+        return min(floor, self.prefill_step_size)
 
     def _set_chunk(self, n: int) -> None:
         self.gen.prefill_step_size = n
@@ -639,7 +646,7 @@ class Engine:
             for req in list(self.requests.values())
         ]
         # A fresh generator: the old one's batch state is not trustworthy after a failed step.
-        self.gen = BatchGenerator(self.model, **self._gen_kwargs)
+        self.gen = MixedBatchGenerator(self.model, **self._gen_kwargs)
         mx.clear_cache()
         return events
 

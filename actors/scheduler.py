@@ -122,6 +122,7 @@ class Scheduler(Actor):
         model_id: str | None = None,
         memory_monitor: str = "memory_monitor",
         arrival_window_ms: float = 0.0,
+        mixed_step: bool = True,
     ) -> None:
         self.model_spec = model
         # An idle engine waits this long after a request arrives before its first step, so a
@@ -137,6 +138,7 @@ class Scheduler(Actor):
             prefill_step_size=prefill_step_size,
             prefill_interleave=prefill_interleave,
             block_size=block_size,
+            mixed=mixed_step,
         )
         self.index_name = index
         self.writer_name = writer

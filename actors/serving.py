@@ -61,6 +61,7 @@ async def start_serving(system: ActorSystem, config: ServeConfig) -> ServingHand
             prefill_step_size=config.prefill_step_size,
             prefill_interleave=config.prefill_interleave,
             arrival_window_ms=config.arrival_window_ms,
+            mixed_step=config.mixed_step,
             max_queue=config.max_queue,
             block_size=config.block_size,
             memory_monitor=MONITOR_NAME,

@@ -316,6 +316,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"so a burst is prefilled together; 0: at once (default: {_DEFAULTS.arrival_window_ms})",
     )
     serve_cmd.add_argument(
+        "--mixed-step",
+        action=argparse.BooleanOptionalAction,
+        default=opt,
+        help="while sequences decode, run the prefill chunk in the decode step's forward pass "
+        f"(one model call a step; llama-shaped models) (default: {_DEFAULTS.mixed_step})",
+    )
+    serve_cmd.add_argument(
         "--max-queue",
         type=int,
         metavar="N",

@@ -482,7 +482,8 @@ async def bench_servers(names: list[str], model_dir: str, work: Workload,
             if scenario == "serving" and ceiling is not None:
                 await quiesce([s.pid for s in live])
                 # Blocks the event loop, on purpose: nothing else may run meanwhile.
-                r = ceiling_level(*ceiling, work.serving[c], c, args.max_tokens)
+                r = ceiling_level(*ceiling, work.serving[c], c, args.max_tokens,
+                                  mixed=troupe_mixed(args.troupe_args))
                 results[CEILING]["serving"][str(c)] = r
                 print(f"  rep {rep} {CEILING:>13} c={c:<3} {fmt(r['tokens_per_s'], 1):>7} tok/s"
                       f"  TTFT p50 {ms(r['ttft_p50'])} p99 {ms(r['ttft_p99'])} ms", flush=True)
@@ -525,6 +526,13 @@ def troupe_kernels(troupe_args: str) -> str:
     return "native"
 
 
+def troupe_mixed(troupe_args: str) -> bool:
+    """Whether troupe runs mixed steps with the flags passed to it (default: yes)."""
+    words = shlex.split(troupe_args)
+    flags = [w for w in words if w in ("--mixed-step", "--no-mixed-step")]
+    return not flags or flags[-1] == "--mixed-step"
+
+
 def load_ceiling(model_dir: str, kernels: str = "native") -> tuple[Any, Any]:
     """The model and tokenizer, loaded in this process for the in-process ceiling, on the
     CPU kernels troupe serves with (``--troupe-args='--cpu-kernels mlx'`` gives MLX's to
@@ -539,15 +547,16 @@ def load_ceiling(model_dir: str, kernels: str = "native") -> tuple[Any, Any]:
 
 
 def ceiling_level(model: Any, tok: Any, messages: list[Messages], concurrency: int,
-                  max_tokens: int) -> dict[str, Any]:
+                  max_tokens: int, *, mixed: bool = True) -> dict[str, Any]:
     """One serving level through ``BatchGenerator`` directly, batched as troupe batches, in
-    a closed loop like the HTTP clients: the most any server could do on this machine."""
-    from mlx_lm.generate import BatchGenerator
-
+    a closed loop like the HTTP clients: the most any server could do on this machine. The
+    generator is troupe's subclass (``actors.mixed``), with mixed steps as troupe runs them,
+    so that the ceiling measures what serving costs, not the step."""
     from actors.config import ServeConfig
+    from actors.mixed import MixedBatchGenerator
 
     cfg = ServeConfig()
-    gen = BatchGenerator(model, completion_batch_size=cfg.max_batch_size,
+    gen = MixedBatchGenerator(model, mixed=mixed, completion_batch_size=cfg.max_batch_size,
                          prefill_batch_size=cfg.prefill_batch_size,
                          prefill_step_size=cfg.prefill_step_size,
                          stop_tokens=[[t] for t in tok.eos_token_ids])

@@ -8,7 +8,7 @@ import pytest
 from mlx_lm import load
 from reference import PROMPTS, detokenize, reference_tokens
 
-from actors.engine import MIN_PREFILL_CHUNK, Engine, StopStringFilter
+from actors.engine import MIN_MIXED_CHUNK, MIN_PREFILL_CHUNK, Engine, StopStringFilter
 from actors.messages import RequestFinished, SamplingParams, TokensGenerated
 
 
@@ -206,17 +206,21 @@ def test_hybrid_model_batches_like_mlx_lm(tiny_hybrid_dir):
 # -- prefill interleaved with decode -------------------------------------------------------
 
 
-def test_a_long_prompt_is_prefilled_in_budgeted_chunks_while_streams_decode(loaded):
+@pytest.mark.parametrize("mixed", [True, False], ids=["mixed", "separate-calls"])
+def test_a_long_prompt_is_prefilled_in_budgeted_chunks_while_streams_decode(loaded, mixed):
     """With streams decoding, each step prefills only the budget (from the decode step's and a
-    prompt token's times); every stream gets a token every step; the output is unchanged."""
+    prompt token's times); every stream gets a token every step; the output is unchanged,
+    whether the chunk rides in the decode step's forward pass or has a call of its own."""
     model, tok = loaded
     long_prompt = encode(tok, " ".join(PROMPTS) * 3)
     assert len(long_prompt) > 150
     short = {f"s{i}": encode(tok, p) for i, p in enumerate(PROMPTS[:4])}
 
-    engine = Engine(model, tok, prefill_step_size=512, prefill_interleave=1.0)
+    engine = Engine(model, tok, prefill_step_size=512, prefill_interleave=1.0, mixed=mixed)
+    assert engine.gen.mixed is mixed
+    floor = MIN_MIXED_CHUNK if mixed else MIN_PREFILL_CHUNK
     # Fixed timings so the budget is known: a decode step 8x a prompt token -> 8 tokens a
-    # step, raised to the floor (MIN_PREFILL_CHUNK).
+    # step (mixed: the floor is 8 too), raised to the floor (MIN_PREFILL_CHUNK).
     engine._measure = lambda *a: None
     engine._decode_s, engine._token_s = 0.08, 0.01
     for rid, p in short.items():
@@ -235,10 +239,10 @@ def test_a_long_prompt_is_prefilled_in_budgeted_chunks_while_streams_decode(load
             if isinstance(ev, TokensGenerated):
                 got[ev.request_id] += ev.token_ids
         steps += 1
-        assert engine.last_prefill_budget == MIN_PREFILL_CHUNK
-        assert engine.prefill_tokens - before <= MIN_PREFILL_CHUNK
+        assert engine.last_prefill_budget == floor
+        assert engine.prefill_tokens - before <= floor
         assert all(len(got[r]) == counts[r] + 1 for r in short), "a stream missed a step"
-    assert steps >= len(long_prompt) // MIN_PREFILL_CHUNK
+    assert steps >= len(long_prompt) // floor
     while "long" in engine.requests:
         for ev in engine.step():
             if isinstance(ev, TokensGenerated):
@@ -256,13 +260,13 @@ def test_a_short_prompt_is_never_split_even_beside_a_long_one(loaded):
     model, tok = loaded
     engine = Engine(model, tok, prefill_step_size=512, prefill_interleave=1.0)
     engine._measure = lambda *a: None
-    engine._decode_s, engine._token_s = 0.08, 0.01  # the floor: a MIN_PREFILL_CHUNK budget
+    engine._decode_s, engine._token_s = 0.32, 0.01  # a 32-token budget
     engine.add("decoder", encode(tok, PROMPTS[0]), greedy(400, ignore_eos=True))
     while not len(engine.gen._generation_batch):
         engine.step()
     long_prompt = encode(tok, " ".join(PROMPTS) * 3)
     short = encode(tok, " ".join(reversed(PROMPTS)))[:40]
-    budget = MIN_PREFILL_CHUNK
+    budget = 32
     assert budget < len(short) <= SHORT_PROMPT * budget < len(long_prompt)
     engine.add("long", long_prompt, greedy(4))
     engine.add("short", short, greedy(4))

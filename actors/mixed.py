@@ -1,0 +1,411 @@
+"""One forward pass for a decode step and a prefill chunk together (a mixed batch).
+
+mlx-lm's ``BatchGenerator`` runs the decode step of the sequences that are generating and the
+prefill chunk of the ones still reading their prompt as two model calls. On a CPU a model call
+costs about a decode step whatever it carries: the weights are read once per call, and every
+projection is a matrix product whose rows are the tokens in it. This module runs both groups
+through each layer at once: the token-wise parts of a layer (norms, the q/k/v and output
+projections, the MLP) take the decode tokens and the prefill tokens as the rows of one matrix,
+and only attention, which needs each sequence's own cache and mask, runs per group.
+
+Only decoder layers of the llama shape are taken (llama, mistral, qwen2 and the like: one
+``self_attn`` with q/k/v/o projections and a rope, one ``mlp``, two RMS norms, plain KV caches,
+no sliding window); ``supports_mixed`` says whether a model is one, and anything else keeps
+mlx-lm's two calls.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import (
+    BatchGenerator,
+    GenerationBatch,
+    PromptProcessingBatch,
+    _right_pad_prompts,
+)
+from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
+
+# Model types whose decoder layer is exactly: x + attn(norm(x)), then h + mlp(norm(h)).
+MIXED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+
+
+def supports_mixed(model: Any) -> bool:
+    """Whether ``mixed_forward`` computes exactly what ``model(...)`` does for this model."""
+    args = getattr(model, "args", None)
+    inner = getattr(model, "model", None)
+    if args is None or inner is None or getattr(args, "model_type", None) not in MIXED_MODEL_TYPES:
+        return False
+    if getattr(inner, "swa_idx", None) is not None or getattr(inner, "sliding_window", None):
+        return False
+    if getattr(args, "sliding_window", None) and getattr(args, "model_type", "") == "mistral":
+        return False
+    needed = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
+    attn = ("q_proj", "k_proj", "v_proj", "o_proj", "rope", "n_heads", "n_kv_heads", "scale")
+    return all(
+        all(hasattr(layer, n) for n in needed) and all(hasattr(layer.self_attn, n) for n in attn)
+        and not hasattr(layer.self_attn, "q_norm")
+        for layer in inner.layers
+    )
+
+
+def _attend(attn: Any, q: mx.array, k: mx.array, v: mx.array, batch: int, length: int,
+            cache: Any, mask: Any) -> mx.array:
+    """The attention of one group, as the layer's own ``Attention.__call__`` computes it after
+    its projections. q/k/v: [batch * length, features]; returns [batch * length, features]."""
+    q = q.reshape(batch, length, attn.n_heads, -1).transpose(0, 2, 1, 3)
+    k = k.reshape(batch, length, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    v = v.reshape(batch, length, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    q = attn.rope(q, offset=cache.offset)
+    k = attn.rope(k, offset=cache.offset)
+    k, v = cache.update_and_fetch(k, v)
+    out = scaled_dot_product_attention(q, k, v, cache=cache, scale=attn.scale, mask=mask)
+    return out.transpose(0, 2, 1, 3).reshape(batch * length, -1)
+
+
+class RaggedKVCache:
+    """One layer's KV cache of a decode batch, kept as groups of rows of similar length.
+
+    mlx-lm's ``BatchKVCache`` holds a batch as one left-padded array: when a 2,000-token
+    prompt joins eight 200-token conversations, all nine rows are padded to 2,000 (a copy of
+    the whole cache as it joins) and every decode step attends over 2,000 positions for each
+    of them. Here a joining batch becomes a group of its own unless merging costs little
+    padding; attention runs per group (``mixed_forward``) while the projections still take
+    every row at once. Rows are the groups' rows in order, which ``GenerationBatch``'s
+    order-keeping ``extend`` (append) and ``filter`` (sorted indices) preserve.
+    """
+
+    def __init__(self, groups: list[Any] | None = None) -> None:
+        self.groups: list[Any] = [g for g in (groups or []) if _rows(g)]
+
+    @classmethod
+    def wrap(cls, cache: Any) -> RaggedKVCache:
+        return cache if isinstance(cache, RaggedKVCache) else cls([cache] if cache else [])
+
+    def spans(self) -> list[tuple[int, int, Any]]:
+        """(first row, end row, group cache) of each group, in row order."""
+        out, at = [], 0
+        for g in self.groups:
+            n = _rows(g)
+            out.append((at, at + n, g))
+            at += n
+        return out
+
+    def extend(self, other: Any) -> None:
+        for g in RaggedKVCache.wrap(other).groups:
+            if self.groups and _merge_is_cheap(self.groups[-1], g):
+                self.groups[-1].extend(g)
+            else:
+                self.groups.append(g)
+        self._bound_groups()
+
+    def filter(self, keep: list[int]) -> None:
+        kept = []
+        for first, end, g in self.spans():
+            local = [i - first for i in keep if first <= i < end]
+            if not local:
+                continue
+            if len(local) < end - first:
+                g.filter(local)
+            if kept and _merge_is_cheap(kept[-1], g):
+                kept[-1].extend(g)  # e.g. the long row between them finished
+            else:
+                kept.append(g)
+        self.groups = kept
+
+    def _bound_groups(self) -> None:
+        """At most MAX_GROUPS groups: merge the neighbours whose merge pads least."""
+        while len(self.groups) > MAX_GROUPS:
+            i = min(range(len(self.groups) - 1),
+                    key=lambda j: _padding_cost(self.groups[j], self.groups[j + 1]))
+            self.groups[i].extend(self.groups.pop(i + 1))
+
+    def extract(self, idx: int) -> Any:
+        for first, end, g in self.spans():
+            if first <= idx < end:
+                return g.extract(idx - first)
+        raise IndexError(idx)
+
+    @property
+    def state(self) -> list[Any]:
+        return [g.state for g in self.groups]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(g.nbytes for g in self.groups)
+
+    def size(self) -> int:
+        return max((g.size() for g in self.groups), default=0)
+
+    def empty(self) -> bool:
+        return all(g.empty() for g in self.groups)
+
+
+# A decode batch keeps at most this many groups (each costs a few small ops per layer), and a
+# joining group merges into the last one when padding it costs at most this many positions
+# per row of attention beyond what the two groups hold.
+MAX_GROUPS = 4
+MERGE_SLACK = 128
+
+
+def _rows(cache: Any) -> int:
+    return 0 if cache is None else int(cache.offset.shape[0])
+
+
+def _padding_cost(a: Any, b: Any) -> int:
+    """Positions of attention per step that merging ``a`` and ``b`` adds (padding)."""
+    na, nb = _rows(a), _rows(b)
+    return (na + nb) * max(a.size(), b.size()) - na * a.size() - nb * b.size()
+
+
+def _merge_is_cheap(a: Any, b: Any) -> bool:
+    return _padding_cost(a, b) <= MERGE_SLACK * (_rows(a) + _rows(b))
+
+
+def mixed_forward(model: Any, decode_inputs: mx.array, decode_cache: list[Any],
+                  prefill_inputs: mx.array | None = None,
+                  prefill_cache: list[Any] | None = None) -> mx.array:
+    """Logits [B, 1, vocab] of the decode group's next tokens; the prefill group's tokens
+    ([P, L]) are written into ``prefill_cache`` on the way, as ``model(prefill_inputs,
+    cache=prefill_cache)`` would (its logits are never computed: nobody samples from them).
+    ``decode_cache`` may hold ``RaggedKVCache`` layers: each group attends on its own."""
+    inner = model.model
+    hd = inner.embed_tokens(decode_inputs)
+    B, Ld, D = hd.shape
+    nd = B * Ld
+    first = decode_cache[0]
+    if isinstance(first, RaggedKVCache):
+        spans = [(a, b) for a, b, _ in first.spans()]
+        masks = [create_attention_mask(hd[a:b], g) for a, b, g in first.spans()]
+    else:
+        spans, masks = [(0, B)], [create_attention_mask(hd, first)]
+    parts = [hd.reshape(nd, D)]
+    if prefill_inputs is not None:
+        hp = inner.embed_tokens(prefill_inputs)
+        P, Lp, _ = hp.shape
+        mask_p = create_attention_mask(hp, prefill_cache[0])
+        parts.append(hp.reshape(P * Lp, D))
+    x = mx.concatenate(parts) if len(parts) > 1 else parts[0]
+    last = len(inner.layers) - 1
+    for i, (layer, cd) in enumerate(zip(inner.layers, decode_cache, strict=True)):
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+        groups = cd.groups if isinstance(cd, RaggedKVCache) else [cd]
+        out = [
+            _attend(attn, q[a * Ld:b * Ld], k[a * Ld:b * Ld], v[a * Ld:b * Ld], b - a, Ld, g, m)
+            for (a, b), g, m in zip(spans, groups, masks, strict=True)
+        ]
+        if prefill_inputs is not None:
+            out.append(_attend(attn, q[nd:], k[nd:], v[nd:], P, Lp, prefill_cache[i], mask_p))
+        x = x + attn.o_proj(mx.concatenate(out) if len(out) > 1 else out[0])
+        if i == last and prefill_inputs is not None:
+            x = x[:nd]  # the prefill rows are done: their keys and values are in the cache
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    out = inner.norm(x).reshape(B, Ld, D)
+    if getattr(model.args, "tie_word_embeddings", False) or not hasattr(model, "lm_head"):
+        return inner.embed_tokens.as_linear(out)
+    return model.lm_head(out)
+
+
+class _Forward:
+    """The model as a decode step of ``JoiningGenerationBatch`` calls it: ``mixed_forward``,
+    which reads ragged caches, with the prompt batch's next chunk riding along when one is
+    set (``ride``), as ``PromptProcessingBatch.prompt`` would have run it in a call of its own
+    (same bookkeeping, same right padding)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.batch: PromptProcessingBatch | None = None
+        self.tokens: mx.array | None = None
+        self.padding: list[int] = []
+
+    def ride(self, batch: PromptProcessingBatch, prompts: list[list[int]]) -> None:
+        for held, new in zip(batch.tokens, prompts, strict=True):
+            held += new
+        lengths = [len(p) for p in prompts]
+        longest = max(lengths)
+        self.padding = [longest - n for n in lengths]
+        if max(self.padding) > 0:
+            self.tokens = _right_pad_prompts(prompts, max_length=longest)
+            for c in batch.prompt_cache:
+                c.prepare(lengths=lengths, right_padding=self.padding)
+        else:
+            self.tokens = mx.array(prompts)
+        self.batch = batch
+
+    def __call__(self, inputs: mx.array, cache: list[Any]) -> mx.array:
+        if self.batch is None:
+            return mixed_forward(self.model, inputs, cache)
+        return mixed_forward(self.model, inputs, cache, self.tokens, self.batch.prompt_cache)
+
+    def land(self) -> None:
+        """After the step: the chunk is in the prompt cache (right padding rolled away)."""
+        if self.batch is not None and max(self.padding) > 0:
+            for c in self.batch.prompt_cache:
+                c.finalize()
+        self.batch, self.tokens, self.padding = None, None, []
+
+
+# The log-probabilities a joining sequence's first step yields belong to its last prompt
+# token, which is never answered: a placeholder keeps the batch's lists aligned.
+_NO_LOGPROBS = None
+
+
+def _placeholder() -> mx.array:
+    global _NO_LOGPROBS
+    if _NO_LOGPROBS is None:
+        _NO_LOGPROBS = mx.zeros((1,))
+    return _NO_LOGPROBS
+
+
+class JoiningGenerationBatch(GenerationBatch):
+    """mlx-lm's ``GenerationBatch``, where a sequence that finished its prompt joins without a
+    model call of its own: its last prompt token is the input of its first step in the batch,
+    whose output for it (that token) is not an answer. mlx-lm runs that token in a separate
+    call as the sequence joins; here it rides in the batch's next step."""
+
+    def __init__(self, *args: Any, joining: bool = False, **kwargs: Any) -> None:
+        self._deferred = joining
+        super().__init__(*args, **kwargs)
+        self._deferred = False
+        self._joining: set[int] = set(self.uids) if joining else set()
+        if joining:
+            self._next_logprobs = [_placeholder()] * len(self.uids)
+
+    def _step(self) -> Any:
+        if self._deferred:
+            return None  # the constructor's step: the batch's next step runs it instead
+        return super()._step()
+
+    def extend(self, batch: GenerationBatch) -> None:
+        if batch.prompt_cache:
+            if not self.prompt_cache:
+                self.prompt_cache = [RaggedKVCache() for _ in batch.prompt_cache]
+            else:
+                self.prompt_cache = [RaggedKVCache.wrap(c) for c in self.prompt_cache]
+        super().extend(batch)
+        self._joining |= getattr(batch, "_joining", set())
+
+    def next(self) -> list[GenerationBatch.Response]:
+        joining = self._joining & set(self.uids)
+        if not joining:
+            self._joining = set()
+            return super().next()
+        # As GenerationBatch.next, except that the joining sequences' outputs (their last
+        # prompt token) are neither answered nor counted.
+        tokens, logprobs = self._step()
+        self._joining = set()
+        keep: list[int] = []
+        responses: list[GenerationBatch.Response] = []
+        for i, uid in enumerate(self.uids):
+            if uid in joining:
+                keep.append(i)
+                continue
+            finish_reason = None
+            self._num_tokens[i] += 1
+            if self._num_tokens[i] >= self.max_tokens[i]:
+                finish_reason = "length"
+            if self._matchers[i].advance(tokens[i]):
+                finish_reason = "stop"
+            done = finish_reason is not None
+            if not done:
+                keep.append(i)
+            responses.append(self.Response(
+                uid=uid, token=tokens[i], logprobs=logprobs[i], finish_reason=finish_reason,
+                prompt_cache=self.extract_cache(i) if done else None,
+                all_tokens=self.tokens[i] if done else None,
+            ))
+        if len(keep) < len(self.uids):
+            self.filter(keep)
+        return responses
+
+
+class MixedBatchGenerator(BatchGenerator):
+    """mlx-lm's ``BatchGenerator`` with one model call a step while sequences decode.
+
+    mlx-lm's step makes up to three calls: the decode step, the last prompt token of each
+    sequence that finished its prompt, and the next prefill chunk. Here, while anything
+    decodes (and the model is one ``mixed_forward`` handles), the joining sequences' last
+    prompt tokens are rows of the decode step and the prefill chunk rides in the same forward
+    pass. A sequence that finished its prompt joins before the step instead of after it, so
+    it gets its first token in the same step as before. With nothing decoding, or with
+    ``mixed`` False, this is mlx-lm's own step.
+    """
+
+    def __init__(self, model: Any, *, mixed: bool | None = None, **kwargs: Any) -> None:
+        super().__init__(model, **kwargs)
+        self.mixed = supports_mixed(model) if mixed is None else (mixed and supports_mixed(model))
+        if self.mixed:
+            self._forward = _Forward(model)
+            self._generation_batch = JoiningGenerationBatch.empty(self._forward, self.sampler)
+
+    def _next(self) -> tuple[list[Any], list[Any]]:
+        gen, batch = self._generation_batch, self._prompt_batch
+        if not self.mixed:
+            return super()._next()
+        counters = self._counters
+        if len(gen) >= self.completion_batch_size:
+            return [], self._decode(gen)
+        prompt_responses: list[Any] = []
+        n = min(self.prefill_batch_size - len(batch),
+                self.completion_batch_size - len(gen),
+                len(self._unprocessed_sequences))
+        if n > 0:
+            batch.extend(self._make_batch(n))
+        # Sequences down to their last prompt token join the generation batch now.
+        done = [i for i, seq in enumerate(self._currently_processing)
+                if len(seq[0]) == 1 and len(seq[0][0]) == 1]
+        if done:
+            last = [self._currently_processing[i][0][0][0] for i in done]
+            progress = [(self._currently_processing[i][2],) * 2 for i in done]
+            self._currently_processing = [seq for i, seq in enumerate(self._currently_processing)
+                                          if i not in set(done)]
+            part = batch.split(done)
+            joined = JoiningGenerationBatch(
+                self._forward, part.uids, mx.array(last, dtype=mx.uint32), part.prompt_cache,
+                part.tokens, part.samplers, part.fallback_sampler, part.logits_processors,
+                part.stop_sequences, part.max_tokens, joining=True)
+            for uid, p in zip(joined.uids, progress, strict=True):
+                prompt_responses.append(PromptProcessingBatch.Response(uid, p, True, True))
+            gen.extend(joined)
+        # The next chunk of each prompt still being read (as mlx-lm's step takes it).
+        prompts: list[list[int]] = []
+        for i, seq in enumerate(self._currently_processing):
+            response = PromptProcessingBatch.Response(batch.uids[i], 0, False, False)
+            segments = seq[0]
+            k = min(len(segments[0]), self.prefill_step_size)
+            prompts.append(segments[0][:k])
+            segments[0] = segments[0][k:]
+            if not segments[0]:
+                segments.pop(0)
+                response.end_of_segment = True
+            seq[1] += len(prompts[-1])
+            response.progress = (seq[1], seq[2])
+            prompt_responses.append(response)
+        counters.prompt_tokens += sum(len(p) for p in prompts)
+        if not len(gen):
+            tic = time.perf_counter()
+            batch.prompt(prompts)
+            counters.prompt_time += time.perf_counter() - tic
+            return prompt_responses, []
+        if prompts:
+            self._forward.ride(batch, prompts)
+        try:
+            responses = self._decode(gen)
+        finally:
+            self._forward.land()
+        return prompt_responses, responses
+
+    def _decode(self, gen: GenerationBatch) -> list[Any]:
+        counters = self._counters
+        tic = time.perf_counter()
+        responses = gen.next()
+        counters.decode_time += time.perf_counter() - tic
+        counters.generation_tokens += len(responses)
+        counters.generation_steps += 1
+        if counters.generation_steps % 512 == 0:
+            mx.clear_cache()
+        return responses

@@ -1,0 +1,221 @@
+"""Mixed steps (actors/mixed.py): decode and prefill in one forward pass, ragged decode caches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm import load
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+from reference import PROMPTS, reference_tokens
+
+from actors.engine import Engine
+from actors.messages import SamplingParams, TokensGenerated
+from actors.mixed import (
+    MERGE_SLACK,
+    MixedBatchGenerator,
+    RaggedKVCache,
+    mixed_forward,
+    supports_mixed,
+)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model_dir: Path):
+    return load(str(tiny_model_dir))
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, **kw)
+
+
+def encode(tok, text: str) -> list[int]:
+    return tok.encode(text)
+
+
+def batch_cache(model, prompts: list[list[int]]) -> list[BatchKVCache]:
+    """Each prompt run alone into a KVCache, merged into one left-padded batch cache."""
+    per = []
+    for p in prompts:
+        cache = make_prompt_cache(model)
+        model(mx.array([p]), cache=cache)
+        mx.eval([c.state for c in cache])
+        per.append(cache)
+    return [BatchKVCache.merge([c[i] for c in per]) for i in range(len(per[0]))]
+
+
+def test_llama_shaped_models_are_supported_and_hybrids_are_not(loaded, tiny_hybrid_dir):
+    model, _ = loaded
+    assert supports_mixed(model)
+    hybrid, _ = load(str(tiny_hybrid_dir))
+    assert not supports_mixed(hybrid)
+    gen = MixedBatchGenerator(hybrid)
+    assert not gen.mixed  # mlx-lm's own step
+
+
+def test_a_mixed_forward_computes_what_two_calls_do(loaded):
+    """The decode rows' logits and the prefill rows' cache are those of separate calls (to
+    float rounding: a matrix product's rows may round differently with more rows)."""
+    model, tok = loaded
+    decoding = [encode(tok, p) for p in PROMPTS[:3]]
+    chunk = encode(tok, PROMPTS[5])[:12]
+    prior = encode(tok, PROMPTS[4])
+    nxt = mx.array([[7], [9], [11]])
+
+    d_sep, p_sep = batch_cache(model, decoding), batch_cache(model, [prior])
+    want = model(nxt, cache=d_sep)
+    model(mx.array([chunk]), cache=p_sep)
+    d_mix, p_mix = batch_cache(model, decoding), batch_cache(model, [prior])
+    got = mixed_forward(model, nxt, d_mix, mx.array([chunk]), p_mix)
+    mx.eval(want, got)
+    assert got.shape == want.shape
+    assert mx.allclose(got, want, atol=1e-4).item()
+    assert mx.array_equal(got.argmax(-1), want.argmax(-1)).item()
+    for a, b in zip(p_sep, p_mix, strict=True):
+        ka, va = a.keys_and_values()
+        kb, vb = b.keys_and_values()
+        assert ka.shape == kb.shape and mx.allclose(ka, kb, atol=1e-5).item()
+        assert mx.allclose(va, vb, atol=1e-5).item()
+        assert a.offset.tolist() == b.offset.tolist()
+
+
+def test_ragged_groups_attend_on_their_own(loaded):
+    """A 2-row group and a much longer 1-row group in one RaggedKVCache: one forward gives
+    each row what a call on its own group gives, and no row is padded to the longest."""
+    model, tok = loaded
+    short = [encode(tok, PROMPTS[0]), encode(tok, PROMPTS[1])]
+    long = [encode(tok, " ".join(PROMPTS) * 4)]
+    assert len(long[0]) > 200 > max(map(len, short))
+    nxt_s, nxt_l = mx.array([[5], [6]]), mx.array([[8]])
+    want_s = model(nxt_s, cache=batch_cache(model, short))
+    want_l = model(nxt_l, cache=batch_cache(model, long))
+
+    layers = [RaggedKVCache([a]) for a in batch_cache(model, short)]
+    for c, b in zip(layers, batch_cache(model, long), strict=True):
+        c.extend(b)
+    assert [len(c.groups) for c in layers] == [2] * len(layers)
+    assert [g.size() for g in layers[0].groups] == [max(map(len, short)), len(long[0])]
+    got = mixed_forward(model, mx.concatenate([nxt_s, nxt_l]), layers)
+    want = mx.concatenate([want_s, want_l])
+    assert mx.allclose(got, want, atol=1e-4).item()
+    assert mx.array_equal(got.argmax(-1), want.argmax(-1)).item()
+
+
+def test_ragged_cache_merges_cheap_groups_and_filters_in_order():
+    def group(rows: int, length: int, fill: float) -> BatchKVCache:
+        c = BatchKVCache([0] * rows)
+        kv = mx.full((rows, 1, length, 2), fill)
+        c.update_and_fetch(kv, kv)
+        return c
+
+    r = RaggedKVCache([group(2, 40, 1.0)])
+    r.extend(group(1, 40 + MERGE_SLACK, 2.0))  # little padding: merged
+    assert len(r.groups) == 1 and r.groups[0].offset.shape[0] == 3
+    r.extend(group(1, 1000, 3.0))  # 3 rows padded to 1,000 would cost far more: a group
+    r.extend(group(2, 30, 4.0))  # short again: not merged into the long one
+    assert [(a, b) for a, b, _ in r.spans()] == [(0, 3), (3, 4), (4, 6)]
+    assert r.size() == 1000
+    # Row 3 (the long one) is extracted from its own group, unpadded.
+    one = r.extract(3)
+    assert isinstance(one, KVCache) and one.offset == 1000
+    assert mx.all(one.keys == 3.0).item()
+    # The long row finishes: its group goes, and its neighbours are close enough to merge.
+    r.filter([0, 1, 2, 4, 5])
+    assert len(r.groups) == 1 and r.groups[0].offset.shape[0] == 5
+    assert mx.all(r.extract(4).keys == 4.0).item()
+    assert mx.all(r.extract(0).keys[..., -40:, :] == 1.0).item()
+
+
+def test_a_long_prompt_joining_short_decoders_gets_its_own_group(loaded):
+    """Greedy tokens match mlx-lm alone for every request; the long one decodes in a group of
+    its own instead of padding the short ones to its length."""
+    model, tok = loaded
+    engine = Engine(model, tok, prefill_step_size=64, prefill_interleave=1.0)
+    engine._measure = lambda *a: None
+    engine._decode_s, engine._token_s = 0.08, 0.01
+    short = {f"s{i}": encode(tok, p) for i, p in enumerate(PROMPTS[:3])}
+    for rid, p in short.items():
+        engine.add(rid, p, greedy(60, ignore_eos=True))
+    got: dict[str, list[int]] = {}
+
+    def step() -> None:
+        for ev in engine.step():
+            if isinstance(ev, TokensGenerated):
+                got.setdefault(ev.request_id, []).extend(ev.token_ids)
+
+    for _ in range(4):
+        step()
+    long_prompt = encode(tok, " ".join(PROMPTS) * 4)
+    engine.add("long", long_prompt, greedy(12, ignore_eos=True))
+    while "long" not in got:
+        step()
+    caches = engine.gen._generation_batch.prompt_cache
+    assert all(isinstance(c, RaggedKVCache) and len(c.groups) == 2 for c in caches)
+    while engine.requests:
+        step()
+    for rid, p in short.items():
+        assert got[rid] == reference_tokens(model, tok, p, 60), rid
+    assert got["long"] == reference_tokens(model, tok, long_prompt, 12)
+
+
+@pytest.mark.parametrize("mixed", [True, False], ids=["mixed", "separate-calls"])
+def test_one_forward_pass_a_step_while_a_prompt_is_prefilled(loaded, monkeypatch, mixed):
+    """While streams decode and a prompt is prefilled in chunks, a mixed step is one forward
+    pass; mlx-lm's step is two (and a third as the prompt's last token joins)."""
+    model, tok = loaded
+    passes = []
+
+    class Counting(nn.Module):  # the final norm runs once per forward pass, of either kind
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def __call__(self, x):
+            passes.append(1)
+            return self.inner(x)
+
+    monkeypatch.setitem(model.model, "norm", Counting(model.model.norm))
+    engine = Engine(model, tok, prefill_step_size=16, prefill_interleave=1.0, mixed=mixed)
+    engine._measure = lambda *a: None
+    engine._decode_s, engine._token_s = 0.16, 0.01  # a 16-token budget
+    for i, p in enumerate(PROMPTS[:2]):
+        engine.add(f"d{i}", encode(tok, p), greedy(200, ignore_eos=True))
+    while len(engine.gen._generation_batch) < 2:
+        engine.step()
+    long_prompt = encode(tok, " ".join(PROMPTS) * 2)
+    engine.add("long", long_prompt, greedy(4))
+    per_step = []
+    while engine.requests["long"].first_token_at is None:
+        passes.clear()
+        engine.step()
+        per_step.append(len(passes))
+    assert len(per_step) >= len(long_prompt) // 16
+    if mixed:
+        assert set(per_step) == {1}
+    else:
+        assert per_step.count(2) >= len(long_prompt) // 16 - 1
+    for rid in list(engine.requests):
+        engine.abort(rid)
+
+
+def test_a_request_aborted_before_its_first_token_leaves_the_batch_clean(loaded):
+    model, tok = loaded
+    engine = Engine(model, tok)
+    engine.add("a", encode(tok, PROMPTS[0]), greedy(30, ignore_eos=True))
+    engine.step()
+    engine.step()
+    engine.add("b", encode(tok, PROMPTS[1]), greedy(30, ignore_eos=True))
+    engine.step()  # b prefilled, its last token joins next step
+    engine.step()
+    assert "b" in engine.requests
+    engine.abort("b")
+    got = []
+    while engine.requests:
+        for ev in engine.step():
+            if isinstance(ev, TokensGenerated):
+                got += ev.token_ids
+    assert len(engine.gen._generation_batch) == 0
+    full = reference_tokens(model, tok, encode(tok, PROMPTS[0]), 30)
+    assert got == full[len(full) - len(got):]
