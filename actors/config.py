@@ -19,7 +19,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     prefill_step_size: int = 512
     # While sequences decode, a step's prefill takes at most about this many decode steps'
     # time (0: whole prefill_step_size chunks), so streams keep flowing past a long prompt.
-    prefill_interleave: float = 1.5
+    prefill_interleave: float = 1.2
     # An idle engine waits this many milliseconds after a request arrives before stepping,
     # so a burst of requests is prefilled in one step (0: step at once).
     arrival_window_ms: float = 20.0

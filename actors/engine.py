@@ -366,6 +366,11 @@ class Engine:
         return bool(self.requests)
 
     @property
+    def streaming(self) -> bool:
+        """Whether sequences are decoding (clients waiting on every step)."""
+        return len(self.gen._generation_batch) > 0
+
+    @property
     def waiting(self) -> int:
         """Requests not yet in a batch."""
         return len(self.gen._unprocessed_sequences)
@@ -419,9 +424,11 @@ class Engine:
                       (self._token_s or 0) * 1e3)
         self._measure(prefilled, decoding, wall)
         self.steps += 1
-        if any(r.end_of_prompt for r in prompt_responses):
+        if not gen.mixed and any(r.end_of_prompt for r in prompt_responses):
             # Sequences joined the generation batch: its cache is rebuilt, padded to the
             # longest. Build it now, in the step the gate counted it in, not in the next.
+            # (Mixed steps keep a joining batch as a group of its own: nothing is rebuilt,
+            # and waiting here would only stall the step's forward pass.)
             mx.eval([a for _, a in tree_flatten([c.state for c in
                                                  self.gen._generation_batch.prompt_cache])
                      if isinstance(a, mx.array)])

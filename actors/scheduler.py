@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +67,10 @@ log = logging.getLogger("actors.scheduler")
 MLX_THREAD = "mlx"
 # How long one step may wait for room in the SSD writer's queue before dropping blocks.
 WRITE_WAIT_S = 0.25
+# While streams decode, a step snapshots at most about this many bytes of new blocks for the
+# disk; the rest wait for the next steps (a 2,000-token prompt's blocks of the default model
+# are ~90 MB: snapshotting them at once stalled every stream for a third of a second).
+PERSIST_BYTES_PER_STEP = 8 << 20
 LOOKUP_TIMEOUT_S = 1.0
 # A starting scheduler asks the memory monitor for the limits; it does not wait longer.
 LIMITS_TIMEOUT_S = 2.0
@@ -151,6 +156,8 @@ class Scheduler(Actor):
         self._replies: dict[str, Reply] = {}
         self._loading: dict[str, _Loading] = {}
         self._epochs: dict[str, int] = {}
+        # New blocks not yet snapshotted for the disk: (request id, its epoch, block).
+        self._unsaved: deque[tuple[str, int, KVBlock]] = deque()
         self._epoch = 0
         self._step_queued = False
         self._tps_window: list[tuple[float, int]] = []
@@ -194,6 +201,8 @@ class Scheduler(Actor):
                 pass
 
     async def on_stop(self, error: BaseException | None) -> None:
+        if error is None and self._unsaved:
+            await self._persist(self._take_unsaved(streaming=False))  # the disk keeps them
         if self.engine is not None:
             for rid in list(self.engine.requests):
                 self._deliver([self.engine.abort(rid)])
@@ -365,6 +374,8 @@ class Scheduler(Actor):
     def _cancel_writes(self, request_id: str) -> None:
         writer = self.system.find(self.writer_name)
         epoch = self._epochs.get(request_id)
+        if epoch is not None and self._unsaved:
+            self._unsaved = deque(u for u in self._unsaved if (u[0], u[1]) != (request_id, epoch))
         if writer is not None and epoch is not None:
             try:
                 writer.try_tell(CancelWrites(request_id=request_id, epoch=epoch))
@@ -391,7 +402,23 @@ class Scheduler(Actor):
         new = engine.take_new_blocks()
         if new:
             self._announce([blk for _, blk in new])
-            await self._persist(new)
+            self._unsaved.extend((rid, self._epochs.get(rid, 0), blk) for rid, blk in new)
+        if self._unsaved:
+            await self._persist(self._take_unsaved(engine.streaming))
+
+    def _take_unsaved(self, streaming: bool) -> list[tuple[str, int, KVBlock]]:
+        """The new blocks to snapshot this step: all of them when no stream is waiting on the
+        step, else about PERSIST_BYTES_PER_STEP (at least one)."""
+        if not streaming:
+            out = list(self._unsaved)
+            self._unsaved.clear()
+            return out
+        out, size = [], 0
+        while self._unsaved and (not out or size + self._unsaved[0][2].nbytes
+                                 <= PERSIST_BYTES_PER_STEP):
+            out.append(self._unsaved.popleft())
+            size += out[-1][2].nbytes
+        return out
 
     def _announce(self, blocks: list[KVBlock]) -> None:
         """Tell the index which blocks RAM now holds (it evicts past the RAM budget)."""
@@ -404,7 +431,7 @@ class Scheduler(Actor):
         except (MailboxFull, ActorDead):
             log.warning("cache index unreachable; %d blocks not indexed", len(blocks))
 
-    async def _persist(self, new: list[tuple[str, KVBlock]]) -> None:
+    async def _persist(self, new: list[tuple[str, int, KVBlock]]) -> None:
         """Snapshot new blocks to numpy here, on the MLX thread, and queue them for disk.
 
         A full queue gets at most WRITE_WAIT_S of this step; blocks that still find no room
@@ -414,11 +441,10 @@ class Scheduler(Actor):
             return
         began = time.monotonic()
         deadline = began + WRITE_WAIT_S
-        for request_id, block in new:
+        for request_id, epoch, block in new:
             if block.tail:
                 continue  # tails live in RAM only
-            msg = WriteBlock(block=to_numpy(block), request_id=request_id,
-                             epoch=self._epochs.get(request_id, 0))
+            msg = WriteBlock(block=to_numpy(block), request_id=request_id, epoch=epoch)
             try:
                 writer.try_tell(msg)
             except MailboxFull:

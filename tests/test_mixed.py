@@ -219,3 +219,26 @@ def test_a_request_aborted_before_its_first_token_leaves_the_batch_clean(loaded)
     assert len(engine.gen._generation_batch) == 0
     full = reference_tokens(model, tok, encode(tok, PROMPTS[0]), 30)
     assert got == full[len(full) - len(got):]
+
+
+def test_prompts_finishing_at_different_steps_beside_decoders_match_mlx_lm(loaded):
+    """A short and a long prompt prefilled together while a stream decodes: the short one
+    joins the decode batch first (split out of the prompt batch), the long one goes on."""
+    model, tok = loaded
+    engine = Engine(model, tok, prefill_step_size=64, prefill_interleave=1.0)
+    engine._measure = lambda *a: None
+    engine._decode_s, engine._token_s = 0.16, 0.01  # a 16-token budget
+    engine.add("d", encode(tok, PROMPTS[0]), greedy(80, ignore_eos=True))
+    while not engine.streaming:
+        engine.step()
+    prompts = {"long": encode(tok, " ".join(PROMPTS) * 3), "short": encode(tok, PROMPTS[3])}
+    for rid, p in prompts.items():
+        engine.add(rid, p, greedy(16, ignore_eos=True))
+    got: dict[str, list[int]] = {}
+    while engine.requests:
+        for ev in engine.step():
+            if isinstance(ev, TokensGenerated):
+                got.setdefault(ev.request_id, []).extend(ev.token_ids)
+    for rid, p in prompts.items():
+        assert got[rid] == reference_tokens(model, tok, p, 16), rid
+    assert got["d"] == reference_tokens(model, tok, encode(tok, PROMPTS[0]), 80)
