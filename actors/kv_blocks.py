@@ -196,14 +196,25 @@ class RamTier:
         return best, best_n
 
 
+# KVCache and BatchKVCache grow their buffers in steps of this many positions.
+CACHE_STEP = 256
+
+
 def build_cache(model: Any, kinds: list[str], blocks: list[KVBlock]) -> list[Any]:
     """A fresh per-layer cache holding the prefix these consecutive blocks describe."""
     cache = make_prompt_cache(model)
     for i, (c, kind) in enumerate(zip(cache, kinds, strict=True)):
         if kind == KV:
-            keys = mx.concatenate([blk.layers[i][0] for blk in blocks], axis=2)
-            values = mx.concatenate([blk.layers[i][1] for blk in blocks], axis=2)
-            c.state = (keys, values, keys.shape[2])
+            # Room after the prefix (as KVCache grows it), so that the rest of the prompt
+            # and the first answers are written in place instead of into a copy.
+            ks = [blk.layers[i][0] for blk in blocks]
+            vs = [blk.layers[i][1] for blk in blocks]
+            n = sum(k.shape[2] for k in ks)
+            spare = CACHE_STEP - n % CACHE_STEP
+            b, h, _, dk = ks[0].shape
+            ks.append(mx.zeros((b, h, spare, dk), ks[0].dtype))
+            vs.append(mx.zeros((b, h, spare, vs[0].shape[3]), vs[0].dtype))
+            c.state = (mx.concatenate(ks, axis=2), mx.concatenate(vs, axis=2), n)
         else:
             c.cache = list(blocks[-1].layers[i])
     return cache
