@@ -366,11 +366,6 @@ class Engine:
         return bool(self.requests)
 
     @property
-    def streaming(self) -> bool:
-        """Whether sequences are decoding (clients waiting on every step)."""
-        return len(self.gen._generation_batch) > 0
-
-    @property
     def waiting(self) -> int:
         """Requests not yet in a batch."""
         return len(self.gen._unprocessed_sequences)

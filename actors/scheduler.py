@@ -67,9 +67,10 @@ log = logging.getLogger("actors.scheduler")
 MLX_THREAD = "mlx"
 # How long one step may wait for room in the SSD writer's queue before dropping blocks.
 WRITE_WAIT_S = 0.25
-# While streams decode, a step snapshots at most about this many bytes of new blocks for the
-# disk; the rest wait for the next steps (a 2,000-token prompt's blocks of the default model
-# are ~90 MB: snapshotting them at once stalled every stream for a third of a second).
+# A step snapshots at most about this many bytes of new blocks for the disk; the rest wait
+# for the next steps (a 2,000-token prompt's blocks of the default model are ~90 MB:
+# snapshotting them at once stalled every stream for a third of a second, and a request
+# arriving just after the prompt's answer waited for them).
 PERSIST_BYTES_PER_STEP = 8 << 20
 LOOKUP_TIMEOUT_S = 1.0
 # A starting scheduler asks the memory monitor for the limits; it does not wait longer.
@@ -202,7 +203,7 @@ class Scheduler(Actor):
 
     async def on_stop(self, error: BaseException | None) -> None:
         if error is None and self._unsaved:
-            await self._persist(self._take_unsaved(streaming=False))  # the disk keeps them
+            await self._persist(self._take_unsaved(everything=True))  # the disk keeps them
         if self.engine is not None:
             for rid in list(self.engine.requests):
                 self._deliver([self.engine.abort(rid)])
@@ -404,12 +405,14 @@ class Scheduler(Actor):
             self._announce([blk for _, blk in new])
             self._unsaved.extend((rid, self._epochs.get(rid, 0), blk) for rid, blk in new)
         if self._unsaved:
-            await self._persist(self._take_unsaved(engine.streaming))
+            await self._persist(self._take_unsaved())
 
-    def _take_unsaved(self, streaming: bool) -> list[tuple[str, int, KVBlock]]:
-        """The new blocks to snapshot this step: all of them when no stream is waiting on the
-        step, else about PERSIST_BYTES_PER_STEP (at least one)."""
-        if not streaming:
+    def _take_unsaved(self, everything: bool = False) -> list[tuple[str, int, KVBlock]]:
+        """The new blocks to snapshot this step: about PERSIST_BYTES_PER_STEP (at least one),
+        so that neither the streams nor the next request wait for a long prompt's blocks;
+        while any are left a step is queued even with nothing to run (``_queue_step``).
+        ``everything``: all of them (shutting down)."""
+        if everything:
             out = list(self._unsaved)
             self._unsaved.clear()
             return out
@@ -476,7 +479,8 @@ class Scheduler(Actor):
                 self._epochs.pop(event.request_id, None)
 
     def _queue_step(self, delay: float = 0.0) -> None:
-        if self._step_queued or self.engine is None or not self.engine.has_work:
+        if (self._step_queued or self.engine is None
+                or not (self.engine.has_work or self._unsaved)):
             return
         if delay > 0:
             self._step_queued = True

@@ -229,7 +229,7 @@ def test_prompts_finishing_at_different_steps_beside_decoders_match_mlx_lm(loade
     engine._measure = lambda *a: None
     engine._decode_s, engine._token_s = 0.16, 0.01  # a 16-token budget
     engine.add("d", encode(tok, PROMPTS[0]), greedy(80, ignore_eos=True))
-    while not engine.streaming:
+    while not len(engine.gen._generation_batch):
         engine.step()
     prompts = {"long": encode(tok, " ".join(PROMPTS) * 3), "short": encode(tok, PROMPTS[3])}
     for rid, p in prompts.items():

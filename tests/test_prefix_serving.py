@@ -149,8 +149,7 @@ async def test_a_stuck_writer_costs_the_scheduler_at_most_a_bounded_wait(tiny_mo
 
 def test_while_streams_decode_new_blocks_go_to_disk_a_few_megabytes_a_step():
     """A long prompt's ~90 MB of new blocks is not snapshotted in the step that cut them:
-    while streams decode, each step takes about PERSIST_BYTES_PER_STEP (at least one
-    block); with nothing decoding, all of them."""
+    each step takes about PERSIST_BYTES_PER_STEP (at least one block); at shutdown, all."""
     import mlx.core as mx
 
     from actors.kv_blocks import KVBlock
@@ -162,12 +161,12 @@ def test_while_streams_decode_new_blocks_go_to_disk_a_few_megabytes_a_step():
     assert per_step >= 1
     sched = Scheduler.__new__(Scheduler)
     sched._unsaved = deque(("r", 1, block) for _ in range(3 * per_step + 1))
-    assert len(sched._take_unsaved(streaming=True)) == per_step
-    assert len(sched._take_unsaved(streaming=True)) == per_step
-    assert len(sched._take_unsaved(streaming=False)) == per_step + 1
+    assert len(sched._take_unsaved()) == per_step
+    assert len(sched._take_unsaved()) == per_step
+    assert len(sched._take_unsaved(everything=True)) == per_step + 1
     assert not sched._unsaved
     big = KVBlock(block_hash="b", parent_hash=None, n_tokens=64,
                   layers=[(mx.zeros((1, 3, 4096, 64)),) * 2] * 30)
     sched._unsaved = deque([("r", 1, big), ("r", 1, block)])
     assert big.nbytes > PERSIST_BYTES_PER_STEP
-    assert len(sched._take_unsaved(streaming=True)) == 1  # never stuck behind a big block
+    assert len(sched._take_unsaved()) == 1  # never stuck behind a big block
