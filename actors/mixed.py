@@ -294,18 +294,6 @@ class _Forward:
         self.batch, self.tokens, self.padding = None, None, []
 
 
-# The log-probabilities a joining sequence's first step yields belong to its last prompt
-# token, which is never answered: a placeholder keeps the batch's lists aligned.
-_NO_LOGPROBS = None
-
-
-def _placeholder() -> mx.array:
-    global _NO_LOGPROBS
-    if _NO_LOGPROBS is None:
-        _NO_LOGPROBS = mx.zeros((1,))
-    return _NO_LOGPROBS
-
-
 class JoiningGenerationBatch(GenerationBatch):
     """mlx-lm's ``GenerationBatch``, where a sequence that finished its prompt joins without a
     model call of its own: its last prompt token is the input of its first step in the batch,
@@ -318,7 +306,10 @@ class JoiningGenerationBatch(GenerationBatch):
         self._deferred = False
         self._joining: set[int] = set(self.uids) if joining else set()
         if joining:
-            self._next_logprobs = [_placeholder()] * len(self.uids)
+            # The log-probabilities of a joining sequence's first step belong to its last
+            # prompt token, never answered: a placeholder keeps the lists aligned (made here,
+            # on the thread that steps: an array belongs to the thread whose stream made it).
+            self._next_logprobs = [mx.zeros((1,))] * len(self.uids)
 
     def _step(self) -> Any:
         if self._deferred:
