@@ -196,10 +196,6 @@ class RamTier:
         return best, best_n
 
 
-# KVCache and BatchKVCache grow their buffers in steps of this many positions.
-CACHE_STEP = 256
-
-
 def build_cache(model: Any, kinds: list[str], blocks: list[KVBlock]) -> list[Any]:
     """A fresh per-layer cache holding the prefix these consecutive blocks describe."""
     cache = make_prompt_cache(model)
@@ -210,7 +206,7 @@ def build_cache(model: Any, kinds: list[str], blocks: list[KVBlock]) -> list[Any
             ks = [blk.layers[i][0] for blk in blocks]
             vs = [blk.layers[i][1] for blk in blocks]
             n = sum(k.shape[2] for k in ks)
-            spare = CACHE_STEP - n % CACHE_STEP
+            spare = KVCache.step - n % KVCache.step
             b, h, _, dk = ks[0].shape
             ks.append(mx.zeros((b, h, spare, dk), ks[0].dtype))
             vs.append(mx.zeros((b, h, spare, vs[0].shape[3]), vs[0].dtype))

@@ -30,18 +30,22 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harness import blas_name, resolve_default_model, same_blas_as_troupe_serve  # noqa: E402
+from harness import (  # noqa: E402
+    blas_name,
+    int_list,
+    resolve_default_model,
+    same_blas_as_troupe_serve,
+)
 
 
 def main() -> None:
-    ints = lambda s: [int(x) for x in s.split(",") if x.strip()]  # noqa: E731
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="an mlx-lm model directory (default: troupe pull's)")
     p.add_argument("--batch", type=int, default=8, help="sequences decoding")
     p.add_argument("--decode-context", type=int, default=200)
-    p.add_argument("--contexts", type=ints, default=[200, 1000, 1900],
+    p.add_argument("--contexts", type=int_list, default=[200, 1000, 1900],
                    help="tokens of the prompt already in its cache")
-    p.add_argument("--chunks", type=ints, default=[1, 8, 16, 32, 64])
+    p.add_argument("--chunks", type=int_list, default=[1, 8, 16, 32, 64])
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--kernels", choices=("native", "mlx"), default="native")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")

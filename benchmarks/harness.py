@@ -746,11 +746,15 @@ def version(pkg: str) -> str | None:
         return None
 
 
+def int_list(text: str) -> list[int]:
+    """An argparse type: comma-separated integers ("1,4,16")."""
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ints = lambda s: [int(x) for x in s.split(",") if x.strip()]  # noqa: E731
     p.add_argument("--model", help="an mlx-lm model directory (default: troupe pull's)")
-    p.add_argument("--concurrency", type=ints, default=[1, 4, 16, 32],
+    p.add_argument("--concurrency", type=int_list, default=[1, 4, 16, 32],
                    help="comma-separated client counts (default: 1,4,16,32)")
     p.add_argument("--requests-per-client", type=int, default=2,
                    help="requests each client sends, one after the other (default: 2)")

@@ -25,6 +25,14 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama") / "tiny-llama")
 
 
+@pytest.fixture(scope="module")
+def loaded(tiny_model_dir: Path):
+    """The tiny llama loaded with mlx-lm: (model, tokenizer)."""
+    from mlx_lm import load
+
+    return load(str(tiny_model_dir))
+
+
 @pytest.fixture(scope="session")
 def tiny_hybrid_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 4-layer lfm2 (ArraysCache and KVCache layers mixed)."""

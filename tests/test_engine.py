@@ -2,44 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
+from engine_helpers import encode, fix_budget, greedy, run
 from mlx_lm import load
 from reference import PROMPTS, detokenize, reference_tokens
 
 from actors.engine import MIN_MIXED_CHUNK, MIN_PREFILL_CHUNK, Engine, StopStringFilter
-from actors.messages import RequestFinished, SamplingParams, TokensGenerated
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny_model_dir: Path):
-    return load(str(tiny_model_dir))
-
-
-def greedy(max_tokens: int = 16, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
-
-
-def run(engine: Engine, max_steps: int = 1000) -> dict[str, dict]:
-    """Step until every request finished; collect tokens, text and the finish event."""
-    results: dict[str, dict] = {}
-    for _ in range(max_steps):
-        if not engine.has_work:
-            break
-        for ev in engine.step():
-            r = results.setdefault(ev.request_id, {"tokens": [], "text": "", "finish": None})
-            if isinstance(ev, TokensGenerated):
-                r["tokens"] += ev.token_ids
-                r["text"] += ev.text
-            elif isinstance(ev, RequestFinished):
-                r["finish"] = ev
-    assert not engine.has_work, "engine did not finish"
-    return results
-
-
-def encode(tok, text: str) -> list[int]:
-    return tok.encode(text)
+from actors.messages import SamplingParams, TokensGenerated
 
 
 def test_single_request_greedy_matches_mlx_lm(loaded):
@@ -219,10 +188,9 @@ def test_a_long_prompt_is_prefilled_in_budgeted_chunks_while_streams_decode(load
     engine = Engine(model, tok, prefill_step_size=512, prefill_interleave=1.0, mixed=mixed)
     assert engine.gen.mixed is mixed
     floor = MIN_MIXED_CHUNK if mixed else MIN_PREFILL_CHUNK
-    # Fixed timings so the budget is known: a decode step 8x a prompt token -> 8 tokens a
-    # step (mixed: the floor is 8 too), raised to the floor (MIN_PREFILL_CHUNK).
-    engine._measure = lambda *a: None
-    engine._decode_s, engine._token_s = 0.08, 0.01
+    # Fixed timings so the budget is known: 8 tokens a step (mixed: the floor is 8 too),
+    # raised to the floor (MIN_PREFILL_CHUNK).
+    fix_budget(engine, 8)
     for rid, p in short.items():
         engine.add(rid, p, greedy(400, ignore_eos=True))
     got: dict[str, list[int]] = {rid: [] for rid in [*short, "long"]}
@@ -259,8 +227,7 @@ def test_a_short_prompt_is_never_split_even_beside_a_long_one(loaded):
 
     model, tok = loaded
     engine = Engine(model, tok, prefill_step_size=512, prefill_interleave=1.0)
-    engine._measure = lambda *a: None
-    engine._decode_s, engine._token_s = 0.32, 0.01  # a 32-token budget
+    fix_budget(engine, 32)
     engine.add("decoder", encode(tok, PROMPTS[0]), greedy(400, ignore_eos=True))
     while not len(engine.gen._generation_batch):
         engine.step()

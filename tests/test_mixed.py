@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from engine_helpers import encode, fix_budget, greedy, run
 from mlx_lm import load
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 from reference import PROMPTS, reference_tokens
 
 from actors.engine import Engine
-from actors.messages import SamplingParams, TokensGenerated
+from actors.messages import TokensGenerated
 from actors.mixed import (
     MERGE_SLACK,
     MixedBatchGenerator,
@@ -20,19 +19,6 @@ from actors.mixed import (
     mixed_forward,
     supports_mixed,
 )
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny_model_dir: Path):
-    return load(str(tiny_model_dir))
-
-
-def greedy(n: int, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, **kw)
-
-
-def encode(tok, text: str) -> list[int]:
-    return tok.encode(text)
 
 
 def batch_cache(model, prompts: list[list[int]]) -> list[BatchKVCache]:
@@ -133,8 +119,7 @@ def test_a_long_prompt_joining_short_decoders_gets_its_own_group(loaded):
     its own instead of padding the short ones to its length."""
     model, tok = loaded
     engine = Engine(model, tok, prefill_step_size=64, prefill_interleave=1.0)
-    engine._measure = lambda *a: None
-    engine._decode_s, engine._token_s = 0.08, 0.01
+    fix_budget(engine, 8)
     short = {f"s{i}": encode(tok, p) for i, p in enumerate(PROMPTS[:3])}
     for rid, p in short.items():
         engine.add(rid, p, greedy(60, ignore_eos=True))
@@ -178,8 +163,7 @@ def test_one_forward_pass_a_step_while_a_prompt_is_prefilled(loaded, monkeypatch
 
     monkeypatch.setitem(model.model, "norm", Counting(model.model.norm))
     engine = Engine(model, tok, prefill_step_size=16, prefill_interleave=1.0, mixed=mixed)
-    engine._measure = lambda *a: None
-    engine._decode_s, engine._token_s = 0.16, 0.01  # a 16-token budget
+    fix_budget(engine, 16)
     for i, p in enumerate(PROMPTS[:2]):
         engine.add(f"d{i}", encode(tok, p), greedy(200, ignore_eos=True))
     while len(engine.gen._generation_batch) < 2:
@@ -211,11 +195,7 @@ def test_a_request_aborted_before_its_first_token_leaves_the_batch_clean(loaded)
     engine.step()
     assert "b" in engine.requests
     engine.abort("b")
-    got = []
-    while engine.requests:
-        for ev in engine.step():
-            if isinstance(ev, TokensGenerated):
-                got += ev.token_ids
+    got = run(engine)["a"]["tokens"]
     assert len(engine.gen._generation_batch) == 0
     full = reference_tokens(model, tok, encode(tok, PROMPTS[0]), 30)
     assert got == full[len(full) - len(got):]
@@ -226,19 +206,14 @@ def test_prompts_finishing_at_different_steps_beside_decoders_match_mlx_lm(loade
     joins the decode batch first (split out of the prompt batch), the long one goes on."""
     model, tok = loaded
     engine = Engine(model, tok, prefill_step_size=64, prefill_interleave=1.0)
-    engine._measure = lambda *a: None
-    engine._decode_s, engine._token_s = 0.16, 0.01  # a 16-token budget
+    fix_budget(engine, 16)
     engine.add("d", encode(tok, PROMPTS[0]), greedy(80, ignore_eos=True))
     while not len(engine.gen._generation_batch):
         engine.step()
     prompts = {"long": encode(tok, " ".join(PROMPTS) * 3), "short": encode(tok, PROMPTS[3])}
     for rid, p in prompts.items():
         engine.add(rid, p, greedy(16, ignore_eos=True))
-    got: dict[str, list[int]] = {}
-    while engine.requests:
-        for ev in engine.step():
-            if isinstance(ev, TokensGenerated):
-                got.setdefault(ev.request_id, []).extend(ev.token_ids)
+    got = {rid: r["tokens"] for rid, r in run(engine).items()}
     for rid, p in prompts.items():
         assert got[rid] == reference_tokens(model, tok, p, 16), rid
     assert got["d"] == reference_tokens(model, tok, encode(tok, PROMPTS[0]), 80)

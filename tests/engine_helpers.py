@@ -1,0 +1,39 @@
+"""Helpers of the engine-level tests (tests/test_engine.py, tests/test_mixed.py)."""
+
+from __future__ import annotations
+
+from actors.engine import Engine
+from actors.messages import RequestFinished, SamplingParams, TokensGenerated
+
+
+def greedy(max_tokens: int = 16, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+def encode(tok, text: str) -> list[int]:
+    return tok.encode(text)
+
+
+def run(engine: Engine, max_steps: int = 1000) -> dict[str, dict]:
+    """Step until every request finished; collect tokens, text and the finish event."""
+    results: dict[str, dict] = {}
+    for _ in range(max_steps):
+        if not engine.has_work:
+            break
+        for ev in engine.step():
+            r = results.setdefault(ev.request_id, {"tokens": [], "text": "", "finish": None})
+            if isinstance(ev, TokensGenerated):
+                r["tokens"] += ev.token_ids
+                r["text"] += ev.text
+            elif isinstance(ev, RequestFinished):
+                r["finish"] = ev
+    assert not engine.has_work, "engine did not finish"
+    return results
+
+
+def fix_budget(engine: Engine, tokens: int) -> None:
+    """Fixed step timings (a prompt token 10 ms, a decode step ``tokens`` of them, never
+    re-measured), so that with ``prefill_interleave=1.0`` a step's prefill budget is
+    ``tokens`` before the floor."""
+    engine._measure = lambda *a: None
+    engine._decode_s, engine._token_s = tokens * 0.01, 0.01
