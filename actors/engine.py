@@ -483,8 +483,8 @@ class Engine:
 
     def _measure(self, tokens: int, decoding: int, wall: float) -> None:
         """Learn a decode step's time from steps without prefill, and a prompt token's from
-        the rest of the steps' time. Whole steps are timed: MLX evaluates lazily and the
-        decode runs one step ahead, so the work cannot be told apart inside a step."""
+        the rest of the steps' time. Whole steps are timed: MLX evaluates lazily, so the
+        work cannot be told apart inside a step."""
         if not tokens:
             if decoding:
                 self._decode_s = _ema(self._decode_s, wall)

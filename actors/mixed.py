@@ -351,9 +351,10 @@ class MixedBatchGenerator(BatchGenerator):
     sequence that finished its prompt, and the next prefill chunk. Here, while anything
     decodes (and the model is one ``mixed_forward`` handles), the joining sequences' last
     prompt tokens are rows of the decode step and the prefill chunk rides in the same forward
-    pass. A sequence that finished its prompt joins before the step instead of after it, so
-    it gets its first token in the same step as before. With nothing decoding, or with
-    ``mixed`` False, this is mlx-lm's own step.
+    pass. A sequence that finished its prompt joins before the step instead of after it, and
+    the step answers its first token (``JoiningGenerationBatch``: mlx-lm's would answer it
+    one step later). With ``mixed`` False this is mlx-lm's own step; with nothing decoding,
+    mlx-lm's prefill call.
     """
 
     def __init__(self, model: Any, *, mixed: bool | None = None, **kwargs: Any) -> None:

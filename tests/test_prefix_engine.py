@@ -125,9 +125,9 @@ def test_answer_blocks_serve_the_next_turn_of_a_conversation(tiny_model_dir):
     reference = make_engine(tiny_model_dir)
     cold, _ = run(reference, "cold", turn2)
     warm, cached_tokens = run(engine, "t2", turn2, cached=hit)
-    # Whole blocks, then the first turn's tail: everything its cache held (mlx-lm's
-    # generation runs one token ahead, so its cache ends with the answer's last token).
-    assert cached_tokens == len(prompt) + len(answer)
+    # Whole blocks, then the first turn's tail: everything its cache held, which is all but
+    # the answer's last token (sampled, answered and never run through the model).
+    assert cached_tokens == len(prompt) + len(answer) - 1
     assert warm == cold
 
 
@@ -242,7 +242,7 @@ def test_tails_are_ram_only_and_named_by_what_precedes_them(tiny_model_dir):
     assert len(tails) == 1
     (tail,) = tails
     whole = [blk for _, blk in new if not blk.tail]
-    total = len(prompt) + 12  # prompt and answer (generation runs one token ahead)
+    total = len(prompt) + 11  # prompt and answer, but its last token (never run through the model)
     assert tail.n_tokens == total % BLOCK
     assert tail.parent_hash == whole[-1].block_hash
     assert len(whole) == total // BLOCK
