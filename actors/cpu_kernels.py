@@ -214,9 +214,15 @@ def attention(q: Any, k: Any, v: Any, *, scale: float, mask: Any = None, sinks: 
         # [B, kv, repeats, D] @ [B, kv, D, keys]: one product per KV head. A causal mask
         # with one query allows every key.
         scores = q.reshape(b, n_kv, repeats, dim) @ k.swapaxes(-1, -2)
+        keep = None
         if isinstance(mask, mx.array):
-            scores = _apply_mask(scores, mask, (b, n_q, 1, keys), scores.shape)
-        out = mx.softmax(scores, axis=-1, precise=True) @ v
+            if mask.dtype == mx.bool_:
+                keep = mx.broadcast_to(mask, (b, n_q, 1, keys)).reshape(scores.shape)
+            else:
+                scores = _apply_mask(scores, mask, (b, n_q, 1, keys), scores.shape)
+        # The fused softmax: MLX's CPU softmax is scalar code (a batch of 32 decoding rows
+        # at ~110 keys: 0.84 ms a layer against 0.18 ms, the same bits).
+        out = softmax_rows(scores, keep) @ v
         return out.reshape(b, n_q, 1, -1)
     if repeats > 1:
         q = q.reshape(b, n_kv, repeats, length, dim)
