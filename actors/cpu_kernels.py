@@ -143,10 +143,15 @@ def _fused() -> tuple[Any, Any]:
 
     fns = _state.get("fused")
     if fns is None:
+        # Shapeless: traced once, not once per shape (a decode step's keys grow by one every
+        # step; a trace per shape grew the compile cache without bound, and a process that
+        # had made hundreds of them aborted at exit: "terminate called without an active
+        # exception").
         fns = _state["fused"] = (
-            mx.compile(lambda s, m: mx.exp(s - m)),
-            mx.compile(lambda e, total: e * (1.0 / total)),
-            mx.compile(lambda s, keep, low, m: mx.exp(mx.where(keep, s, low) - m)),
+            mx.compile(lambda s, m: mx.exp(s - m), shapeless=True),
+            mx.compile(lambda e, total: e * (1.0 / total), shapeless=True),
+            mx.compile(lambda s, keep, low, m: mx.exp(mx.where(keep, s, low) - m),
+                       shapeless=True),
         )
     return fns
 
