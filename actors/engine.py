@@ -739,5 +739,29 @@ class Engine:
             "gate_failures": self.gate_failures,
         }
 
+    def warm_up(self) -> float:
+        """Run a few tokens through a generator of this engine's settings and throw it away:
+        two prompts of different lengths prefilled together, a third joining while they
+        decode. MLX builds a run-time compiled kernel the first time a kernel's shape of
+        operation appears, with g++ on the CPU (cached on disk after: troupe's JIT directory
+        under TROUPE_HOME), and the first request on a new machine waited 12-17 s for them
+        (the tiny test model, measured). Returns the seconds it took; ``self`` is unchanged."""
+        began = time.perf_counter()
+        ids = list(self.tokenizer.encode("The quick brown fox jumps over the lazy dog."))
+        ids = (ids * 4)[:12] if ids else [0] * 12
+        gen = MixedBatchGenerator(self.model, **self._gen_kwargs)
+        try:
+            gen.insert([ids[:5], ids[:9]], max_tokens=[4, 4])
+            for step in range(16):
+                if step == 1:
+                    gen.insert([ids[2:12]], max_tokens=[3])
+                prompt_responses, responses = gen.next()
+                if step > 1 and not (prompt_responses or responses or len(gen._generation_batch)
+                                     or gen._unprocessed_sequences):
+                    break
+        finally:
+            gen.close()
+        return time.perf_counter() - began
+
     def close(self) -> None:
         self.gen.close()

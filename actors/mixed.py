@@ -371,8 +371,10 @@ class JoiningGenerationBatch(GenerationBatch):
         mx.eval(self._next_tokens, self._next_logprobs)
         return self._next_tokens.tolist(), self._next_logprobs
 
+    ragged = True  # the decode batch's caches as ``RaggedKVCache`` (mixed steps)
+
     def extend(self, batch: GenerationBatch) -> None:
-        if batch.prompt_cache:
+        if batch.prompt_cache and self.ragged:
             if not self.prompt_cache:
                 self.prompt_cache = [RaggedKVCache() for _ in batch.prompt_cache]
             else:
@@ -390,29 +392,29 @@ def _as_batch(cache: KVCache) -> BatchKVCache:
 
 
 class MixedBatchGenerator(BatchGenerator):
-    """mlx-lm's ``BatchGenerator`` with one model call a step while sequences decode.
+    """mlx-lm's ``BatchGenerator`` with fewer model calls a step, answering in the step.
 
     mlx-lm's step makes up to three calls: the decode step, the last prompt token of each
-    sequence that finished its prompt, and the next prefill chunk. Here, while anything
-    decodes (and the model is one ``mixed_forward`` handles), the joining sequences' last
-    prompt tokens are rows of the decode step and the prefill chunk rides in the same forward
-    pass. A sequence that finished its prompt joins before the step instead of after it, and
-    the step answers its first token (``JoiningGenerationBatch``: mlx-lm's would answer it
-    one step later). With ``mixed`` False this is mlx-lm's own step; with nothing decoding,
-    mlx-lm's prefill call.
+    sequence that finished its prompt, and the next prefill chunk. Here a sequence that
+    finished its prompt joins before the step instead of after it: its last prompt token is a
+    row of the decode step, and the step answers its first token (``JoiningGenerationBatch``:
+    mlx-lm's would answer it one step later). With ``mixed`` (and a model ``mixed_forward``
+    handles), the prefill chunk rides in the same forward pass as well, and the decode
+    batch's cache is ragged: one call a step while anything decodes. Without, the prefill
+    chunk is mlx-lm's call of its own after the decode step (hybrid models: their recurrent
+    layers are not in ``mixed_forward``).
     """
 
     def __init__(self, model: Any, *, mixed: bool | None = None, **kwargs: Any) -> None:
         super().__init__(model, **kwargs)
         self.mixed = supports_mixed(model) if mixed is None else (mixed and supports_mixed(model))
-        if self.mixed:
-            self._forward = _Forward(model)
-            self._generation_batch = JoiningGenerationBatch.empty(self._forward, self.sampler)
+        self._forward = _Forward(model) if self.mixed else None
+        self._step_model = self._forward if self.mixed else model
+        self._generation_batch = JoiningGenerationBatch.empty(self._step_model, self.sampler)
+        self._generation_batch.ragged = self.mixed
 
     def _next(self) -> tuple[list[Any], list[Any]]:
         gen, batch = self._generation_batch, self._prompt_batch
-        if not self.mixed:
-            return super()._next()
         counters = self._counters
         if len(gen) >= self.completion_batch_size:
             return [], self._decode(gen)
@@ -433,7 +435,7 @@ class MixedBatchGenerator(BatchGenerator):
             part = self._split(done)
             batch = self._prompt_batch
             joined = JoiningGenerationBatch(
-                self._forward, part.uids, mx.array(last, dtype=mx.uint32), part.prompt_cache,
+                self._step_model, part.uids, mx.array(last, dtype=mx.uint32), part.prompt_cache,
                 part.tokens, part.samplers, part.fallback_sampler, part.logits_processors,
                 part.stop_sequences, part.max_tokens, joining=True)
             for uid, p in zip(joined.uids, progress, strict=True):
@@ -454,11 +456,13 @@ class MixedBatchGenerator(BatchGenerator):
             response.progress = (seq[1], seq[2])
             prompt_responses.append(response)
         counters.prompt_tokens += sum(len(p) for p in prompts)
-        if not len(gen):
+        if not self.mixed or not len(gen):
+            # The decode step (joining rows included), then the chunk in a call of its own.
+            responses = self._decode(gen) if len(gen) else []
             tic = time.perf_counter()
             batch.prompt(prompts)
             counters.prompt_time += time.perf_counter() - tic
-            return prompt_responses, []
+            return prompt_responses, responses
         if prompts:
             self._forward.ride(batch, prompts)
         try:

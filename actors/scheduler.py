@@ -186,12 +186,14 @@ class Scheduler(Actor):
             path=str(resolved.path),
             fingerprint=fingerprint,
         )
+        # The run-time compiled kernels are built now, not in the first request's time.
+        warm = self.engine.warm_up()
         if self._engine_kwargs["block_size"] and not self.engine.caching:
             log.warning("%s: its cache layers cannot be cut into blocks; prefix cache off",
                         resolved.name)
         log.info(
-            "loaded %s from %s in %.1fs", self.model_name, resolved.path,
-            time.perf_counter() - started,
+            "loaded %s from %s in %.1fs (warm-up %.1fs)", self.model_name, resolved.path,
+            time.perf_counter() - started, warm,
         )
         monitor = self.system.find(self.monitor_name)
         if monitor is not None:

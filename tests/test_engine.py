@@ -34,9 +34,10 @@ def test_eight_requests_in_flight_match_each_alone(loaded):
         assert res[rid]["tokens"] == reference_tokens(model, tok, p, lengths[rid]), rid
 
 
-def test_requests_joining_a_running_batch_match_each_alone(loaded):
+@pytest.mark.parametrize("mixed", [True, False], ids=["mixed", "separate-calls"])
+def test_requests_joining_a_running_batch_match_each_alone(loaded, mixed):
     model, tok = loaded
-    engine = Engine(model, tok, prefill_step_size=4)
+    engine = Engine(model, tok, prefill_step_size=4, mixed=mixed)
     prompts = [encode(tok, p) for p in PROMPTS[:4]]
     results: dict[str, list[int]] = {}
     engine.add("r0", prompts[0], greedy(20))
@@ -170,6 +171,57 @@ def test_hybrid_model_batches_like_mlx_lm(tiny_hybrid_dir):
     res = run(engine)
     for rid, p in prompts.items():
         assert res[rid]["tokens"] == reference_tokens(model, tok, p, 10), rid
+
+
+def test_hybrid_requests_joining_a_running_batch_match_each_alone(tiny_hybrid_dir):
+    """Recurrent and attention layers: sequences join while others decode (their last
+    prompt token a row of the decode step), each as mlx-lm generates it alone."""
+    model, tok = load(str(tiny_hybrid_dir))
+    engine = Engine(model, tok, prefill_step_size=4)
+    assert not engine.gen.mixed
+    prompts = [encode(tok, p) for p in PROMPTS[:3]]
+    results: dict[str, list[int]] = {}
+    engine.add("r0", prompts[0], greedy(12))
+    pending = list(enumerate(prompts))[1:]
+    steps = 0
+    while engine.has_work or pending:
+        if pending and steps % 3 == 2:
+            i, p = pending.pop(0)
+            engine.add(f"r{i}", p, greedy(12))
+        for ev in engine.step():
+            if isinstance(ev, TokensGenerated):
+                results.setdefault(ev.request_id, []).extend(ev.token_ids)
+        steps += 1
+    for i, p in enumerate(prompts):
+        assert results[f"r{i}"] == reference_tokens(model, tok, p, 12), i
+
+
+@pytest.mark.parametrize("kind", ["mixed", "separate-calls", "hybrid"])
+def test_the_first_token_comes_in_the_step_that_samples_it(loaded, tiny_hybrid_dir, kind):
+    """A short prompt alone: one step prefills it (all but its last token), the next runs
+    that token and answers the first token. (mlx-lm's generator answers a step's tokens one
+    step later, after the next forward pass has run: a third step.)"""
+    model, tok = load(str(tiny_hybrid_dir)) if kind == "hybrid" else loaded
+    engine = Engine(model, tok, mixed=kind == "mixed")
+    prompt = encode(tok, PROMPTS[0])
+    engine.add("a", prompt, greedy(8, ignore_eos=True))
+    answered: list[tuple[int, int]] = []  # (step, token)
+    for i in range(4):
+        answered += [(i, t) for ev in engine.step() if isinstance(ev, TokensGenerated)
+                     for t in ev.token_ids]
+    assert [i for i, _ in answered] == [1, 2, 3]  # then one token a step
+    assert [t for _, t in answered] == reference_tokens(model, tok, prompt, 8)[:3]
+
+
+def test_warm_up_leaves_the_engine_as_it_was(loaded, tiny_hybrid_dir):
+    for model, tok in (loaded, load(str(tiny_hybrid_dir))):
+        engine = Engine(model, tok, block_size=16)
+        assert engine.warm_up() > 0
+        assert not engine.has_work and engine.steps == 0 and not engine.blocks
+        assert engine.prefill_tokens == 0 and engine.generated_tokens == 0
+        prompt = encode(tok, PROMPTS[1])
+        engine.add("a", prompt, greedy(12))
+        assert run(engine)["a"]["tokens"] == reference_tokens(model, tok, prompt, 12)
 
 
 # -- prefill interleaved with decode -------------------------------------------------------
