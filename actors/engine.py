@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 from mlx_lm.generate import StopSequences
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import (
@@ -419,14 +418,9 @@ class Engine:
                       (self._token_s or 0) * 1e3)
         self._measure(prefilled, decoding, wall)
         self.steps += 1
-        if not gen.mixed and any(r.end_of_prompt for r in prompt_responses):
-            # Sequences joined the generation batch: its cache is rebuilt, padded to the
-            # longest. Build it now, in the step the gate counted it in, not in the next.
-            # (Mixed steps keep a joining batch as a group of its own: nothing is rebuilt,
-            # and waiting here would only stall the step's forward pass.)
-            mx.eval([a for _, a in tree_flatten([c.state for c in
-                                                 self.gen._generation_batch.prompt_cache])
-                     if isinstance(a, mx.array)])
+        # (Sequences that finished their prompt joined the decode batch before this step's
+        # forward pass, which read the joined cache: it is built, in the step the gate
+        # counted it in.)
         if self.caching:
             self._cut_at_boundaries(prompt_responses)
         for resp in responses:

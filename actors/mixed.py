@@ -354,6 +354,8 @@ class JoiningGenerationBatch(GenerationBatch):
       every sequence that joined the step before. Here the step waits for its own tokens.
     """
 
+    ragged = True  # the decode batch's caches as ``RaggedKVCache`` (mixed steps)
+
     def __init__(self, *args: Any, joining: bool = False, **kwargs: Any) -> None:
         self._deferred = joining
         super().__init__(*args, **kwargs)
@@ -370,8 +372,6 @@ class JoiningGenerationBatch(GenerationBatch):
         super()._step()  # the forward pass of the tokens answered last step
         mx.eval(self._next_tokens, self._next_logprobs)
         return self._next_tokens.tolist(), self._next_logprobs
-
-    ragged = True  # the decode batch's caches as ``RaggedKVCache`` (mixed steps)
 
     def extend(self, batch: GenerationBatch) -> None:
         if batch.prompt_cache and self.ragged:
