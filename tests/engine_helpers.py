@@ -37,3 +37,22 @@ def fix_budget(engine: Engine, tokens: int) -> None:
     ``tokens`` before the floor."""
     engine._measure = lambda *a: None
     engine._decode_s, engine._token_s = tokens * 0.01, 0.01
+
+
+def run_arriving(engine: Engine, prompts: list[list[int]], max_tokens: int
+                 ) -> dict[str, list[int]]:
+    """The first prompt at once, then a new one every third step while the others decode
+    ("r0", "r1", ...); step until all finished. Returns each request's tokens."""
+    results: dict[str, list[int]] = {}
+    engine.add("r0", prompts[0], greedy(max_tokens))
+    pending = list(enumerate(prompts))[1:]
+    steps = 0
+    while engine.has_work or pending:
+        if pending and steps % 3 == 2:
+            i, p = pending.pop(0)
+            engine.add(f"r{i}", p, greedy(max_tokens))
+        for ev in engine.step():
+            if isinstance(ev, TokensGenerated):
+                results.setdefault(ev.request_id, []).extend(ev.token_ids)
+        steps += 1
+    return results

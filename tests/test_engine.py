@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from engine_helpers import encode, fix_budget, greedy, run
+from engine_helpers import encode, fix_budget, greedy, run, run_arriving
 from mlx_lm import load
 from reference import PROMPTS, detokenize, reference_tokens
 
@@ -39,19 +39,7 @@ def test_requests_joining_a_running_batch_match_each_alone(loaded, mixed):
     model, tok = loaded
     engine = Engine(model, tok, prefill_step_size=4, mixed=mixed)
     prompts = [encode(tok, p) for p in PROMPTS[:4]]
-    results: dict[str, list[int]] = {}
-    engine.add("r0", prompts[0], greedy(20))
-    pending = list(enumerate(prompts))[1:]
-    steps = 0
-    while engine.has_work or pending:
-        # A new request arrives every third step, while the others are decoding.
-        if pending and steps % 3 == 2:
-            i, p = pending.pop(0)
-            engine.add(f"r{i}", p, greedy(20))
-        for ev in engine.step():
-            if isinstance(ev, TokensGenerated):
-                results.setdefault(ev.request_id, []).extend(ev.token_ids)
-        steps += 1
+    results = run_arriving(engine, prompts, 20)
     for i, p in enumerate(prompts):
         assert results[f"r{i}"] == reference_tokens(model, tok, p, 20), i
 
@@ -180,18 +168,7 @@ def test_hybrid_requests_joining_a_running_batch_match_each_alone(tiny_hybrid_di
     engine = Engine(model, tok, prefill_step_size=4)
     assert not engine.gen.mixed
     prompts = [encode(tok, p) for p in PROMPTS[:3]]
-    results: dict[str, list[int]] = {}
-    engine.add("r0", prompts[0], greedy(12))
-    pending = list(enumerate(prompts))[1:]
-    steps = 0
-    while engine.has_work or pending:
-        if pending and steps % 3 == 2:
-            i, p = pending.pop(0)
-            engine.add(f"r{i}", p, greedy(12))
-        for ev in engine.step():
-            if isinstance(ev, TokensGenerated):
-                results.setdefault(ev.request_id, []).extend(ev.token_ids)
-        steps += 1
+    results = run_arriving(engine, prompts, 12)
     for i, p in enumerate(prompts):
         assert results[f"r{i}"] == reference_tokens(model, tok, p, 12), i
 
