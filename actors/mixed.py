@@ -354,8 +354,6 @@ class JoiningGenerationBatch(GenerationBatch):
       every sequence that joined the step before. Here the step waits for its own tokens.
     """
 
-    ragged = True  # the decode batch's caches as ``RaggedKVCache`` (mixed steps)
-
     def __init__(self, *args: Any, joining: bool = False, **kwargs: Any) -> None:
         self._deferred = joining
         super().__init__(*args, **kwargs)
@@ -374,7 +372,8 @@ class JoiningGenerationBatch(GenerationBatch):
         return self._next_tokens.tolist(), self._next_logprobs
 
     def extend(self, batch: GenerationBatch) -> None:
-        if batch.prompt_cache and self.ragged:
+        # Mixed steps (``mixed_forward`` reads them) keep the decode batch's caches ragged.
+        if batch.prompt_cache and isinstance(self.model, _Forward):
             if not self.prompt_cache:
                 self.prompt_cache = [RaggedKVCache() for _ in batch.prompt_cache]
             else:
@@ -408,10 +407,9 @@ class MixedBatchGenerator(BatchGenerator):
     def __init__(self, model: Any, *, mixed: bool | None = None, **kwargs: Any) -> None:
         super().__init__(model, **kwargs)
         self.mixed = supports_mixed(model) if mixed is None else (mixed and supports_mixed(model))
-        self._forward = _Forward(model) if self.mixed else None
-        self._step_model = self._forward if self.mixed else model
+        # The decode step's model: mixed_forward (ridden by the prefill chunk) or the model.
+        self._step_model = _Forward(model) if self.mixed else model
         self._generation_batch = JoiningGenerationBatch.empty(self._step_model, self.sampler)
-        self._generation_batch.ragged = self.mixed
 
     def _next(self) -> tuple[list[Any], list[Any]]:
         gen, batch = self._generation_batch, self._prompt_batch
@@ -464,11 +462,11 @@ class MixedBatchGenerator(BatchGenerator):
             counters.prompt_time += time.perf_counter() - tic
             return prompt_responses, responses
         if prompts:
-            self._forward.ride(batch, prompts)
+            self._step_model.ride(batch, prompts)
         try:
             responses = self._decode(gen)
         finally:
-            self._forward.land()
+            self._step_model.land()
         return prompt_responses, responses
 
     def _make_batch(self, n: int) -> PromptProcessingBatch:
