@@ -499,6 +499,8 @@ class Engine:
             reached = req.prompt_len if r.end_of_prompt else req.cached_tokens + r.progress[0]
             if self._block_tokens_at(req, reached) == 0:
                 continue  # no new block here: spare the copy of the cache
+            if r.uid not in self.gen._find_uids([r.uid]):
+                continue  # it finished in this step: its blocks were cut as it finished
             try:
                 cache, tokens = self.gen.extract_cache([r.uid])[r.uid]
                 self._cut(req, cache, tokens, req.hashes)
@@ -690,13 +692,16 @@ class Engine:
         its next chunk, and the prefix-cache blocks it cuts next step and until it ends."""
         remaining = sum(len(seg) for seg in segments)
         chunk = min(len(segments[0]), self.prefill_step_size) if segments else 0
+        if (self.gen.mixed and chunk + 1 == remaining and len(segments) == 2
+                and chunk < self.prefill_step_size):
+            chunk = remaining  # the chunk takes the prompt's last token too (mixed steps)
         req = self._by_uid.get(uid)
         cut_now = blocks_left = 0
         if self.caching and req is not None and req.hashes:
             blocks_left = max(0, len(req.hashes) - req.stored) * self.block_size
             if self.hybrid and len(segments) > 1 and chunk == len(segments[0]):
                 cut_now = self._block_tokens_at(req, in_cache + chunk)  # a boundary this step
-            elif not self.hybrid and remaining == 1:
+            elif not self.hybrid and (remaining == 1 or chunk == remaining):
                 cut_now = self._block_tokens_at(req, req.prompt_len)  # the prompt ends this step
         return Member(in_cache=in_cache, remaining=remaining, chunk=chunk, cut_now=cut_now,
                       blocks_left=blocks_left)

@@ -242,58 +242,93 @@ def mixed_forward(model: Any, decode_inputs: mx.array, decode_cache: list[Any],
     ([P, L]) are written into ``prefill_cache`` on the way, as ``model(prefill_inputs,
     cache=prefill_cache)`` would (its logits are never computed: nobody samples from them).
     ``decode_cache`` may hold ``RaggedKVCache`` layers: each group attends on its own."""
+    logits, _ = forward(model, decode_inputs, decode_cache, prefill_inputs, prefill_cache)
+    return logits
+
+
+def forward(model: Any, decode_inputs: mx.array | None, decode_cache: list[Any] | None,
+            prefill_inputs: mx.array | None = None, prefill_cache: list[Any] | None = None,
+            ends: list[int] = ()) -> tuple[mx.array | None, mx.array | None]:
+    """``mixed_forward`` with either group optional, and with the logits of some prefill
+    rows: ``ends`` are rows of the flattened [P * L] chunk (each the last token of a prompt)
+    whose next-token logits come back as the second result ([len(ends), vocab]). Every other
+    prefill row leaves the pass after the last layer's attention, as in ``mixed_forward``."""
     inner = model.model
-    hd = inner.embed_tokens(decode_inputs)
-    B, Ld, D = hd.shape
-    nd = B * Ld
-    first = decode_cache[0]
-    if isinstance(first, RaggedKVCache):
-        spans = [(a, b) for a, b, _ in first.spans()]
-        masks = [create_attention_mask(hd[a:b], g) for a, b, g in first.spans()]
-    else:
-        spans, masks = [(0, B)], [create_attention_mask(hd, first)]
-    parts = [hd.reshape(nd, D)]
+    parts, spans, masks = [], [], []
+    nd = B = Ld = 0
+    if decode_inputs is not None:
+        hd = inner.embed_tokens(decode_inputs)
+        B, Ld, D = hd.shape
+        nd = B * Ld
+        first = decode_cache[0]
+        if isinstance(first, RaggedKVCache):
+            spans = [(a, b) for a, b, _ in first.spans()]
+            masks = [create_attention_mask(hd[a:b], g) for a, b, g in first.spans()]
+        else:
+            spans, masks = [(0, B)], [create_attention_mask(hd, first)]
+        parts.append(hd.reshape(nd, D))
     if prefill_inputs is not None:
         hp = inner.embed_tokens(prefill_inputs)
-        P, Lp, _ = hp.shape
+        P, Lp, D = hp.shape
         mask_p = create_attention_mask(hp, prefill_cache[0])
         parts.append(hp.reshape(P * Lp, D))
     x = mx.concatenate(parts) if len(parts) > 1 else parts[0]
     last = len(inner.layers) - 1
-    for i, (layer, cd) in enumerate(zip(inner.layers, decode_cache, strict=True)):
+    layer_caches = decode_cache if decode_cache is not None else [None] * len(inner.layers)
+    for i, (layer, cd) in enumerate(zip(inner.layers, layer_caches, strict=True)):
         attn = layer.self_attn
         h = layer.input_layernorm(x)
         q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-        groups = cd.groups if isinstance(cd, RaggedKVCache) else [cd]
-        out = [
-            _attend(attn, q[a * Ld:b * Ld], k[a * Ld:b * Ld], v[a * Ld:b * Ld], b - a, Ld, g, m)
-            for (a, b), g, m in zip(spans, groups, masks, strict=True)
-        ]
+        out = []
+        if decode_inputs is not None:
+            groups = cd.groups if isinstance(cd, RaggedKVCache) else [cd]
+            out = [
+                _attend(attn, q[a * Ld:b * Ld], k[a * Ld:b * Ld], v[a * Ld:b * Ld], b - a, Ld,
+                        g, m)
+                for (a, b), g, m in zip(spans, groups, masks, strict=True)
+            ]
         if prefill_inputs is not None:
             out.append(_attend(attn, q[nd:], k[nd:], v[nd:], P, Lp, prefill_cache[i], mask_p))
         x = x + attn.o_proj(mx.concatenate(out) if len(out) > 1 else out[0])
         if i == last and prefill_inputs is not None:
-            x = x[:nd]  # the prefill rows are done: their keys and values are in the cache
+            # The prefill rows are done (their keys and values are in the cache), except the
+            # prompts' last tokens, whose logits give those prompts their first tokens.
+            kept = x[:nd] if nd else None
+            if ends:
+                tail = x[nd + mx.array(ends, dtype=mx.uint32)]
+                kept = tail if kept is None else mx.concatenate([kept, tail])
+            if kept is None:
+                return None, None
+            x = kept
         x = x + layer.mlp(layer.post_attention_layernorm(x))
-    out = inner.norm(x).reshape(B, Ld, D)
+    x = inner.norm(x)
     if getattr(model.args, "tie_word_embeddings", False) or not hasattr(model, "lm_head"):
-        return inner.embed_tokens.as_linear(out)
-    return model.lm_head(out)
+        logits = inner.embed_tokens.as_linear(x)
+    else:
+        logits = model.lm_head(x)
+    decode = logits[:nd].reshape(B, Ld, -1) if nd else None
+    return decode, (logits[nd:] if ends else None)
 
 
 class _Forward:
     """The model as a decode step of ``JoiningGenerationBatch`` calls it: ``mixed_forward``,
     which reads ragged caches, with the prompt batch's next chunk riding along when one is
     set (``ride``), as ``PromptProcessingBatch.prompt`` would have run it in a call of its own
-    (same bookkeeping, same right padding)."""
+    (same bookkeeping, same right padding). The chunk rows that end a prompt leave their
+    logits in ``ended`` (``ride``'s ``ends``), from which the step samples their first token."""
 
     def __init__(self, model: Any) -> None:
         self.model = model
         self.batch: PromptProcessingBatch | None = None
         self.tokens: mx.array | None = None
         self.padding: list[int] = []
+        self.ends: list[int] = []
+        self.ended: mx.array | None = None
 
-    def ride(self, batch: PromptProcessingBatch, prompts: list[list[int]]) -> None:
+    def ride(self, batch: PromptProcessingBatch, prompts: list[list[int]],
+             ends: list[int] = ()) -> None:
+        """Set the chunk: ``prompts[i]`` for the batch's row i; ``ends``: the rows whose
+        chunk holds the last token of their prompt."""
         for held, new in zip(batch.tokens, prompts, strict=True):
             held += new
         lengths = [len(p) for p in prompts]
@@ -305,19 +340,47 @@ class _Forward:
                 c.prepare(lengths=lengths, right_padding=self.padding)
         else:
             self.tokens = mx.array(prompts)
+        # Rows of the flattened chunk: each ending prompt's last token (right padded).
+        self.ends = [i * longest + lengths[i] - 1 for i in ends]
         self.batch = batch
 
     def __call__(self, inputs: mx.array, cache: list[Any]) -> mx.array:
         if self.batch is None:
             return mixed_forward(self.model, inputs, cache)
-        return mixed_forward(self.model, inputs, cache, self.tokens, self.batch.prompt_cache)
+        logits, self.ended = forward(self.model, inputs, cache, self.tokens,
+                                     self.batch.prompt_cache, self.ends)
+        return logits
 
-    def land(self) -> None:
-        """After the step: the chunk is in the prompt cache (right padding rolled away)."""
+    def prefill(self) -> None:
+        """The chunk alone (nothing decodes): into the prompt cache, built now, and the
+        allocator's cache of the chunk's activations given back, as mlx-lm's
+        ``PromptProcessingBatch.prompt`` does."""
+        _, self.ended = forward(self.model, None, None, self.tokens, self.batch.prompt_cache,
+                                self.ends)
+        mx.eval([c.state for c in self.batch.prompt_cache],
+                [] if self.ended is None else self.ended)
+        mx.clear_cache()
+
+    def land(self) -> mx.array | None:
+        """After the step: the chunk is in the prompt cache (right padding rolled away).
+        Returns the logits of the rows that ended a prompt (None: none did)."""
         if self.batch is not None and max(self.padding) > 0:
             for c in self.batch.prompt_cache:
                 _finalize(c)
-        self.batch, self.tokens, self.padding = None, None, []
+        ended = self.ended
+        self.batch, self.tokens, self.padding, self.ends, self.ended = None, None, [], [], None
+        return ended
+
+
+class _Given:
+    """A model call that returns logits already computed (a prompt's first token, sampled
+    from the prefill chunk that ran its last token)."""
+
+    def __init__(self, logits: mx.array) -> None:
+        self.logits = logits
+
+    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        return self.logits[:, None, :]
 
 
 def _finalize(cache: Any) -> None:
@@ -439,8 +502,12 @@ class MixedBatchGenerator(BatchGenerator):
             for uid, p in zip(joined.uids, progress, strict=True):
                 prompt_responses.append(PromptProcessingBatch.Response(uid, p, True, True))
             gen.extend(joined)
-        # The next chunk of each prompt still being read (as mlx-lm's step takes it).
+        # The next chunk of each prompt still being read (as mlx-lm's step takes it). With
+        # mixed steps, a chunk that reaches the prompt's last token takes it too: the step
+        # samples that prompt's first token from the chunk's logits (mlx-lm leaves the last
+        # token for a decode step: one more step before the first token).
         prompts: list[list[int]] = []
+        ends: list[int] = []
         for i, seq in enumerate(self._currently_processing):
             response = PromptProcessingBatch.Response(batch.uids[i], 0, False, False)
             segments = seq[0]
@@ -450,24 +517,61 @@ class MixedBatchGenerator(BatchGenerator):
             if not segments[0]:
                 segments.pop(0)
                 response.end_of_segment = True
+                if (self.mixed and len(segments) == 1 and len(segments[0]) == 1
+                        and k < self.prefill_step_size):
+                    prompts[-1] = prompts[-1] + segments.pop()
+                    response.end_of_prompt = True
+                    ends.append(i)
             seq[1] += len(prompts[-1])
             response.progress = (seq[1], seq[2])
             prompt_responses.append(response)
         counters.prompt_tokens += sum(len(p) for p in prompts)
-        if not self.mixed or not len(gen):
+        if not self.mixed:
             # The decode step (joining rows included), then the chunk in a call of its own.
             responses = self._decode(gen) if len(gen) else []
             tic = time.perf_counter()
             batch.prompt(prompts)
             counters.prompt_time += time.perf_counter() - tic
             return prompt_responses, responses
+        responses = []
         if prompts:
-            self._step_model.ride(batch, prompts)
+            self._step_model.ride(batch, prompts, ends)
         try:
-            responses = self._decode(gen)
+            if len(gen):
+                responses = self._decode(gen)
+            elif prompts:
+                tic = time.perf_counter()
+                self._step_model.prefill()
+                counters.prompt_time += time.perf_counter() - tic
         finally:
-            self._step_model.land()
+            ended = self._step_model.land()
+        if ends:
+            responses += self._first_tokens(ends, ended)
         return prompt_responses, responses
+
+    def _first_tokens(self, rows: list[int], logits: mx.array) -> list[Any]:
+        """The first tokens of the prompt batch's ``rows``, whose prompts ended in this step's
+        chunk, sampled from ``logits`` (the chunk's, at their last tokens) as a decode step
+        samples: the same samplers, logits processors, stop sequences and token limits. The
+        sequences that go on join the decode batch, whose next step runs their first token."""
+        self._currently_processing = [seq for i, seq in enumerate(self._currently_processing)
+                                      if i not in set(rows)]
+        part = self._split(rows)
+        # The batch's tokens are those in the cache; the step adds the last prompt token
+        # (its input) itself, as it adds every step's input.
+        last = [held[-1] for held in part.tokens]
+        tokens = [held[:-1] for held in part.tokens]
+        first = JoiningGenerationBatch(
+            _Given(logits), part.uids, mx.array(last, dtype=mx.uint32), part.prompt_cache,
+            tokens, part.samplers, part.fallback_sampler, part.logits_processors,
+            part.stop_sequences, part.max_tokens, joining=True)
+        counters = self._counters
+        responses = first.next()
+        counters.generation_tokens += len(responses)
+        first.model = self._step_model
+        if len(first):
+            self._generation_batch.extend(first)
+        return responses
 
     def _make_batch(self, n: int) -> PromptProcessingBatch:
         """mlx-lm's, except that one sequence starting from a cached prefix keeps its cache's

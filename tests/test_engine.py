@@ -175,9 +175,11 @@ def test_hybrid_requests_joining_a_running_batch_match_each_alone(tiny_hybrid_di
 
 @pytest.mark.parametrize("kind", ["mixed", "separate-calls", "hybrid"])
 def test_the_first_token_comes_in_the_step_that_samples_it(loaded, tiny_hybrid_dir, kind):
-    """A short prompt alone: one step prefills it (all but its last token), the next runs
-    that token and answers the first token. (mlx-lm's generator answers a step's tokens one
-    step later, after the next forward pass has run: a third step.)"""
+    """A short prompt alone. With mixed steps, one step prefills all of it and answers the
+    first token, sampled from the chunk's logits at the last prompt token. Without, one step
+    prefills all but its last token and the next runs that token and answers the first
+    token. (mlx-lm's generator answers a step's tokens one step later, after the next
+    forward pass has run: a third step.)"""
     model, tok = load(str(tiny_hybrid_dir)) if kind == "hybrid" else loaded
     engine = Engine(model, tok, mixed=kind == "mixed")
     prompt = encode(tok, PROMPTS[0])
@@ -186,8 +188,9 @@ def test_the_first_token_comes_in_the_step_that_samples_it(loaded, tiny_hybrid_d
     for i in range(4):
         answered += [(i, t) for ev in engine.step() if isinstance(ev, TokensGenerated)
                      for t in ev.token_ids]
-    assert [i for i, _ in answered] == [1, 2, 3]  # then one token a step
-    assert [t for _, t in answered] == reference_tokens(model, tok, prompt, 8)[:3]
+    first = 0 if kind == "mixed" else 1
+    assert [i for i, _ in answered] == list(range(first, 4))  # then one token a step
+    assert [t for _, t in answered] == reference_tokens(model, tok, prompt, 8)[:4 - first]
 
 
 def test_warm_up_leaves_the_engine_as_it_was(loaded, tiny_hybrid_dir):
@@ -270,9 +273,11 @@ def test_a_short_prompt_is_never_split_even_beside_a_long_one(loaded):
     engine.step()
     assert engine.last_prefill_budget == budget
     # Both joined with a chunk the size of the short prompt's rest: the short one prefilled
-    # all of it but its last token (mlx-lm keeps that for the step that starts decoding),
-    # the long one that chunk.
-    assert engine.prefill_tokens - before == (len(short) - 1) + len(short)
+    # all of it (its last token too: the step samples its first token), the long one that
+    # chunk.
+    assert engine.gen.mixed
+    assert engine.prefill_tokens - before == len(short) + len(short)
+    assert "short" in engine.requests and engine.requests["short"].generated == 1
     for rid in list(engine.requests):
         engine.abort(rid)
 
