@@ -79,6 +79,31 @@ def test_repeated_prompt_reuses_its_prefix_with_identical_output(arch_fixture, r
     assert warm == cold
 
 
+@pytest.mark.parametrize("arch_fixture", ["tiny_model_dir", "tiny_hybrid_dir"])
+def test_a_request_that_ends_with_its_first_token_keeps_its_prompt_blocks(
+        arch_fixture, request, caplog):
+    """max_tokens=1: the request finishes in the step that answers its first token (with
+    mixed steps, the step its prompt ends in). Its blocks are cut as it finishes, quietly,
+    and a repeat of the prompt is served from them with the same token."""
+    model_dir = request.getfixturevalue(arch_fixture)
+    engine = make_engine(model_dir)
+    prompt = engine.tokenizer.encode(LONG)
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    answers = []
+    for rid in ("a", "b"):
+        engine.add(rid, prompt, one, cached=cached_for(engine, prompt))
+        while engine.has_work:
+            for ev in engine.step():
+                if isinstance(ev, TokensGenerated):
+                    answers.append((rid, ev.token_ids))
+                elif isinstance(ev, RequestFinished):
+                    assert ev.finish_reason == "length", ev
+    assert [rid for rid, _ in answers] == ["a", "b"]
+    assert answers[0][1] == answers[1][1]
+    assert len(cached_for(engine, prompt)) == usable_blocks(len(prompt), BLOCK)
+    assert "could not cut" not in caplog.text
+
+
 def test_blocks_round_trip_through_numpy_give_identical_output(tiny_hybrid_dir):
     engine = make_engine(tiny_hybrid_dir)
     prompt = engine.tokenizer.encode(LONG)
