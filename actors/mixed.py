@@ -453,6 +453,13 @@ def _as_batch(cache: KVCache) -> BatchKVCache:
     return out
 
 
+# Room a prompt's cache grows by (mlx-lm's BatchKVCache: 256 positions). A chunk writes into
+# a buffer grown to fit it, and the right padding of a batch of chunks is then rolled over it
+# (``_finalize``): for eight chat prompts of ~50 tokens, 64 positions of room instead of 256
+# took these copies from ~100 to ~45 ms of a ~1 s prefill step (default model).
+PROMPT_CACHE_STEP = 64
+
+
 class MixedBatchGenerator(BatchGenerator):
     """mlx-lm's ``BatchGenerator`` with fewer model calls a step, answering in the step.
 
@@ -485,6 +492,9 @@ class MixedBatchGenerator(BatchGenerator):
                 len(self._unprocessed_sequences))
         if n > 0:
             batch.extend(self._make_batch(n))
+            for c in batch.prompt_cache:
+                if type(c) is BatchKVCache:
+                    c.step = PROMPT_CACHE_STEP
         # Sequences down to their last prompt token join the generation batch now.
         done = [i for i, seq in enumerate(self._currently_processing)
                 if len(seq[0]) == 1 and len(seq[0][0]) == 1]
