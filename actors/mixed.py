@@ -453,8 +453,10 @@ def _as_batch(cache: KVCache) -> BatchKVCache:
     return out
 
 
-# Room a prompt's cache grows by (mlx-lm's BatchKVCache: 256 positions). A chunk writes into
-# a buffer grown to fit it, and the right padding of a batch of chunks is then rolled over it
+# Room a prompt's cache grows by while it is shorter than mlx-lm's step (256 positions, the
+# room it grows by after that: growing by 64 past it, a long prompt prefilled in budgeted
+# chunks of ~60 tokens copied its whole cache every step). A chunk writes into a buffer grown
+# to fit it, and the right padding of a batch of chunks is then rolled over it
 # (``_finalize``): for eight chat prompts of ~50 tokens, 64 positions of room instead of 256
 # took these copies from ~100 to ~45 ms of a ~1 s prefill step (default model).
 PROMPT_CACHE_STEP = 64
@@ -474,6 +476,11 @@ class MixedBatchGenerator(BatchGenerator):
     layers are not in ``mixed_forward``).
     """
 
+    # With mixed steps, a prompt's first token is sampled from the chunk that runs its last
+    # prompt token (False: that token waits for a decode step, as in mlx-lm; for
+    # benchmarks/bench_first_token.py's comparison).
+    first_token_in_chunk = True
+
     def __init__(self, model: Any, *, mixed: bool | None = None, **kwargs: Any) -> None:
         super().__init__(model, **kwargs)
         self.mixed = supports_mixed(model) if mixed is None else (mixed and supports_mixed(model))
@@ -492,9 +499,10 @@ class MixedBatchGenerator(BatchGenerator):
                 len(self._unprocessed_sequences))
         if n > 0:
             batch.extend(self._make_batch(n))
-            for c in batch.prompt_cache:
-                if type(c) is BatchKVCache:
-                    c.step = PROMPT_CACHE_STEP
+        for c in batch.prompt_cache:
+            if type(c) is BatchKVCache:
+                small = c.keys is None or c.keys.shape[2] < BatchKVCache.step
+                c.step = PROMPT_CACHE_STEP if small else BatchKVCache.step
         # Sequences down to their last prompt token join the generation batch now.
         done = [i for i, seq in enumerate(self._currently_processing)
                 if len(seq[0]) == 1 and len(seq[0][0]) == 1]
@@ -527,8 +535,8 @@ class MixedBatchGenerator(BatchGenerator):
             if not segments[0]:
                 segments.pop(0)
                 response.end_of_segment = True
-                if (self.mixed and len(segments) == 1 and len(segments[0]) == 1
-                        and k < self.prefill_step_size):
+                if (self.mixed and self.first_token_in_chunk and len(segments) == 1
+                        and len(segments[0]) == 1 and k < self.prefill_step_size):
                     prompts[-1] = prompts[-1] + segments.pop()
                     response.end_of_prompt = True
                     ends.append(i)

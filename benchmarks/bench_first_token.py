@@ -1,0 +1,122 @@
+"""A prompt's first token: sampled from the prefill chunk that runs its last prompt token, or
+from a decode step after it (mlx-lm keeps the last prompt token back for that step).
+
+troupe's ``MixedBatchGenerator`` (``actors/mixed.py``, mixed steps) samples the first token
+from the chunk's logits at the last prompt token, in the step that prefills it; this script
+puts mlx-lm's way back (``first_token_in_chunk = False``) for the comparison. On the default
+model (troupe's CPU kernels, OpenBLAS preloaded as ``troupe serve`` does), through troupe's
+``Engine`` with the chat template cached (as the server runs it), alternating, medians over
+``--reps``:
+
+1. one chat prompt alone: time to its first token (the steps it took);
+2. a burst of ``--burst`` chat prompts at once: when the earliest, the median and the last
+   first token came.
+
+    .venv/bin/python benchmarks/bench_first_token.py
+    .venv/bin/python benchmarks/bench_first_token.py --reps 5 --burst 16 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_answer_step import prompts  # noqa: E402
+from harness import blas_name, resolve_default_model, same_blas_as_troupe_serve  # noqa: E402
+
+MODES = ("chunk", "decode-step")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="an mlx-lm model directory (default: troupe pull's)")
+    p.add_argument("--reps", type=int, default=4)
+    p.add_argument("--burst", type=int, default=16)
+    p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    args = p.parse_args()
+    same_blas_as_troupe_serve()
+
+    import mlx.core as mx
+    from mlx_lm import load
+
+    from actors import cpu_kernels
+    from actors.config import ServeConfig
+    from actors.engine import Engine
+    from actors.messages import SamplingParams, TokensGenerated
+    from actors.mixed import MixedBatchGenerator
+    from actors.model_store import troupe_home
+
+    cpu_kernels.enable("native", troupe_home())
+    model, tok = load(args.model or resolve_default_model())
+    cfg = ServeConfig()
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    def engine(mode: str) -> Any:
+        MixedBatchGenerator.first_token_in_chunk = mode == "chunk"
+        e = Engine(model, tok, max_batch_size=cfg.max_batch_size,
+                   prefill_batch_size=cfg.prefill_batch_size,
+                   prefill_step_size=cfg.prefill_step_size, block_size=cfg.block_size,
+                   prefill_interleave=cfg.prefill_interleave, mixed=cfg.mixed_step,
+                   stream=mx.default_stream(mx.cpu))
+        assert e.gen.mixed, "the comparison needs mixed steps (a llama-shaped model)"
+        e.add("warm-up", prompts(tok, 1, f"warm-{time.time()}")[0], greedy)  # the template
+        while e.has_work:
+            e.step()
+        return e
+
+    def firsts(e: Any, batch: list[list[int]]) -> tuple[list[float], int]:
+        """Seconds from adding ``batch`` to each first token, and the steps to the last."""
+        sent: dict[str, float] = {}
+        first: dict[str, float] = {}
+        for i, ids in enumerate(batch):
+            e.add(f"r{i}", ids, greedy)
+            sent[f"r{i}"] = time.perf_counter()
+        steps = 0
+        while len(first) < len(batch):
+            events = e.step()
+            steps += 1
+            now = time.perf_counter()
+            for ev in events:
+                if isinstance(ev, TokensGenerated) and ev.request_id not in first:
+                    first[ev.request_id] = now - sent[ev.request_id]
+        while e.has_work:
+            e.step()
+        return sorted(first.values()), steps
+
+    out: dict[str, Any] = {"blas": blas_name(), "alone": {}, "burst": {}}
+    print(f"BLAS: {out['blas']}")
+    for r in range(args.reps):
+        for mode in MODES if r % 2 else reversed(MODES):
+            e = engine(mode)
+            (alone,), steps = firsts(e, prompts(tok, 1, f"{mode}-{time.time()}"))
+            out["alone"].setdefault(mode, []).append({"s": alone, "steps": steps})
+            times, _ = firsts(e, prompts(tok, args.burst, f"{mode}-{time.time()}"))
+            out["burst"].setdefault(mode, []).append(times)
+            e.close()
+    MixedBatchGenerator.first_token_in_chunk = True
+    for mode in MODES:
+        alone = statistics.median(a["s"] for a in out["alone"][mode])
+        steps = statistics.median(a["steps"] for a in out["alone"][mode])
+        reps = out["burst"][mode]
+        earliest = statistics.median(min(t) for t in reps)
+        median = statistics.median(statistics.median(t) for t in reps)
+        last = statistics.median(max(t) for t in reps)
+        out[mode] = {"alone_s": alone, "alone_steps": steps, "burst_earliest_s": earliest,
+                     "burst_median_s": median, "burst_last_s": last}
+        print(f"first token {'from the chunk' if mode == 'chunk' else 'from a decode step'}: "
+              f"one prompt {1e3 * alone:.0f} ms ({steps:.0f} steps); burst of {args.burst}: "
+              f"{earliest:.2f} / {median:.2f} / {last:.2f} s (earliest / median / last)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
