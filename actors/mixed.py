@@ -435,6 +435,11 @@ class JoiningGenerationBatch(GenerationBatch):
         return self._next_tokens.tolist(), self._next_logprobs
 
     def extend(self, batch: GenerationBatch) -> None:
+        # Decoding caches grow by mlx-lm's room again (a prompt's grew by less: growing by 64
+        # positions, every stream copied its cache four times as often).
+        for c in batch.prompt_cache:
+            if type(c) is BatchKVCache and "step" in vars(c):
+                del c.step
         # Mixed steps (``mixed_forward`` reads them) keep the decode batch's caches ragged.
         if batch.prompt_cache and isinstance(self.model, _Forward):
             if not self.prompt_cache:
@@ -454,11 +459,12 @@ def _as_batch(cache: KVCache) -> BatchKVCache:
 
 
 # Room a prompt's cache grows by while it is shorter than mlx-lm's step (256 positions, the
-# room it grows by after that: growing by 64 past it, a long prompt prefilled in budgeted
-# chunks of ~60 tokens copied its whole cache every step). A chunk writes into a buffer grown
-# to fit it, and the right padding of a batch of chunks is then rolled over it
-# (``_finalize``): for eight chat prompts of ~50 tokens, 64 positions of room instead of 256
-# took these copies from ~100 to ~45 ms of a ~1 s prefill step (default model).
+# room it grows by after that, and once the sequence decodes: growing by 64 past it, a long
+# prompt prefilled in budgeted chunks of ~60 tokens copied its whole cache every step). A
+# chunk writes into a buffer grown to fit it, and the right padding of a batch of chunks is
+# then rolled over it (``_finalize``): for eight chat prompts of ~50 tokens, 64 positions of
+# room instead of 256 took these copies from ~100 to ~45 ms of a ~1 s prefill step (default
+# model).
 PROMPT_CACHE_STEP = 64
 
 
@@ -572,8 +578,9 @@ class MixedBatchGenerator(BatchGenerator):
         chunk, sampled from ``logits`` (the chunk's, at their last tokens) as a decode step
         samples: the same samplers, logits processors, stop sequences and token limits. The
         sequences that go on join the decode batch, whose next step runs their first token."""
+        ending = set(rows)
         self._currently_processing = [seq for i, seq in enumerate(self._currently_processing)
-                                      if i not in set(rows)]
+                                      if i not in ending]
         part = self._split(rows)
         # The batch's tokens are those in the cache; the step adds the last prompt token
         # (its input) itself, as it adds every step's input.
