@@ -89,7 +89,7 @@ def test_a_request_that_ends_with_its_first_token_keeps_its_prompt_blocks(
     engine = make_engine(model_dir)
     prompt = engine.tokenizer.encode(LONG)
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    answers = []
+    answers, cached = [], {}
     for rid in ("a", "b"):
         engine.add(rid, prompt, one, cached=cached_for(engine, prompt))
         while engine.has_work:
@@ -98,8 +98,10 @@ def test_a_request_that_ends_with_its_first_token_keeps_its_prompt_blocks(
                     answers.append((rid, ev.token_ids))
                 elif isinstance(ev, RequestFinished):
                     assert ev.finish_reason == "length", ev
+                    cached[rid] = ev.usage.cached_tokens
     assert [rid for rid, _ in answers] == ["a", "b"]
     assert answers[0][1] == answers[1][1]
+    assert cached["a"] == 0 and cached["b"] > 0
     assert len(cached_for(engine, prompt)) == usable_blocks(len(prompt), BLOCK)
     assert "could not cut" not in caplog.text
 
