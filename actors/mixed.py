@@ -515,14 +515,8 @@ class MixedBatchGenerator(BatchGenerator):
         if done:
             last = [self._currently_processing[i][0][0][0] for i in done]
             progress = [(self._currently_processing[i][2],) * 2 for i in done]
-            self._currently_processing = [seq for i, seq in enumerate(self._currently_processing)
-                                          if i not in set(done)]
-            part = self._split(done)
+            joined = self._leave_prompt_batch(done, self._step_model, last)
             batch = self._prompt_batch
-            joined = JoiningGenerationBatch(
-                self._step_model, part.uids, mx.array(last, dtype=mx.uint32), part.prompt_cache,
-                part.tokens, part.samplers, part.fallback_sampler, part.logits_processors,
-                part.stop_sequences, part.max_tokens, joining=True)
             for uid, p in zip(joined.uids, progress, strict=True):
                 prompt_responses.append(PromptProcessingBatch.Response(uid, p, True, True))
             gen.extend(joined)
@@ -578,18 +572,7 @@ class MixedBatchGenerator(BatchGenerator):
         chunk, sampled from ``logits`` (the chunk's, at their last tokens) as a decode step
         samples: the same samplers, logits processors, stop sequences and token limits. The
         sequences that go on join the decode batch, whose next step runs their first token."""
-        ending = set(rows)
-        self._currently_processing = [seq for i, seq in enumerate(self._currently_processing)
-                                      if i not in ending]
-        part = self._split(rows)
-        # The batch's tokens are those in the cache; the step adds the last prompt token
-        # (its input) itself, as it adds every step's input.
-        last = [held[-1] for held in part.tokens]
-        tokens = [held[:-1] for held in part.tokens]
-        first = JoiningGenerationBatch(
-            _Given(logits), part.uids, mx.array(last, dtype=mx.uint32), part.prompt_cache,
-            tokens, part.samplers, part.fallback_sampler, part.logits_processors,
-            part.stop_sequences, part.max_tokens, joining=True)
+        first = self._leave_prompt_batch(rows, _Given(logits))
         counters = self._counters
         responses = first.next()
         counters.generation_tokens += len(responses)
@@ -597,6 +580,25 @@ class MixedBatchGenerator(BatchGenerator):
         if len(first):
             self._generation_batch.extend(first)
         return responses
+
+    def _leave_prompt_batch(self, rows: list[int], model: Any,
+                            last: list[int] | None = None) -> JoiningGenerationBatch:
+        """The prompt batch's ``rows``, taken out of it, as a generation batch (its first step
+        not run) whose first inputs are ``last``: each row's next prompt token, not yet in its
+        cache; None: the last token of each row's cache, which the step adds to the row's
+        tokens itself, as it adds every step's input."""
+        gone = set(rows)
+        self._currently_processing = [seq for i, seq in enumerate(self._currently_processing)
+                                      if i not in gone]
+        part = self._split(rows)
+        tokens = part.tokens
+        if last is None:
+            last = [held[-1] for held in tokens]
+            tokens = [held[:-1] for held in tokens]
+        return JoiningGenerationBatch(
+            model, part.uids, mx.array(last, dtype=mx.uint32), part.prompt_cache, tokens,
+            part.samplers, part.fallback_sampler, part.logits_processors, part.stop_sequences,
+            part.max_tokens, joining=True)
 
     def _make_batch(self, n: int) -> PromptProcessingBatch:
         """mlx-lm's, except that one sequence starting from a cached prefix keeps its cache's
