@@ -48,6 +48,49 @@ def prompts(tok: Any, n: int, key: str) -> list[list[int]]:
             for i in range(n)]
 
 
+def served_engine(model: Any, tok: Any, sampling: Any) -> Any:
+    """troupe's ``Engine`` with ``troupe serve``'s defaults, its chat template already cached
+    by one request (as a server that has answered before)."""
+    import mlx.core as mx
+
+    from actors.config import ServeConfig
+    from actors.engine import Engine
+
+    cfg = ServeConfig()
+    engine = Engine(model, tok, max_batch_size=cfg.max_batch_size,
+                    prefill_batch_size=cfg.prefill_batch_size,
+                    prefill_step_size=cfg.prefill_step_size, block_size=cfg.block_size,
+                    prefill_interleave=cfg.prefill_interleave, mixed=cfg.mixed_step,
+                    stream=mx.default_stream(mx.cpu))
+    engine.add("warm-up", prompts(tok, 1, f"warm-{time.time()}")[0], sampling)
+    while engine.has_work:
+        engine.step()
+    return engine
+
+
+def first_tokens(engine: Any, batch: list[list[int]], sampling: Any) -> tuple[list[float], int]:
+    """Add ``batch`` at once and step: the seconds from adding to each prompt's first token
+    (sorted), and the steps until the last of them; the requests then run to their end."""
+    from actors.messages import TokensGenerated
+
+    sent: dict[str, float] = {}
+    first: dict[str, float] = {}
+    for i, ids in enumerate(batch):
+        engine.add(f"r{i}", ids, sampling)
+        sent[f"r{i}"] = time.perf_counter()
+    steps = 0
+    while len(first) < len(batch):
+        events = engine.step()
+        steps += 1
+        now = time.perf_counter()
+        for ev in events:
+            if isinstance(ev, TokensGenerated) and ev.request_id not in first:
+                first[ev.request_id] = now - sent[ev.request_id]
+    while engine.has_work:
+        engine.step()
+    return sorted(first.values()), steps
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="an mlx-lm model directory (default: troupe pull's)")
@@ -65,15 +108,12 @@ def main() -> None:
     from mlx_lm.models.cache import make_prompt_cache
 
     from actors import cpu_kernels
-    from actors.config import ServeConfig
-    from actors.engine import Engine
-    from actors.messages import SamplingParams, TokensGenerated
+    from actors.messages import SamplingParams
     from actors.mixed import JoiningGenerationBatch, MixedBatchGenerator
     from actors.model_store import troupe_home
 
     cpu_kernels.enable("native", troupe_home())
     model, tok = load(args.model or resolve_default_model())
-    cfg = ServeConfig()
     troupe_step = JoiningGenerationBatch._step
 
     troupe_next = JoiningGenerationBatch.next
@@ -155,28 +195,12 @@ def main() -> None:
     # 3. A burst of prompts: when each first token comes.
     def burst(mode: str) -> list[float]:
         answering(mode)
-        engine = Engine(model, tok, max_batch_size=cfg.max_batch_size,
-                        prefill_batch_size=cfg.prefill_batch_size,
-                        prefill_step_size=cfg.prefill_step_size, block_size=cfg.block_size,
-                        prefill_interleave=cfg.prefill_interleave, mixed=cfg.mixed_step,
-                        stream=mx.default_stream(mx.cpu))
         greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-        engine.add("warm-up", prompts(tok, 1, "warm")[0], greedy)  # caches the template
-        while engine.has_work:
-            engine.step()
-        sent: dict[str, float] = {}
-        first: dict[str, float] = {}
-        for i, ids in enumerate(prompts(tok, args.burst, f"{mode}-{time.time()}")):
-            engine.add(f"r{i}", ids, greedy)
-            sent[f"r{i}"] = time.perf_counter()
-        while engine.has_work:
-            events = engine.step()
-            now = time.perf_counter()
-            for ev in events:
-                if isinstance(ev, TokensGenerated) and ev.request_id not in first:
-                    first[ev.request_id] = now - sent[ev.request_id]
+        engine = served_engine(model, tok, greedy)
+        times, _ = first_tokens(engine, prompts(tok, args.burst, f"{mode}-{time.time()}"),
+                                greedy)
         engine.close()
-        return sorted(first.values())
+        return times
 
     for r in range(args.reps):
         for mode in ("troupe", "mlx-lm") if r % 2 else ("mlx-lm", "troupe"):

@@ -29,7 +29,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_answer_step import prompts  # noqa: E402
+from bench_answer_step import first_tokens, prompts, served_engine  # noqa: E402
 from harness import blas_name, resolve_default_model, same_blas_as_troupe_serve  # noqa: E402
 
 MODES = ("chunk", "decode-step")
@@ -44,61 +44,32 @@ def main() -> None:
     args = p.parse_args()
     same_blas_as_troupe_serve()
 
-    import mlx.core as mx
     from mlx_lm import load
 
     from actors import cpu_kernels
-    from actors.config import ServeConfig
-    from actors.engine import Engine
-    from actors.messages import SamplingParams, TokensGenerated
+    from actors.messages import SamplingParams
     from actors.mixed import MixedBatchGenerator
     from actors.model_store import troupe_home
 
     cpu_kernels.enable("native", troupe_home())
     model, tok = load(args.model or resolve_default_model())
-    cfg = ServeConfig()
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
     def engine(mode: str) -> Any:
         MixedBatchGenerator.first_token_in_chunk = mode == "chunk"
-        e = Engine(model, tok, max_batch_size=cfg.max_batch_size,
-                   prefill_batch_size=cfg.prefill_batch_size,
-                   prefill_step_size=cfg.prefill_step_size, block_size=cfg.block_size,
-                   prefill_interleave=cfg.prefill_interleave, mixed=cfg.mixed_step,
-                   stream=mx.default_stream(mx.cpu))
+        e = served_engine(model, tok, greedy)
         assert e.gen.mixed, "the comparison needs mixed steps (a llama-shaped model)"
-        e.add("warm-up", prompts(tok, 1, f"warm-{time.time()}")[0], greedy)  # the template
-        while e.has_work:
-            e.step()
         return e
-
-    def firsts(e: Any, batch: list[list[int]]) -> tuple[list[float], int]:
-        """Seconds from adding ``batch`` to each first token, and the steps to the last."""
-        sent: dict[str, float] = {}
-        first: dict[str, float] = {}
-        for i, ids in enumerate(batch):
-            e.add(f"r{i}", ids, greedy)
-            sent[f"r{i}"] = time.perf_counter()
-        steps = 0
-        while len(first) < len(batch):
-            events = e.step()
-            steps += 1
-            now = time.perf_counter()
-            for ev in events:
-                if isinstance(ev, TokensGenerated) and ev.request_id not in first:
-                    first[ev.request_id] = now - sent[ev.request_id]
-        while e.has_work:
-            e.step()
-        return sorted(first.values()), steps
 
     out: dict[str, Any] = {"blas": blas_name(), "alone": {}, "burst": {}}
     print(f"BLAS: {out['blas']}")
     for r in range(args.reps):
         for mode in MODES if r % 2 else reversed(MODES):
             e = engine(mode)
-            (alone,), steps = firsts(e, prompts(tok, 1, f"{mode}-{time.time()}"))
+            (alone,), steps = first_tokens(e, prompts(tok, 1, f"{mode}-{time.time()}"), greedy)
             out["alone"].setdefault(mode, []).append({"s": alone, "steps": steps})
-            times, _ = firsts(e, prompts(tok, args.burst, f"{mode}-{time.time()}"))
+            times, _ = first_tokens(e, prompts(tok, args.burst, f"{mode}-{time.time()}"),
+                                    greedy)
             out["burst"].setdefault(mode, []).append(times)
             e.close()
     MixedBatchGenerator.first_token_in_chunk = True
