@@ -530,13 +530,13 @@ class MixedBatchGenerator(BatchGenerator):
             response = PromptProcessingBatch.Response(batch.uids[i], 0, False, False)
             segments = seq[0]
             k = min(len(segments[0]), self.prefill_step_size)
+            takes_last = self.chunk_takes_last(segments, k)
             prompts.append(segments[0][:k])
             segments[0] = segments[0][k:]
             if not segments[0]:
                 segments.pop(0)
                 response.end_of_segment = True
-                if (self.mixed and self.first_token_in_chunk and len(segments) == 1
-                        and len(segments[0]) == 1 and k < self.prefill_step_size):
+                if takes_last:
                     prompts[-1] = prompts[-1] + segments.pop()
                     response.end_of_prompt = True
                     ends.append(i)
@@ -566,6 +566,14 @@ class MixedBatchGenerator(BatchGenerator):
         if ends:
             responses += self._first_tokens(ends, ended)
         return prompt_responses, responses
+
+    def chunk_takes_last(self, segments: list[list[int]], k: int) -> bool:
+        """Whether a chunk of ``k`` tokens of a prompt's ``segments`` also takes its last
+        token (mlx-lm keeps that token as a segment of its own): with mixed steps, when the
+        chunk reaches it and has room for it."""
+        return (self.mixed and self.first_token_in_chunk and len(segments) == 2
+                and k == len(segments[0]) and len(segments[1]) == 1
+                and k < self.prefill_step_size)
 
     def _first_tokens(self, rows: list[int], logits: mx.array) -> list[Any]:
         """The first tokens of the prompt batch's ``rows``, whose prompts ended in this step's
