@@ -692,8 +692,9 @@ class Engine:
         its next chunk, and the prefix-cache blocks it cuts next step and until it ends."""
         remaining = sum(len(seg) for seg in segments)
         chunk = min(len(segments[0]), self.prefill_step_size) if segments else 0
-        if self.gen.chunk_takes_last(segments, chunk):
-            chunk = remaining  # the prompt's last token too (mixed steps)
+        if (self.gen.mixed and chunk + 1 == remaining and len(segments) == 2
+                and chunk < self.prefill_step_size):
+            chunk = remaining  # the chunk takes the prompt's last token too (mixed steps)
         req = self._by_uid.get(uid)
         cut_now = blocks_left = 0
         if self.caching and req is not None and req.hashes:

@@ -515,8 +515,14 @@ class MixedBatchGenerator(BatchGenerator):
         if done:
             last = [self._currently_processing[i][0][0][0] for i in done]
             progress = [(self._currently_processing[i][2],) * 2 for i in done]
-            joined = self._leave_prompt_batch(done, self._step_model, last)
+            self._currently_processing = [seq for i, seq in enumerate(self._currently_processing)
+                                          if i not in set(done)]
+            part = self._split(done)
             batch = self._prompt_batch
+            joined = JoiningGenerationBatch(
+                self._step_model, part.uids, mx.array(last, dtype=mx.uint32), part.prompt_cache,
+                part.tokens, part.samplers, part.fallback_sampler, part.logits_processors,
+                part.stop_sequences, part.max_tokens, joining=True)
             for uid, p in zip(joined.uids, progress, strict=True):
                 prompt_responses.append(PromptProcessingBatch.Response(uid, p, True, True))
             gen.extend(joined)
@@ -530,13 +536,13 @@ class MixedBatchGenerator(BatchGenerator):
             response = PromptProcessingBatch.Response(batch.uids[i], 0, False, False)
             segments = seq[0]
             k = min(len(segments[0]), self.prefill_step_size)
-            takes_last = self.chunk_takes_last(segments, k)
             prompts.append(segments[0][:k])
             segments[0] = segments[0][k:]
             if not segments[0]:
                 segments.pop(0)
                 response.end_of_segment = True
-                if takes_last:
+                if (self.mixed and self.first_token_in_chunk and len(segments) == 1
+                        and len(segments[0]) == 1 and k < self.prefill_step_size):
                     prompts[-1] = prompts[-1] + segments.pop()
                     response.end_of_prompt = True
                     ends.append(i)
@@ -567,20 +573,23 @@ class MixedBatchGenerator(BatchGenerator):
             responses += self._first_tokens(ends, ended)
         return prompt_responses, responses
 
-    def chunk_takes_last(self, segments: list[list[int]], k: int) -> bool:
-        """Whether a chunk of ``k`` tokens of a prompt's ``segments`` also takes its last
-        token (mlx-lm keeps that token as a segment of its own): with mixed steps, when the
-        chunk reaches it and has room for it."""
-        return (self.mixed and self.first_token_in_chunk and len(segments) == 2
-                and k == len(segments[0]) and len(segments[1]) == 1
-                and k < self.prefill_step_size)
-
     def _first_tokens(self, rows: list[int], logits: mx.array) -> list[Any]:
         """The first tokens of the prompt batch's ``rows``, whose prompts ended in this step's
         chunk, sampled from ``logits`` (the chunk's, at their last tokens) as a decode step
         samples: the same samplers, logits processors, stop sequences and token limits. The
         sequences that go on join the decode batch, whose next step runs their first token."""
-        first = self._leave_prompt_batch(rows, _Given(logits))
+        ending = set(rows)
+        self._currently_processing = [seq for i, seq in enumerate(self._currently_processing)
+                                      if i not in ending]
+        part = self._split(rows)
+        # The batch's tokens are those in the cache; the step adds the last prompt token
+        # (its input) itself, as it adds every step's input.
+        last = [held[-1] for held in part.tokens]
+        tokens = [held[:-1] for held in part.tokens]
+        first = JoiningGenerationBatch(
+            _Given(logits), part.uids, mx.array(last, dtype=mx.uint32), part.prompt_cache,
+            tokens, part.samplers, part.fallback_sampler, part.logits_processors,
+            part.stop_sequences, part.max_tokens, joining=True)
         counters = self._counters
         responses = first.next()
         counters.generation_tokens += len(responses)
@@ -588,25 +597,6 @@ class MixedBatchGenerator(BatchGenerator):
         if len(first):
             self._generation_batch.extend(first)
         return responses
-
-    def _leave_prompt_batch(self, rows: list[int], model: Any,
-                            last: list[int] | None = None) -> JoiningGenerationBatch:
-        """The prompt batch's ``rows``, taken out of it, as a generation batch (its first step
-        not run) whose first inputs are ``last``: each row's next prompt token, not yet in its
-        cache; None: the last token of each row's cache, which the step adds to the row's
-        tokens itself, as it adds every step's input."""
-        gone = set(rows)
-        self._currently_processing = [seq for i, seq in enumerate(self._currently_processing)
-                                      if i not in gone]
-        part = self._split(rows)
-        tokens = part.tokens
-        if last is None:
-            last = [held[-1] for held in tokens]
-            tokens = [held[:-1] for held in tokens]
-        return JoiningGenerationBatch(
-            model, part.uids, mx.array(last, dtype=mx.uint32), part.prompt_cache, tokens,
-            part.samplers, part.fallback_sampler, part.logits_processors, part.stop_sequences,
-            part.max_tokens, joining=True)
 
     def _make_batch(self, n: int) -> PromptProcessingBatch:
         """mlx-lm's, except that one sequence starting from a cached prefix keeps its cache's
