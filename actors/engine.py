@@ -211,6 +211,8 @@ class Engine:
         )
         self.blocks = RamTier()  # the RAM tier, owned by this thread
         self.new_blocks: list[tuple[str, KVBlock]] = []  # cut since the caller last took them
+        # The last step's prompt responses whose blocks are still to cut (``cut_pending``).
+        self._to_cut: list[Any] = []
         self._gen_kwargs = dict(
             completion_batch_size=max_batch_size,
             prefill_batch_size=prefill_batch_size,
@@ -349,14 +351,29 @@ class Engine:
             self.new_blocks.append((req.request_id, blk))
 
     def take_new_blocks(self) -> list[tuple[str, KVBlock]]:
+        """The blocks cut since the last call, the last step's prefill included."""
+        self.cut_pending()
         blocks, self.new_blocks = self.new_blocks, []
         return blocks
+
+    def cut_pending(self) -> None:
+        """Cut the blocks the last step's prefill completed.
+
+        ``step`` leaves this for after its tokens are answered: slicing a burst's prompts
+        into blocks costs tens of milliseconds (and first builds the decode batch's joined
+        cache), which the prompts' first tokens need not wait for. Nothing moves the
+        batch's caches until the next step, which cuts first if nobody has
+        (``take_new_blocks`` and ``abort`` do too)."""
+        pending, self._to_cut = self._to_cut, []
+        if pending:
+            self._cut_at_boundaries(pending)
 
     def abort(self, request_id: str) -> RequestFinished | None:
         """Remove a request wherever it is (queued, prefilling, decoding) and free its KV."""
         req = self.requests.get(request_id)
         if req is None:
             return None
+        self.cut_pending()  # its blocks, and its neighbours', before the batch changes
         self.gen.remove([req.uid])
         return self._finish(req, "abort")
 
@@ -378,6 +395,7 @@ class Engine:
         no gate). Prefilling requests that no longer fit fail alone, and waiting ones join
         the prefill only while the whole prefill fits. ``floor``: memory in use at idle, to
         tell a request that can never fit (413) from one that came at a bad time (503)."""
+        self.cut_pending()
         if not self.requests:
             return []
         events: list[Event] = []
@@ -418,11 +436,10 @@ class Engine:
                       (self._token_s or 0) * 1e3)
         self._measure(prefilled, decoding, wall)
         self.steps += 1
-        # (Sequences that finished their prompt joined the decode batch before this step's
-        # forward pass, which read the joined cache: it is built, in the step the gate
-        # counted it in.)
+        # The blocks this step's prefill completed are cut after its tokens are answered
+        # (``cut_pending``).
         if self.caching:
-            self._cut_at_boundaries(prompt_responses)
+            self._to_cut = [r for r in prompt_responses if r.end_of_segment]
         for resp in responses:
             req = self._by_uid.get(resp.uid)
             if req is None:

@@ -106,6 +106,36 @@ def test_a_request_that_ends_with_its_first_token_keeps_its_prompt_blocks(
     assert "could not cut" not in caplog.text
 
 
+@pytest.mark.parametrize("arch_fixture", ["tiny_model_dir", "tiny_hybrid_dir"])
+def test_blocks_are_cut_after_the_step_answers_and_survive_an_abort(arch_fixture, request,
+                                                                     caplog):
+    """A step answers its tokens before it slices the prompts it completed into blocks;
+    the blocks are cut when the caller takes them, or before anything changes the batch:
+    a client that leaves right after its first token still leaves its prompt cached, and a
+    repeat is served from it with the same first token."""
+    model_dir = request.getfixturevalue(arch_fixture)
+    engine = make_engine(model_dir)
+    prompt = engine.tokenizer.encode(LONG)
+    n_usable = usable_blocks(len(prompt), BLOCK)
+
+    engine.add("a", prompt, greedy(8))
+    first = []
+    while not first:
+        first = [ev.token_ids for ev in engine.step() if isinstance(ev, TokensGenerated)]
+    assert engine.abort("a") is not None and not engine.has_work
+    hit = cached_for(engine, prompt)
+    assert len(hit) == n_usable, "the abort cut the blocks the last step completed"
+    taken = [blk.block_hash for _, blk in engine.take_new_blocks()]
+    assert taken[:n_usable] == engine.prompt_hashes(prompt)
+
+    engine.add("b", prompt, greedy(8), cached=hit)
+    again = []
+    while not again:
+        again = [ev.token_ids for ev in engine.step() if isinstance(ev, TokensGenerated)]
+    assert again[0][:1] == first[0][:1]
+    assert "could not cut" not in caplog.text
+
+
 def test_blocks_round_trip_through_numpy_give_identical_output(tiny_hybrid_dir):
     engine = make_engine(tiny_hybrid_dir)
     prompt = engine.tokenizer.encode(LONG)
