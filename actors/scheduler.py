@@ -73,6 +73,9 @@ WRITE_WAIT_S = 0.25
 # arriving just after the prompt's answer waited for them).
 PERSIST_BYTES_PER_STEP = 8 << 20
 LOOKUP_TIMEOUT_S = 1.0
+# An idle engine's arrival window stays open while requests keep arriving, up to this many
+# windows after the first arrival.
+ARRIVAL_WINDOWS_MAX = 5
 # A starting scheduler asks the memory monitor for the limits; it does not wait longer.
 LIMITS_TIMEOUT_S = 2.0
 
@@ -131,9 +134,12 @@ class Scheduler(Actor):
         mixed_step: bool = True,
     ) -> None:
         self.model_spec = model
-        # An idle engine waits this long after a request arrives before its first step, so a
-        # burst of requests is prefilled together rather than in one step per arrival.
+        # An idle engine steps once no request has arrived for this long (at most
+        # ARRIVAL_WINDOWS_MAX windows after the first), so a burst of requests is prefilled
+        # together rather than in one step per arrival.
         self.arrival_window_s = max(0.0, arrival_window_ms) / 1000
+        self._window_opened: float | None = None  # when an idle engine's window opened
+        self._last_arrival = 0.0
         # The pool resolves models itself and passes the name the model is served as.
         self.model_id = model_id
         self.model_name = model_id or model or DEFAULT_MODEL
@@ -229,13 +235,15 @@ class Scheduler(Actor):
         match msg:
             case Step():
                 self._step_queued = False
+                self._window_opened = None
                 await self._step()
             case AddRequest():
-                self._last_active = time.monotonic()
+                self._last_active = self._last_arrival = time.monotonic()
                 idle = self.engine is not None and not self.engine.has_work
                 await self._add(msg, self.take_reply())
-                if idle and self.arrival_window_s > 0:
+                if idle and self.arrival_window_s > 0 and not self._step_queued:
                     self._queue_step(delay=self.arrival_window_s)
+                    self._window_opened = self._last_arrival if self._step_queued else None
             case BlocksRead():
                 self._loaded(msg)
             case AbortRequest(request_id=rid):
@@ -499,7 +507,19 @@ class Scheduler(Actor):
             pass
 
     def _delayed_step(self) -> None:
+        """The arrival window's timer: step, unless requests are still arriving (each
+        admitted a few milliseconds after the last: a burst's requests pass admission one at
+        a time) and the window has room left; then wait for a quiet window."""
         self._step_queued = False
+        opened, now = self._window_opened, time.monotonic()
+        if opened is not None:
+            quiet = self._last_arrival + self.arrival_window_s
+            closes = opened + ARRIVAL_WINDOWS_MAX * self.arrival_window_s
+            if now < quiet and now < closes:
+                self._queue_step(delay=min(quiet, closes) - now)
+                if self._step_queued:
+                    return
+        self._window_opened = None
         self._queue_step()
 
     def report(self) -> dict[str, Any]:
