@@ -56,14 +56,16 @@ def supports_mixed(model: Any) -> bool:
 
 
 def _attend(attn: Any, q: mx.array, k: mx.array, v: mx.array, batch: int, length: int,
-            cache: Any, mask: Any) -> mx.array:
+            cache: Any, mask: Any, offset: Any = None) -> mx.array:
     """The attention of one group, as the layer's own ``Attention.__call__`` computes it after
-    its projections. q/k/v: [batch * length, features]; returns [batch * length, features]."""
+    its projections. q/k/v: [batch * length, features]; returns [batch * length, features].
+    ``offset``: the group's positions before this step (default: the cache's own)."""
     q = q.reshape(batch, length, attn.n_heads, -1).transpose(0, 2, 1, 3)
     k = k.reshape(batch, length, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
     v = v.reshape(batch, length, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-    q = attn.rope(q, offset=cache.offset)
-    k = attn.rope(k, offset=cache.offset)
+    offset = cache.offset if offset is None else offset
+    q = attn.rope(q, offset=offset)
+    k = attn.rope(k, offset=offset)
     k, v = cache.update_and_fetch(k, v)
     if 1 < length <= FOLD_ROWS and _foldable(q, k, mask):
         out = chunk_attention(q, k, v, scale=attn.scale, mask=mask)
@@ -254,7 +256,7 @@ def forward(model: Any, decode_inputs: mx.array | None, decode_cache: list[Any] 
     whose next-token logits come back as the second result ([len(ends), vocab]). Every other
     prefill row leaves the pass after the last layer's attention, as in ``mixed_forward``."""
     inner = model.model
-    parts, spans, masks = [], [], []
+    parts, spans, masks, offsets = [], [], [], []
     nd = B = Ld = 0
     if decode_inputs is not None:
         hd = inner.embed_tokens(decode_inputs)
@@ -264,43 +266,51 @@ def forward(model: Any, decode_inputs: mx.array | None, decode_cache: list[Any] 
         if isinstance(first, RaggedKVCache):
             spans = [(a, b) for a, b, _ in first.spans()]
             masks = [create_attention_mask(hd[a:b], g) for a, b, g in first.spans()]
+            offsets = [_frozen(g.offset) for g in first.groups]
         else:
             spans, masks = [(0, B)], [create_attention_mask(hd, first)]
+            offsets = [_frozen(first.offset)]
         parts.append(hd.reshape(nd, D))
     if prefill_inputs is not None:
         hp = inner.embed_tokens(prefill_inputs)
         P, Lp, D = hp.shape
         mask_p = create_attention_mask(hp, prefill_cache[0])
+        offset_p = _frozen(prefill_cache[0].offset)
         parts.append(hp.reshape(P * Lp, D))
     x = mx.concatenate(parts) if len(parts) > 1 else parts[0]
     last = len(inner.layers) - 1
     layer_caches = decode_cache if decode_cache is not None else [None] * len(inner.layers)
-    for i, (layer, cd) in enumerate(zip(inner.layers, layer_caches, strict=True)):
-        attn = layer.self_attn
-        h = layer.input_layernorm(x)
-        q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-        out = []
-        if decode_inputs is not None:
-            groups = cd.groups if isinstance(cd, RaggedKVCache) else [cd]
-            out = [
-                _attend(attn, q[a * Ld:b * Ld], k[a * Ld:b * Ld], v[a * Ld:b * Ld], b - a, Ld,
-                        g, m)
-                for (a, b), g, m in zip(spans, groups, masks, strict=True)
-            ]
-        if prefill_inputs is not None:
-            out.append(_attend(attn, q[nd:], k[nd:], v[nd:], P, Lp, prefill_cache[i], mask_p))
-        x = x + attn.o_proj(mx.concatenate(out) if len(out) > 1 else out[0])
-        if i == last and prefill_inputs is not None:
-            # The prefill rows are done (their keys and values are in the cache), except the
-            # prompts' last tokens, whose logits give those prompts their first tokens.
-            kept = x[:nd] if nd else None
-            if ends:
-                tail = x[nd + mx.array(ends, dtype=mx.uint32)]
-                kept = tail if kept is None else mx.concatenate([kept, tail])
-            if kept is None:
-                return None, None
-            x = kept
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    # Every layer's cache of a group is at the same positions: the first layer's offsets,
+    # copied before its update moves them, serve all layers, so rope makes each group's
+    # angles once a step instead of once a layer.
+    with cpu_kernels.shared_angles():
+        for i, (layer, cd) in enumerate(zip(inner.layers, layer_caches, strict=True)):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+            out = []
+            if decode_inputs is not None:
+                groups = cd.groups if isinstance(cd, RaggedKVCache) else [cd]
+                out = [
+                    _attend(attn, q[a * Ld:b * Ld], k[a * Ld:b * Ld], v[a * Ld:b * Ld], b - a,
+                            Ld, g, m, off)
+                    for (a, b), g, m, off in zip(spans, groups, masks, offsets, strict=True)
+                ]
+            if prefill_inputs is not None:
+                out.append(_attend(attn, q[nd:], k[nd:], v[nd:], P, Lp, prefill_cache[i],
+                                   mask_p, offset_p))
+            x = x + attn.o_proj(mx.concatenate(out) if len(out) > 1 else out[0])
+            if i == last and prefill_inputs is not None:
+                # The prefill rows are done (their keys and values are in the cache), except
+                # the prompts' last tokens, whose logits give those prompts their first tokens.
+                kept = x[:nd] if nd else None
+                if ends:
+                    tail = x[nd + mx.array(ends, dtype=mx.uint32)]
+                    kept = tail if kept is None else mx.concatenate([kept, tail])
+                if kept is None:
+                    return None, None
+                x = kept
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
     x = inner.norm(x)
     if getattr(model.args, "tie_word_embeddings", False) or not hasattr(model, "lm_head"):
         logits = inner.embed_tokens.as_linear(x)
@@ -308,6 +318,11 @@ def forward(model: Any, decode_inputs: mx.array | None, decode_cache: list[Any] 
         logits = model.lm_head(x)
     decode = logits[:nd].reshape(B, Ld, -1) if nd else None
     return decode, (logits[nd:] if ends else None)
+
+
+def _frozen(offset: Any) -> Any:
+    """A copy of a cache's offset that its in-place update (``offset += n``) leaves as is."""
+    return mx.array(offset) if isinstance(offset, mx.array) else offset
 
 
 class _Forward:

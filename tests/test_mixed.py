@@ -89,6 +89,57 @@ def test_ragged_groups_attend_on_their_own(loaded):
     assert mx.array_equal(got.argmax(-1), want.argmax(-1)).item()
 
 
+def test_one_set_of_rope_angles_per_group_gives_the_same_bits(loaded, monkeypatch):
+    """With troupe's CPU kernels, a forward pass makes each group's rotary angles once, from
+    the first layer's offsets copied before any layer moves them, and every layer reuses
+    them: the logits and the caches are bit for bit those of angles made layer by layer
+    from each layer's own cache (two decode groups and a prefill chunk at three positions)."""
+    from actors import cpu_kernels, mixed
+
+    model, tok = loaded
+    short = [encode(tok, PROMPTS[0]), encode(tok, PROMPTS[1])]
+    long = [encode(tok, " ".join(PROMPTS) * 2)]
+    prior = [encode(tok, PROMPTS[4])]
+    chunk = mx.array([encode(tok, PROMPTS[5])[:12]])
+    nxt = mx.array([[5], [6], [8]])
+
+    def run_once():
+        layers = [RaggedKVCache([a]) for a in batch_cache(model, short)]
+        for c, b in zip(layers, batch_cache(model, long), strict=True):
+            c.extend(b)
+        prompt_cache = batch_cache(model, prior)
+        logits = mixed_forward(model, nxt, layers, chunk, prompt_cache)
+        state = [a for c in layers for g in c.groups for a in g.state[:2]]
+        state += [a for c in prompt_cache for a in c.state[:2]]
+        mx.eval(logits, state)
+        return logits, state
+
+    was = cpu_kernels.enabled()
+    cpu_kernels.enable("native")
+    real = mx.fast.rope
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs["offset"])
+        return real(*args, **kwargs)
+
+    mx.fast.rope = counting
+    try:
+        shared_logits, shared_state = run_once()
+        offsets = {id(o) for o in calls}
+        calls.clear()
+        monkeypatch.setattr(mixed, "_frozen", lambda offset: None)  # each layer's own
+        own_logits, own_state = run_once()
+        per_layer = {id(o) for o in calls}
+    finally:
+        mx.fast.rope = real
+        if not was:
+            cpu_kernels.disable()
+    assert len(offsets) == 3 and len(per_layer) > 3  # one per group, against per layer
+    assert mx.array_equal(shared_logits, own_logits).item()
+    assert all(mx.array_equal(a, b).item() for a, b in zip(shared_state, own_state, strict=True))
+
+
 def test_ragged_cache_merges_cheap_groups_and_filters_in_order():
     def group(rows: int, length: int, fill: float) -> BatchKVCache:
         c = BatchKVCache([0] * rows)
