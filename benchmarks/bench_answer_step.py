@@ -36,6 +36,7 @@ from harness import (  # noqa: E402
     blas_name,
     chat_tokens,
     int_list,
+    load_ceiling,
     resolve_default_model,
     same_blas_as_troupe_serve,
     tag,
@@ -103,17 +104,13 @@ def main() -> None:
     same_blas_as_troupe_serve()
 
     import mlx.core as mx
-    from mlx_lm import load
     from mlx_lm.generate import GenerationBatch
     from mlx_lm.models.cache import make_prompt_cache
 
-    from actors import cpu_kernels
     from actors.messages import SamplingParams
     from actors.mixed import JoiningGenerationBatch, MixedBatchGenerator
-    from actors.model_store import troupe_home
 
-    cpu_kernels.enable("native", troupe_home())
-    model, tok = load(args.model or resolve_default_model())
+    model, tok = load_ceiling(args.model or resolve_default_model())  # troupe's CPU kernels
     troupe_step = JoiningGenerationBatch._step
 
     troupe_next = JoiningGenerationBatch.next

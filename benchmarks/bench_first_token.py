@@ -30,7 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_answer_step import first_tokens, prompts, served_engine  # noqa: E402
-from harness import blas_name, resolve_default_model, same_blas_as_troupe_serve  # noqa: E402
+from harness import (  # noqa: E402
+    blas_name,
+    load_ceiling,
+    resolve_default_model,
+    same_blas_as_troupe_serve,
+)
 
 MODES = ("chunk", "decode-step")
 
@@ -44,15 +49,10 @@ def main() -> None:
     args = p.parse_args()
     same_blas_as_troupe_serve()
 
-    from mlx_lm import load
-
-    from actors import cpu_kernels
     from actors.messages import SamplingParams
     from actors.mixed import MixedBatchGenerator
-    from actors.model_store import troupe_home
 
-    cpu_kernels.enable("native", troupe_home())
-    model, tok = load(args.model or resolve_default_model())
+    model, tok = load_ceiling(args.model or resolve_default_model())  # troupe's CPU kernels
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
     def engine(mode: str) -> Any:
