@@ -10,6 +10,7 @@ Commands are named in the imperative (``AddRequest``), events in the past tense
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
@@ -35,6 +36,57 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     ignore_eos: bool = False
 
 
+# --- agents: tools, constrained output, reasoning ---------------------------------------------
+
+
+class ToolChoice(msgspec.Struct, frozen=True, kw_only=True):
+    """Whether and how the model calls tools, in the neutral shape every API maps onto.
+
+    ``mode``: ``auto`` (the model decides), ``none`` (tools hidden from the model),
+    ``required`` (at least one call), ``function`` (a call of the tool named ``name``).
+    ``parallel``: whether an answer may hold several calls."""
+
+    mode: str = "auto"
+    name: str | None = None
+    parallel: bool = True
+
+
+class OutputFormat(msgspec.Struct, frozen=True, kw_only=True):
+    """A constraint on the answer's text. ``type``: ``text`` (none), ``json_object`` (any JSON
+    object), ``json_schema`` (JSON valid against ``schema``), ``regex`` or ``lark`` (``pattern``
+    is the grammar)."""
+
+    type: str = "text"
+    schema: dict | None = None
+    pattern: str | None = None
+    name: str | None = None
+
+
+class OutputSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """How the engine reads one chat answer's text (``actors.agent_output.OutputParser``).
+
+    ``tool_format``: the parser of the model's tool-call markup (an ``mlx_lm.tool_parsers``
+    module name, or one of troupe's own formats), None when no tools were offered.
+    ``tools``: the request's tools as OpenAI functions (``{"type": "function", "function":
+    {...}}``). ``think``: the (start, end) tags of the model's reasoning, None when it has none.
+    ``in_reasoning``: the prompt ends inside an open reasoning tag (the template opened it)."""
+
+    tool_format: str | None = None
+    tools: list[dict] | None = None
+    think: tuple[str, str] | None = None
+    in_reasoning: bool = False
+
+
+class ToolCall(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """One tool call parsed from the model's output. ``index``: its place among this answer's
+    calls; ``arguments``: the arguments object as JSON text."""
+
+    index: int
+    id: str
+    name: str
+    arguments: str
+
+
 # --- HTTP layer -> admission -------------------------------------------------------------
 
 
@@ -47,6 +99,10 @@ class AdmitChat(Message, frozen=True, kw_only=True):
     sampling: SamplingParams
     tools: list[dict] | None = None
     chat_template_kwargs: dict | None = None
+    tool_choice: ToolChoice = ToolChoice()
+    response_format: OutputFormat | None = None
+    # Reasoning tokens after which the closing tag is forced (Anthropic's budget_tokens).
+    thinking_budget: int | None = None
 
 
 class AdmitCompletion(Message, frozen=True, kw_only=True):
@@ -56,6 +112,7 @@ class AdmitCompletion(Message, frozen=True, kw_only=True):
     model: str
     prompt: str | list[int]
     sampling: SamplingParams
+    response_format: OutputFormat | None = None
 
 
 class CountTokens(Message, frozen=True, kw_only=True):
@@ -127,11 +184,17 @@ def _rebuild_admission_error(status, message, type_, param, code, retry_after):
 
 
 class AddRequest(Message, frozen=True, kw_only=True):
-    """Join the running batch. Sent with ``stream()``: the scheduler answers with events."""
+    """Join the running batch. Sent with ``stream()``: the scheduler answers with events.
+
+    ``output``: how to read the answer (tool calls, reasoning); None for plain text.
+    ``constraint``: a compiled grammar (``actors.grammar.Constraint``, made in admission, off
+    the MLX thread) that masks every sampled token; None when unconstrained."""
 
     request_id: str
     prompt_tokens: list[int]
     sampling: SamplingParams
+    output: OutputSpec | None = None
+    constraint: Any = None
 
 
 class AbortRequest(Message, frozen=True, kw_only=True):
@@ -170,6 +233,7 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    reasoning_tokens: int = 0  # of completion_tokens, those inside the reasoning tags
 
     @property
     def total_tokens(self) -> int:
@@ -185,16 +249,21 @@ class RequestStarted(Message, frozen=True, kw_only=True):
 
 
 class TokensGenerated(Message, frozen=True, kw_only=True):
-    """New output: ``text`` is the printable delta (whole UTF-8 characters, stop strings cut)."""
+    """New output: ``text`` is the printable delta (whole UTF-8 characters, stop strings cut,
+    tool-call markup and reasoning taken out); ``reasoning`` the delta of the model's
+    reasoning; ``tool_calls`` the calls completed in this delta, each whole."""
 
     request_id: str
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None
+    reasoning: str = ""
+    tool_calls: list[ToolCall] | None = None
 
 
 class RequestFinished(Message, frozen=True, kw_only=True):
-    """The last event of a request. ``finish_reason``: stop, length, abort or error."""
+    """The last event of a request. ``finish_reason``: stop, length, tool_calls (the answer
+    ended after calling tools), abort or error."""
 
     request_id: str
     finish_reason: str

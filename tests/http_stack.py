@@ -37,6 +37,7 @@ from actors.messages import (
     RequestStarted,
     TokenLogprob,
     TokensGenerated,
+    ToolCall,
     TopLogprob,
     Usage,
 )
@@ -54,6 +55,13 @@ DELTAS = ["Hel", "lo", " world"]
 STOP = "END"
 MAX_BODY = 4096
 ENDLESS = 4000  # how many tokens the "endless" script sends at the most
+# The "tool-call" script: text, then two whole calls; "reasoning": thinking, then the answer.
+TOOL_TEXT = "Let me check."
+TOOL_CALLS = [
+    ToolCall(index=0, id="call_0", name="get_weather", arguments='{"city": "Paris"}'),
+    ToolCall(index=1, id="call_1", name="get_time", arguments='{"zone": "CET"}'),
+]
+REASONING = ["The user ", "asks hello."]
 
 
 @dataclass
@@ -121,6 +129,19 @@ async def _play(reply: Reply, rid: str, script: str, logprobs: bool, record: Rec
         reply.send(_failed(rid, 1, "Out of memory during decode.", 503))
         reply.close()
         return
+    if script == "tool-call":
+        reply.send(TokensGenerated(request_id=rid, text=TOOL_TEXT, token_ids=[1]))
+        reply.send(TokensGenerated(request_id=rid, text="", token_ids=[2, 3],
+                                   tool_calls=TOOL_CALLS[:1]))
+        reply.send(TokensGenerated(request_id=rid, text="", token_ids=[4, 5],
+                                   tool_calls=TOOL_CALLS[1:]))
+        reply.send(_finished(rid, "tool_calls", 6))
+        reply.close()
+        return
+    if script == "reasoning":
+        for i, thought in enumerate(REASONING):
+            reply.send(TokensGenerated(request_id=rid, text="", token_ids=[10 + i],
+                                       reasoning=thought))
     for i, text in enumerate(DELTAS):
         token_logprobs = [_logprob(text, i)] if logprobs else None
         reply.send(TokensGenerated(request_id=rid, text=text, token_ids=[i],
@@ -131,6 +152,12 @@ async def _play(reply: Reply, rid: str, script: str, logprobs: bool, record: Rec
     elif script == "stop-string":
         # The token that completed the stop string was delivered: no token is missing.
         reply.send(_finished(rid, "stop", len(DELTAS), **_matched_stop()))
+    elif script == "reasoning":
+        n = len(REASONING) + len(DELTAS) + 1
+        reply.send(RequestFinished(
+            request_id=rid, finish_reason="stop",
+            usage=Usage(prompt_tokens=5, completion_tokens=n, cached_tokens=2,
+                        reasoning_tokens=len(REASONING))))
     else:
         # An end-of-sequence token ends it: counted in the usage, carried by no delta.
         reply.send(_finished(rid, "stop", len(DELTAS) + 1))
