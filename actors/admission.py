@@ -20,6 +20,13 @@ from typing import Any
 import jinja2
 from mlx_lm.utils import load_tokenizer
 
+from actors.agent_output import (
+    FALLBACK_TOOL_FORMAT,
+    prompt_opens_reasoning,
+    think_tags_of,
+    tool_format_of,
+)
+from actors.grammar import Constraint, GrammarError, Grammars
 from actors.memory_estimate import (
     HARD,
     ModelMemory,
@@ -38,8 +45,12 @@ from actors.messages import (
     CountTokens,
     ListModels,
     ModelCard,
+    OutputFormat,
+    OutputSpec,
     SamplingParams,
+    ToolChoice,
 )
+from actors.tool_prompt import uses_tools, with_parsed_arguments, with_tools_in_prompt
 from runtime import Actor, ActorDead, ActorRef, MailboxFull
 
 log = logging.getLogger("actors.admission")
@@ -60,6 +71,11 @@ class ModelEntry:
         self.scheduler = scheduler
         self.tokenizer: Any = None
         self.memory: ModelMemory | None = None
+        # Agents: the template's tool-call format (None: troupe's fallback), its reasoning
+        # tags, and the grammar compiler (its llguidance tokenizer is built on first use).
+        self.tool_format: str | None = None
+        self.think: tuple[str, str] | None = None
+        self.grammars: Grammars | None = None
 
     @property
     def loaded(self) -> bool:
@@ -90,15 +106,31 @@ class Admission(Actor):
         for entry in self.models.values():
             entry.tokenizer = load_tokenizer(entry.card.path)
             entry.memory = model_memory_of(entry.card.path)
+            entry.tool_format = tool_format_of(entry.tokenizer)
+            entry.think = think_tags_of(entry.tokenizer)
+            entry.grammars = Grammars(entry.tokenizer)
 
     async def handle(self, msg: Any) -> Any:
         match msg:
             case AdmitChat():
                 entry = self._model(msg.model)
-                tokens = self._apply_template(entry, msg.messages, msg.tools,
-                                              msg.chat_template_kwargs)
+                tools = self._tools(msg.tools, msg.tool_choice)
+                tokens, tool_format = self._chat_tokens(entry, msg.messages, tools,
+                                                        msg.chat_template_kwargs)
+                output = self._output_spec(entry, tokens, tools, tool_format,
+                                           msg.thinking_budget)
+                # The reasoning before a constrained answer stays free text.
+                think = {"think": output.think, "in_reasoning": output.in_reasoning} \
+                    if output is not None else {}
+                if tools and msg.tool_choice.mode in ("required", "function"):
+                    constraint = self._compile(
+                        "tool_choice",
+                        lambda g: g.for_tools(tools, msg.tool_choice, tool_format, **think),
+                        entry)
+                else:
+                    constraint = self._format_constraint(entry, msg.response_format, **think)
                 return await self._admit(entry, msg.request_id, tokens, msg.sampling,
-                                         "messages")
+                                         "messages", output=output, constraint=constraint)
             case AdmitCompletion():
                 entry = self._model(msg.model)
                 if isinstance(msg.prompt, str):
@@ -109,11 +141,15 @@ class Admission(Actor):
                     if any(t < 0 or t >= vocab for t in tokens):
                         raise self._refuse(400, f"prompt token ids must be in [0, {vocab})",
                                            param="prompt")
-                return await self._admit(entry, msg.request_id, tokens, msg.sampling, "prompt")
+                constraint = self._format_constraint(entry, msg.response_format)
+                return await self._admit(entry, msg.request_id, tokens, msg.sampling, "prompt",
+                                         constraint=constraint)
             case CountTokens():
                 entry = self._model(msg.model)
-                return len(self._apply_template(entry, msg.messages, msg.tools, None,
-                                                generation_prompt=False))
+                tools = self._tools(msg.tools, ToolChoice())
+                tokens, _ = self._chat_tokens(entry, msg.messages, tools, None,
+                                              generation_prompt=False)
+                return len(tokens)
             case ListModels():
                 return [entry.card for entry in self.models.values()]
             case MemoryLimits():
@@ -130,6 +166,89 @@ class Admission(Actor):
             raise self._refuse(404, f"model {name!r} is not served here (served: {served})",
                                param="model", code="model_not_found")
         return entry
+
+    # -- agents: tools, reasoning, constrained output ------------------------------------
+
+    def _tools(self, tools: list[dict] | None, choice: ToolChoice) -> list[dict] | None:
+        """The request's tools, checked (OpenAI's function shape), or None when there are none
+        or the choice hides them; a tool choice that names no offered tool is refused."""
+        if choice.mode not in ("auto", "none", "required", "function"):
+            raise self._refuse(400, f"unknown tool_choice mode {choice.mode!r}",
+                               param="tool_choice")
+        for i, tool in enumerate(tools or ()):
+            function = tool.get("function") if isinstance(tool, dict) else None
+            if (not isinstance(tool, dict) or tool.get("type", "function") != "function"
+                    or not isinstance(function, dict)
+                    or not isinstance(function.get("name"), str) or not function["name"]):
+                raise self._refuse(400, "each tool must be {'type': 'function', 'function': "
+                                   "{'name': ..., 'parameters': {...}}}", param=f"tools[{i}]")
+            if not isinstance(function.get("parameters", {}), dict):
+                raise self._refuse(400, "a tool's parameters must be a JSON Schema object",
+                                   param=f"tools[{i}].function.parameters")
+        if choice.mode == "none":
+            return None
+        names = [tool["function"]["name"] for tool in tools or ()]
+        if choice.mode in ("required", "function") and not names:
+            raise self._refuse(400, f"tool_choice {choice.mode!r} needs tools",
+                               param="tool_choice")
+        if choice.mode == "function" and choice.name not in names:
+            raise self._refuse(400, f"tool_choice names {choice.name!r}, which is not among "
+                               f"the tools ({', '.join(names)})", param="tool_choice")
+        return list(tools) if tools else None
+
+    def _chat_tokens(
+        self,
+        entry: ModelEntry,
+        messages: list[dict],
+        tools: list[dict] | None,
+        extra: dict | None,
+        generation_prompt: bool = True,
+    ) -> tuple[list[int], str | None]:
+        """The templated prompt, and the tool-call format its answer is read with. A template
+        without a tool format gets the tools written into the conversation instead
+        (``actors.tool_prompt``), read back in troupe's fallback format."""
+        tool_format = entry.tool_format
+        if tool_format is None and (tools or uses_tools(messages)):
+            messages, tools, tool_format = (with_tools_in_prompt(messages, tools), None,
+                                            FALLBACK_TOOL_FORMAT)
+        elif uses_tools(messages):
+            messages = with_parsed_arguments(messages)
+        tokens = self._apply_template(entry, messages, tools, extra, generation_prompt)
+        return tokens, tool_format
+
+    def _output_spec(self, entry: ModelEntry, tokens: list[int], tools: list[dict] | None,
+                     tool_format: str | None, thinking_budget: int | None) -> OutputSpec | None:
+        """How the engine reads this answer; None when it is plain text (no parser runs).
+        Harmony (gpt-oss) marks reasoning and the final text with the same markup as its
+        calls, so its answers are always parsed."""
+        if entry.tool_format == "harmony":
+            tool_format = "harmony"
+        elif not tools:
+            tool_format = None
+        if tool_format is None and entry.think is None:
+            return None
+        in_reasoning = False
+        if entry.think is not None:
+            tail = entry.tokenizer.decode(tokens[-16:])
+            in_reasoning = prompt_opens_reasoning(tail, entry.think)
+        return OutputSpec(tool_format=tool_format, tools=tools,
+                          think=entry.think, in_reasoning=in_reasoning,
+                          thinking_budget=thinking_budget)
+
+    def _format_constraint(self, entry: ModelEntry, fmt: OutputFormat | None,
+                           **think: Any) -> Constraint | None:
+        if fmt is None or fmt.type == "text":
+            return None
+        return self._compile("response_format", lambda g: g.for_format(fmt, **think), entry)
+
+    def _compile(self, param: str, build: Any, entry: ModelEntry) -> Constraint:
+        """Compile a grammar here, on admission's thread, so that the scheduler never waits
+        for one; a grammar llguidance cannot compile is the client's 400."""
+        assert entry.grammars is not None
+        try:
+            return build(entry.grammars)
+        except GrammarError as exc:
+            raise self._refuse(400, f"cannot enforce this {param}: {exc}", param=param) from exc
 
     def _apply_template(
         self,
@@ -162,6 +281,9 @@ class Admission(Actor):
         tokens: list[int],
         sampling: SamplingParams,
         prompt_param: str,
+        *,
+        output: OutputSpec | None = None,
+        constraint: Constraint | None = None,
     ) -> AdmissionTicket:
         if not tokens:
             raise self._refuse(400, "the prompt is empty", param=prompt_param)
@@ -175,7 +297,8 @@ class Admission(Actor):
                 code="context_length_exceeded",
             )
         self._check_memory(entry, len(tokens), prompt_param)
-        request = AddRequest(request_id=request_id, prompt_tokens=tokens, sampling=sampling)
+        request = AddRequest(request_id=request_id, prompt_tokens=tokens, sampling=sampling,
+                             output=output, constraint=constraint)
         try:
             try:
                 events = (await self._scheduler(entry)).try_stream(request)

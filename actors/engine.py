@@ -25,6 +25,8 @@ from mlx_lm.sample_utils import (
     make_sampler,
 )
 
+from actors.agent_output import OutputParser, Parsed
+from actors.grammar import thinking_budget_processor
 from actors.kv_blocks import (
     ARRAYS,
     KVBlock,
@@ -37,6 +39,7 @@ from actors.kv_blocks import (
 )
 from actors.memory_estimate import Member, ModelMemory, StepPlan, plan_step, prompt_need
 from actors.messages import (
+    OutputSpec,
     RequestFinished,
     SamplingParams,
     TokenLogprob,
@@ -158,6 +161,9 @@ class Request:
     # are already stored (from cache, or cut at a boundary this request crossed).
     hashes: list[str] = field(default_factory=list)
     stored: int = 0
+    # Reads tool calls and reasoning out of a chat answer (None: the text is all content).
+    parser: OutputParser | None = None
+    reasoning_tokens: int = 0
 
 
 Event = TokensGenerated | RequestFinished
@@ -247,11 +253,16 @@ class Engine:
         prompt: list[int],
         sampling: SamplingParams,
         cached: Sequence[KVBlock] = (),
+        *,
+        output: OutputSpec | None = None,
+        constraint: Any = None,
     ) -> Request:
         """Queue a request; it joins the batch at the next step. Raises RequestError.
 
         ``cached``: leading blocks of the prompt already computed (a prefix-cache hit); only
-        the rest of the prompt is prefilled.
+        the rest of the prompt is prefilled. ``output``: how to read tool calls and reasoning
+        out of the answer. ``constraint``: a compiled grammar (``actors.grammar.Constraint``)
+        whose mask every sampled token obeys.
         """
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already running", 409)
@@ -270,6 +281,13 @@ class Engine:
             frequency_penalty=sampling.frequency_penalty or None,
             frequency_context_size=PENALTY_CONTEXT,
         )
+        if constraint is not None:
+            processors.append(constraint.processor())
+        if output is not None and output.think and output.thinking_budget is not None:
+            start, end = output.think
+            processors.append(thinking_budget_processor(
+                output.thinking_budget, self._encode_tag(end),
+                start_tokens=self._encode_tag(start), starts_inside=output.in_reasoning))
         hashes = self.prompt_hashes(prompt)
         n_cached = len(cached)
         start = n_cached * self.block_size
@@ -299,10 +317,14 @@ class Engine:
             cached_tokens=start,
             hashes=hashes,
             stored=n_cached,
+            parser=OutputParser(output) if output is not None else None,
         )
         self.requests[request_id] = req
         self._by_uid[uid] = req
         return req
+
+    def _encode_tag(self, tag: str) -> list[int]:
+        return list(self.tokenizer.encode(tag, add_special_tokens=False))
 
     def _partial_hit(self, prompt: list[int], start: int, parent: str | None) -> KVBlock | None:
         """After the whole blocks, the longest run of the prompt's next tokens that a block in
@@ -565,8 +587,8 @@ class Engine:
             req.detokenizer.finalize()
             text, _ = req.stops.feed(req.detokenizer.last_segment)
             text += req.stops.flush()
-            if text:
-                events.append(TokensGenerated(request_id=req.request_id, text=text, token_ids=[]))
+            if delta := self._delta(req, text, [], None, last=True):
+                events.append(delta)
             events.append(self._finish(req, "stop"))
             return events
         req.detokenizer.add_token(token)
@@ -575,11 +597,7 @@ class Engine:
         text, matched = req.stops.feed(req.detokenizer.last_segment)
         logprobs = self._logprobs(req, token, resp.logprobs) if req.sampling.logprobs else None
         if matched:
-            events.append(
-                TokensGenerated(
-                    request_id=req.request_id, text=text, token_ids=[token], logprobs=logprobs
-                )
-            )
+            events.append(self._delta(req, text, [token], logprobs, last=True))
             # The stop string ended the request inside the batch: take it out now.
             if self.caching and not self.hybrid:
                 self._cut_finished(req, *self.gen.extract_cache([req.uid])[req.uid])
@@ -588,14 +606,33 @@ class Engine:
             return events
         if finish is not None:
             text += req.stops.flush()
-        events.append(
-            TokensGenerated(
-                request_id=req.request_id, text=text, token_ids=[token], logprobs=logprobs
-            )
-        )
+        events.append(self._delta(req, text, [token], logprobs, last=finish is not None))
         if finish is not None:
             events.append(self._finish(req, finish))
         return events
+
+    def _delta(self, req: Request, text: str, token_ids: list[int],
+               logprobs: list[TokenLogprob] | None, *, last: bool) -> TokensGenerated | None:
+        """The client's delta for ``text``: with a parser, reasoning and tool calls are taken
+        out of it (markup that may begin one is held back, and flushed by the last delta).
+        None when a delta without tokens carries nothing."""
+        reasoning, calls = "", None
+        parser = req.parser
+        if parser is not None:
+            was_reasoning = parser.in_reasoning
+            parsed = parser.feed(text)
+            if last:
+                end = parser.finish()
+                parsed = Parsed(text=parsed.text + end.text,
+                                reasoning=parsed.reasoning + end.reasoning,
+                                tool_calls=parsed.tool_calls + end.tool_calls)
+            if token_ids and (was_reasoning or parser.in_reasoning):
+                req.reasoning_tokens += len(token_ids)
+            text, reasoning, calls = parsed.text, parsed.reasoning, parsed.tool_calls or None
+        if not (token_ids or text or reasoning or calls):
+            return None
+        return TokensGenerated(request_id=req.request_id, text=text, token_ids=token_ids,
+                               logprobs=logprobs, reasoning=reasoning, tool_calls=calls)
 
     def _logprobs(self, req: Request, token: int, logprobs: mx.array) -> list[TokenLogprob]:
         k = req.sampling.top_logprobs
@@ -641,6 +678,8 @@ class Engine:
         self.requests.pop(req.request_id, None)
         self._by_uid.pop(req.uid, None)
         ttft = None if req.first_token_at is None else req.first_token_at - req.added_at
+        if reason == "stop" and req.parser is not None and req.parser.calls_made:
+            reason = "tool_calls"  # the answer ended after calling tools
         return RequestFinished(
             request_id=req.request_id,
             finish_reason=reason,
@@ -648,6 +687,7 @@ class Engine:
                 prompt_tokens=req.prompt_len,
                 completion_tokens=req.generated,
                 cached_tokens=req.cached_tokens,
+                reasoning_tokens=req.reasoning_tokens,
             ),
             error=error,
             error_status=status,

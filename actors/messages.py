@@ -69,12 +69,14 @@ class OutputSpec(msgspec.Struct, frozen=True, kw_only=True):
     module name, or one of troupe's own formats), None when no tools were offered.
     ``tools``: the request's tools as OpenAI functions (``{"type": "function", "function":
     {...}}``). ``think``: the (start, end) tags of the model's reasoning, None when it has none.
-    ``in_reasoning``: the prompt ends inside an open reasoning tag (the template opened it)."""
+    ``in_reasoning``: the prompt ends inside an open reasoning tag (the template opened it).
+    ``thinking_budget``: reasoning tokens after which the closing tag is forced."""
 
     tool_format: str | None = None
     tools: list[dict] | None = None
     think: tuple[str, str] | None = None
     in_reasoning: bool = False
+    thinking_budget: int | None = None
 
 
 class ToolCall(msgspec.Struct, frozen=True, kw_only=True, gc=False):

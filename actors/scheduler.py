@@ -361,7 +361,7 @@ class Scheduler(Actor):
             return
         try:
             req = self.engine.add(msg.request_id, msg.prompt_tokens, msg.sampling,
-                                  cached=cached)
+                                  cached=cached, output=msg.output, constraint=msg.constraint)
         except RequestError as exc:
             reply.send(_refused(msg, exc.status, str(exc)))
             reply.close()

@@ -23,11 +23,14 @@ from actors.messages import (
     Admitted,
     ListModels,
     ModelCard,
+    OutputFormat,
     RequestEvent,
     RequestFinished,
     SamplingParams,
     TokenLogprob,
     TokensGenerated,
+    ToolCall,
+    ToolChoice,
     Usage,
 )
 from api.errors import ApiError, ask_admission
@@ -48,8 +51,17 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool | None = None
 
 
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    name: str | None = None
+    description: str | None = None
+    # msgspec cannot name a field "schema" on every Python: it is renamed on the wire.
+    schema_: dict[str, Any] | None = msgspec.field(default=None, name="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(msgspec.Struct, kw_only=True):
     type: str
+    json_schema: JsonSchemaFormat | None = None
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
@@ -96,6 +108,7 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -109,6 +122,7 @@ class CompletionRequest(SamplingRequest, kw_only=True):
     echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
+    response_format: ResponseFormat | None = None
 
 
 # --- response schemas ----------------------------------------------------------------------
@@ -142,16 +156,37 @@ class PromptTokensDetails(msgspec.Struct, kw_only=True, gc=False):
     cached_tokens: int
 
 
+class CompletionTokensDetails(msgspec.Struct, kw_only=True, gc=False):
+    reasoning_tokens: int
+
+
 class UsageOut(msgspec.Struct, kw_only=True, gc=False):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails
 
 
-class AssistantMessage(msgspec.Struct, kw_only=True):
+class FunctionOut(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallOut(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A tool call: whole in a message; in a stream, first its id and name, then arguments."""
+
+    index: int | None = None
+    id: str | None = None
+    type: str | None = None
+    function: FunctionOut
+
+
+class AssistantMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str
-    content: str
+    content: str | None  # null when the answer is only tool calls (always sent)
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -178,6 +213,8 @@ class ChatCompletion(OpenAIObject, kw_only=True):
 class Delta(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True):
@@ -293,21 +330,51 @@ def _sampling(
     )
 
 
+def output_format(fmt: ResponseFormat | None) -> OutputFormat | None:
+    """``response_format`` as the neutral constraint admission compiles (None: free text)."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return OutputFormat(type="json_object")
+    if fmt.type == "json_schema":
+        spec = fmt.json_schema
+        if spec is None or not isinstance(spec.schema_, dict):
+            raise ApiError(400, "response_format of type 'json_schema' needs "
+                           "json_schema.schema, a JSON Schema object.",
+                           param="response_format.json_schema")
+        return OutputFormat(type="json_schema", schema=spec.schema_, name=spec.name)
+    raise ApiError(
+        400,
+        f"response_format of type '{fmt.type}' is not supported; use 'text', 'json_object' "
+        "or 'json_schema'.",
+        param="response_format",
+    )
+
+
+def tool_choice(choice: str | dict[str, Any] | None, parallel: bool | None) -> ToolChoice:
+    """OpenAI's ``tool_choice`` (and ``parallel_tool_calls``) in the neutral shape."""
+    parallel = parallel is not False
+    if choice is None or choice in ("auto", "none", "required"):
+        return ToolChoice(mode=choice or "auto", parallel=parallel)
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if choice.get("type") == "function" and isinstance(name, str):
+            return ToolChoice(mode="function", name=name, parallel=parallel)
+    raise ApiError(
+        400,
+        "tool_choice must be 'none', 'auto', 'required' or "
+        '{"type": "function", "function": {"name": ...}}.',
+        param="tool_choice",
+    )
+
+
 def admit_chat(req: ChatCompletionRequest, request_id: str, default_max_tokens: int) -> AdmitChat:
     """Validate what the schema cannot express and build the admission message."""
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs requires logprobs to be true.", param="top_logprobs")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise ApiError(
-            400,
-            f"response_format of type '{req.response_format.type}' is not supported; "
-            "only 'text' is.",
-            param="response_format",
-        )
-    if isinstance(req.tool_choice, str) and req.tool_choice not in ("none", "auto", "required"):
-        raise ApiError(
-            400, "tool_choice must be 'none', 'auto', 'required' or a tool.", param="tool_choice"
-        )
+    choice = tool_choice(req.tool_choice, req.parallel_tool_calls)
+    response_format = output_format(req.response_format)
     max_tokens = req.max_completion_tokens or req.max_tokens or default_max_tokens
     sampling = _sampling(
         req,
@@ -315,15 +382,15 @@ def admit_chat(req: ChatCompletionRequest, request_id: str, default_max_tokens: 
         logprobs=bool(req.logprobs),
         top_logprobs=req.top_logprobs or 0,
     )
-    # tool_choice "none" means the model must not see the tools at all.
-    tools = None if req.tool_choice == "none" else req.tools
     return AdmitChat(
         request_id=request_id,
         model=req.model,
         messages=[_template_message(m, i) for i, m in enumerate(req.messages)],
         sampling=sampling,
-        tools=tools,
+        tools=req.tools,
         chat_template_kwargs=req.chat_template_kwargs,
+        tool_choice=choice,
+        response_format=response_format,
     )
 
 
@@ -364,7 +431,11 @@ def admit_completion(
         top_logprobs=req.logprobs or 0,
     )
     return AdmitCompletion(
-        request_id=request_id, model=req.model, prompt=_prompt(req.prompt), sampling=sampling
+        request_id=request_id,
+        model=req.model,
+        prompt=_prompt(req.prompt),
+        sampling=sampling,
+        response_format=output_format(req.response_format),
     )
 
 
@@ -377,7 +448,25 @@ def _usage(usage: Usage) -> UsageOut:
         completion_tokens=usage.completion_tokens,
         total_tokens=usage.total_tokens,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens),
+        completion_tokens_details=CompletionTokensDetails(
+            reasoning_tokens=usage.reasoning_tokens
+        ),
     )
+
+
+def _whole_call(call: ToolCall) -> ToolCallOut:
+    return ToolCallOut(
+        id=call.id, type="function", function=FunctionOut(name=call.name, arguments=call.arguments)
+    )
+
+
+def _streamed_call(call: ToolCall) -> list[ToolCallOut]:
+    """OpenAI's stream of one call: its id and name first, then its arguments."""
+    return [
+        ToolCallOut(index=call.index, id=call.id, type="function",
+                    function=FunctionOut(name=call.name, arguments="")),
+        ToolCallOut(index=call.index, function=FunctionOut(arguments=call.arguments)),
+    ]
 
 
 def _chat_logprobs(items: list[TokenLogprob]) -> ChatLogprobs:
@@ -473,9 +562,16 @@ class _ChatRenderer(_OpenAIRenderer):
 
     def delta(self, event: TokensGenerated) -> list[Frame]:
         logprobs = _chat_logprobs(event.logprobs) if self.logprobs and event.logprobs else None
-        if not event.text and logprobs is None:
-            return []
-        return [(None, self._choice(Delta(content=event.text), logprobs, None))]
+        frames: list[Frame] = []
+        if event.reasoning:
+            frames.append((None, self._choice(Delta(reasoning_content=event.reasoning), None,
+                                              None)))
+        if event.text or logprobs is not None:
+            frames.append((None, self._choice(Delta(content=event.text), logprobs, None)))
+        for call in event.tool_calls or ():
+            frames.extend((None, self._choice(Delta(tool_calls=[part]), None, None))
+                          for part in _streamed_call(call))
+        return frames
 
     def finish_chunk(self, finished: RequestFinished) -> bytes:
         return self._choice(Delta(), None, finished.finish_reason)
@@ -485,10 +581,16 @@ class _ChatRenderer(_OpenAIRenderer):
 
     def whole(self, deltas: list[TokensGenerated], finished: RequestFinished) -> bytes:
         logprobs = [item for event in deltas for item in event.logprobs or ()]
+        calls = [_whole_call(call) for event in deltas for call in event.tool_calls or ()]
+        text = "".join(event.text for event in deltas)
+        reasoning = "".join(event.reasoning for event in deltas)
         choice = ChatChoice(
             index=0,
             message=AssistantMessage(
-                role="assistant", content="".join(event.text for event in deltas)
+                role="assistant",
+                content=text if text or not calls else None,
+                reasoning_content=reasoning or None,
+                tool_calls=calls or None,
             ),
             logprobs=_chat_logprobs(logprobs) if self.logprobs else None,
             finish_reason=finished.finish_reason,

@@ -17,9 +17,20 @@ import http_stack
 import openai
 import pytest
 from aiohttp.test_utils import TestClient
-from http_stack import BUSY_MODEL, DELTAS, ENDLESS, MAX_BODY, MODEL, Scripted, parse_data_sse
+from http_stack import (
+    BUSY_MODEL,
+    DELTAS,
+    ENDLESS,
+    MAX_BODY,
+    MODEL,
+    REASONING,
+    TOOL_CALLS,
+    TOOL_TEXT,
+    Scripted,
+    parse_data_sse,
+)
 
-from actors.messages import AdmitChat, AdmitCompletion
+from actors.messages import AdmitChat, AdmitCompletion, OutputFormat
 
 # --- fixtures and helpers ------------------------------------------------------------------
 
@@ -78,6 +89,7 @@ async def test_chat_completion_has_openai_shape_and_usage(client: TestClient) ->
         "completion_tokens": 4,  # the 3 deltas and the end-of-sequence token
         "total_tokens": 9,
         "prompt_tokens_details": {"cached_tokens": 2},
+        "completion_tokens_details": {"reasoning_tokens": 0},
     }
 
 
@@ -162,13 +174,43 @@ async def test_chat_unsent_fields_keep_defaults_and_null_means_unsent(
     assert (s.temperature, s.top_p, s.stop, s.seed, s.logprobs) == (1.0, 1.0, [], None, False)
 
 
-async def test_tool_choice_none_hides_the_tools(client: TestClient, scripted: Scripted) -> None:
+@pytest.mark.parametrize(
+    ("sent", "mode", "name", "parallel"),
+    [
+        ({}, "auto", None, True),
+        ({"tool_choice": "none"}, "none", None, True),
+        ({"tool_choice": "required", "parallel_tool_calls": False}, "required", None, False),
+        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "function", "f", True),
+    ],
+)
+async def test_tool_choice_reaches_admission_in_neutral_shape(
+    client: TestClient, scripted: Scripted, sent: dict, mode: str, name: str | None,
+    parallel: bool,
+) -> None:
     tools = [{"type": "function", "function": {"name": "f"}}]
-    resp = await client.post(
-        "/v1/chat/completions", json=chat_body(tools=tools, tool_choice="none")
-    )
+    resp = await client.post("/v1/chat/completions", json=chat_body(tools=tools, **sent))
     assert resp.status == 200
-    assert scripted.seen[-1].tools is None
+    seen = scripted.seen[-1]
+    assert seen.tools == tools  # admission hides them when the choice is none
+    assert (seen.tool_choice.mode, seen.tool_choice.name, seen.tool_choice.parallel) == (
+        mode, name, parallel)
+
+
+@pytest.mark.parametrize(
+    ("sent", "expected"),
+    [
+        ({"type": "text"}, None),
+        ({"type": "json_object"}, OutputFormat(type="json_object")),
+        ({"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}},
+         OutputFormat(type="json_schema", schema={"type": "object"}, name="n")),
+    ],
+)
+async def test_response_format_reaches_admission(
+    client: TestClient, scripted: Scripted, sent: dict, expected: OutputFormat | None
+) -> None:
+    resp = await client.post("/v1/chat/completions", json=chat_body(response_format=sent))
+    assert resp.status == 200
+    assert scripted.seen[-1].response_format == expected
 
 
 async def test_chat_logprobs_use_openai_shape(client: TestClient) -> None:
@@ -225,6 +267,7 @@ async def test_chat_stream_include_usage_ends_with_usage_chunk(client: TestClien
         "completion_tokens": 4,  # the 3 deltas and the end-of-sequence token
         "total_tokens": 9,
         "prompt_tokens_details": {"cached_tokens": 2},
+        "completion_tokens_details": {"reasoning_tokens": 0},
     }
 
 
@@ -402,7 +445,7 @@ BAD_REQUESTS = [
     pytest.param(CHAT, _chat(stop=["a", "b", "c", "d", "e"]), "stop", id="five-stops"),
     pytest.param(CHAT, _chat(stop=[""]), "stop", id="empty-stop"),
     pytest.param(
-        CHAT, _chat(response_format={"type": "json_object"}), "response_format", id="json-mode"
+        CHAT, _chat(response_format={"type": "yaml"}), "response_format", id="unknown-format"
     ),
     pytest.param(CHAT, _chat(tool_choice="always"), "tool_choice", id="bad-tool-choice"),
     pytest.param(
@@ -644,3 +687,54 @@ async def test_openai_client_sees_unknown_model_as_not_found(
             model="no-such-model", messages=[{"role": "user", "content": "hello"}]
         )
     assert caught.value.code == "model_not_found"
+
+
+async def test_openai_client_tool_calls_whole(openai_client: openai.AsyncOpenAI) -> None:
+    completion = await openai_client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "tool-call"}])
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == TOOL_TEXT
+    calls = [(c.id, c.type, c.function.name, c.function.arguments)
+             for c in choice.message.tool_calls]
+    assert calls == [(c.id, "function", c.name, c.arguments) for c in TOOL_CALLS]
+
+
+async def test_openai_client_tool_calls_streamed_id_name_then_arguments(
+    openai_client: openai.AsyncOpenAI,
+) -> None:
+    stream = await openai_client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "tool-call"}], stream=True)
+    text, calls, finish = "", {}, None
+    async for chunk in stream:
+        delta = chunk.choices[0].delta
+        text += delta.content or ""
+        for part in delta.tool_calls or ():
+            if part.index not in calls:  # the first fragment of a call names it
+                assert part.id and part.function.name and part.type == "function"
+                calls[part.index] = [part.id, part.function.name, ""]
+            calls[part.index][2] += part.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert text == TOOL_TEXT and finish == "tool_calls"
+    assert [tuple(calls[i]) for i in sorted(calls)] == [
+        (c.id, c.name, c.arguments) for c in TOOL_CALLS]
+
+
+async def test_openai_client_reasoning_content_and_tokens(
+    openai_client: openai.AsyncOpenAI,
+) -> None:
+    messages = [{"role": "user", "content": "reasoning"}]
+    completion = await openai_client.chat.completions.create(model=MODEL, messages=messages)
+    message = completion.choices[0].message
+    assert message.content == "Hello world"
+    assert message.model_extra["reasoning_content"] == "".join(REASONING)
+    assert completion.usage.completion_tokens_details.reasoning_tokens == len(REASONING)
+    stream = await openai_client.chat.completions.create(
+        model=MODEL, messages=messages, stream=True, stream_options={"include_usage": True})
+    reasoning, text = "", ""
+    async for chunk in stream:
+        if chunk.choices:
+            delta = chunk.choices[0].delta
+            reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
+            text += delta.content or ""
+    assert (reasoning, text) == ("".join(REASONING), "Hello world")
