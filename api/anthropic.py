@@ -3,11 +3,15 @@
 A Messages request becomes the same admission message as an OpenAI chat request (system
 prompt first, text blocks joined by newlines, ``tool_use``/``tool_result`` blocks as OpenAI
 tool calls and tool messages, tools as OpenAI functions), so one conversation gets the same
-prompt tokens through either API. Answers and streams follow Anthropic's shapes exactly.
+prompt tokens through either API. ``tool_choice``, ``thinking`` and a JSON output format map
+onto the neutral ``ToolChoice``, thinking budget and ``OutputFormat`` of ``AdmitChat``.
+Answers and streams follow Anthropic's shapes exactly: thinking, text and ``tool_use``
+content blocks, each streamed as its own block once its first content arrives.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -19,11 +23,14 @@ from actors.messages import (
     AdmitChat,
     Admitted,
     CountTokens,
+    OutputFormat,
     RequestEvent,
     RequestFinished,
     RequestStarted,
     SamplingParams,
     TokensGenerated,
+    ToolCall,
+    ToolChoice,
 )
 from api.decode import decode_body
 from api.errors import ApiError, ask_admission
@@ -33,6 +40,8 @@ from api.shutdown import generation
 from api.sse import Frame
 from api.telemetry import RECORD
 from runtime import ActorRef
+
+log = logging.getLogger(__name__)
 
 # --- request schemas -----------------------------------------------------------------------
 
@@ -59,15 +68,39 @@ class InputMessage(msgspec.Struct, kw_only=True):
 class Tool(msgspec.Struct, kw_only=True):
     name: str
     description: str | None = None
+    # Required for client tools; checked by hand so a server tool gets its own refusal.
     input_schema: dict[str, Any] | None = None
     # Absent or "custom" for client tools; Anthropic's server tools name a versioned type.
     type: str | None = None
 
 
-class ToolChoice(msgspec.Struct, kw_only=True):
+class ToolChoiceParam(msgspec.Struct, kw_only=True):
+    """The request's ``tool_choice``."""
+
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
+
+
+class ThinkingParam(msgspec.Struct, kw_only=True):
+    """The request's ``thinking``: ``enabled`` (with a budget), ``adaptive`` or ``disabled``."""
+
+    type: Literal["enabled", "disabled", "adaptive"]
+    # Anthropic asks for at least 1024; a local model may well think usefully in fewer.
+    budget_tokens: Annotated[int, Meta(ge=1)] | None = None
+
+
+class JsonOutputFormat(msgspec.Struct, kw_only=True):
+    """A structured-output format: the answer's text is JSON valid against ``schema``."""
+
+    type: Literal["json_schema"]
+    schema: dict[str, Any]
+
+
+class OutputConfig(msgspec.Struct, kw_only=True):
+    """The request's ``output_config`` (``effort`` and the like are ignored)."""
+
+    format: JsonOutputFormat | None = None
 
 
 class CountTokensRequest(msgspec.Struct, kw_only=True):
@@ -77,7 +110,7 @@ class CountTokensRequest(msgspec.Struct, kw_only=True):
     messages: Annotated[list[InputMessage], Meta(min_length=1)]
     system: str | list[ContentBlock] | None = None
     tools: list[Tool] | None = None
-    tool_choice: ToolChoice | None = None
+    tool_choice: ToolChoiceParam | None = None
 
 
 class MessagesRequest(CountTokensRequest, kw_only=True):
@@ -89,16 +122,50 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Meta(ge=0)] | None = None
     stream: bool | None = None
+    thinking: ThinkingParam | None = None
+    # Structured outputs: ``output_config.format`` today, top-level ``output_format`` in beta.
+    output_config: OutputConfig | None = None
+    output_format: JsonOutputFormat | None = None
 
 
 # --- response schemas ----------------------------------------------------------------------
+# Blocks and deltas are tagged structs: msgspec writes their ``type`` first, as Anthropic does.
 
 
-class TextBlock(msgspec.Struct, kw_only=True):
-    """A text content block (``type`` "text"), or a text delta (``type`` "text_delta")."""
-
-    type: str
+class TextBlock(msgspec.Struct, kw_only=True, tag="text"):
     text: str
+
+
+class ThinkingBlock(msgspec.Struct, kw_only=True, tag="thinking"):
+    thinking: str
+    # Anthropic signs its thinking so it can be verified when sent back; nothing to sign here.
+    signature: str = ""
+
+
+class ToolUseBlock(msgspec.Struct, kw_only=True, tag="tool_use"):
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class TextDelta(msgspec.Struct, kw_only=True, tag="text_delta"):
+    text: str
+
+
+class ThinkingDelta(msgspec.Struct, kw_only=True, tag="thinking_delta"):
+    thinking: str
+
+
+class SignatureDelta(msgspec.Struct, kw_only=True, tag="signature_delta"):
+    signature: str
+
+
+class InputJsonDelta(msgspec.Struct, kw_only=True, tag="input_json_delta"):
+    partial_json: str
+
+
+OutputBlock = TextBlock | ThinkingBlock | ToolUseBlock
+BlockDelta = TextDelta | ThinkingDelta | SignatureDelta | InputJsonDelta
 
 
 class MessageUsage(msgspec.Struct, kw_only=True):
@@ -113,7 +180,7 @@ class Message(msgspec.Struct, kw_only=True):
     type: str
     role: str
     model: str
-    content: list[TextBlock]
+    content: list[OutputBlock]
     stop_reason: str | None
     stop_sequence: str | None
     usage: MessageUsage
@@ -132,11 +199,11 @@ class ContentBlockEvent(msgspec.Struct, kw_only=True):
 
 
 class ContentBlockStart(ContentBlockEvent, kw_only=True):
-    content_block: TextBlock
+    content_block: OutputBlock
 
 
 class ContentBlockDelta(ContentBlockEvent, kw_only=True):
-    delta: TextBlock
+    delta: BlockDelta
 
 
 class StopDelta(msgspec.Struct, kw_only=True):
@@ -169,6 +236,25 @@ class TokenCount(msgspec.Struct, kw_only=True):
 _messages_decoder = msgspec.json.Decoder(MessagesRequest)
 _count_decoder = msgspec.json.Decoder(CountTokensRequest)
 _encoder = msgspec.json.Encoder()
+
+# Tool call ids: the engine names calls "call_..." (OpenAI's way), Anthropic "toolu_...".
+_CALL_PREFIX, _TOOLU_PREFIX = "call_", "toolu_"
+
+
+def anthropic_tool_id(call_id: str) -> str:
+    """The ``tool_use`` id of an engine's tool call: ``call_x`` becomes ``toolu_x``."""
+    return _TOOLU_PREFIX + call_id.removeprefix(_CALL_PREFIX)
+
+
+def template_tool_id(tool_use_id: str) -> str:
+    """The chat template's id of a ``tool_use`` id: ``toolu_x`` maps back to ``call_x``.
+
+    The way back keeps the prompt of an agent loop the same as through OpenAI's route, where
+    the client echoes the engine's own ids. Other ids (a client's own) pass as they are.
+    """
+    if tool_use_id.startswith(_TOOLU_PREFIX):
+        return _CALL_PREFIX + tool_use_id.removeprefix(_TOOLU_PREFIX)
+    return tool_use_id
 
 
 def _texts(blocks: list[ContentBlock], param: str) -> str:
@@ -216,7 +302,7 @@ def _template_messages(message: InputMessage, index: int) -> list[dict[str, Any]
             if block.id is None or block.name is None:
                 raise ApiError(400, "A tool_use block needs 'id' and 'name'.", param=where)
             tool_calls.append({
-                "id": block.id,
+                "id": template_tool_id(block.id),
                 "type": "function",
                 "function": {"name": block.name, "arguments": block.input or {}},
             })
@@ -226,7 +312,11 @@ def _template_messages(message: InputMessage, index: int) -> list[dict[str, Any]
             content = block.content or ""
             if not isinstance(content, str):
                 content = _texts(content, f"{where}.content")
-            out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": content})
+            out.append({
+                "role": "tool",
+                "tool_call_id": template_tool_id(block.tool_use_id),
+                "content": content,
+            })
         elif block.type in _DROPPED and message.role == "assistant":
             continue
         else:
@@ -239,19 +329,22 @@ def _template_messages(message: InputMessage, index: int) -> list[dict[str, Any]
     return out
 
 
-def _chat(req: CountTokensRequest) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """The conversation and tools as chat templates read them (OpenAI's conventions)."""
+def _chat(
+    req: CountTokensRequest,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, ToolChoice]:
+    """The conversation and tools as chat templates read them (OpenAI's conventions), and
+    the request's tool choice."""
     messages: list[dict[str, Any]] = []
     if req.system:
         system = req.system if isinstance(req.system, str) else _texts(req.system, "system")
         messages.append({"role": "system", "content": system})
     for i, message in enumerate(req.messages):
         messages.extend(_template_messages(message, i))
-    tools = None
+    functions = [_function(tool, i) for i, tool in enumerate(req.tools or [])]
+    choice = _tool_choice(req.tool_choice, [tool.name for tool in req.tools or []])
     # tool_choice "none" means the model must not see the tools at all.
-    if req.tools and not (req.tool_choice and req.tool_choice.type == "none"):
-        tools = [_function(tool, i) for i, tool in enumerate(req.tools)]
-    return messages, tools
+    tools = functions if functions and choice.mode != "none" else None
+    return messages, tools, choice
 
 
 def _function(tool: Tool, index: int) -> dict[str, Any]:
@@ -260,11 +353,73 @@ def _function(tool: Tool, index: int) -> dict[str, Any]:
             400, f"Server tools ('{tool.type}') are not supported; define the tool's "
             "input_schema instead.", param=f"tools[{index}].type",
         )
+    if tool.input_schema is None:
+        raise ApiError(
+            400, f"Tool '{tool.name}' needs an 'input_schema' (a JSON schema of its input).",
+            param=f"tools[{index}].input_schema",
+        )
     function: dict[str, Any] = {"name": tool.name}
     if tool.description is not None:
         function["description"] = tool.description
-    function["parameters"] = tool.input_schema or {"type": "object", "properties": {}}
+    function["parameters"] = tool.input_schema
     return {"type": "function", "function": function}
+
+
+def _tool_choice(choice: ToolChoiceParam | None, names: list[str]) -> ToolChoice:
+    """Anthropic's ``tool_choice`` as the neutral one: any -> required, tool -> function."""
+    if len(set(names)) != len(names):
+        raise ApiError(400, "Tool names must be unique.", param="tools")
+    if choice is None:
+        return ToolChoice()
+    parallel = not choice.disable_parallel_tool_use
+    if choice.type == "none":
+        return ToolChoice(mode="none", parallel=parallel)
+    if choice.type == "auto":
+        return ToolChoice(mode="auto", parallel=parallel)
+    if not names:
+        raise ApiError(
+            400, f"tool_choice '{choice.type}' needs tools to choose from.", param="tool_choice"
+        )
+    if choice.type == "any":
+        return ToolChoice(mode="required", parallel=parallel)
+    if choice.name is None:
+        raise ApiError(400, "tool_choice 'tool' needs a 'name'.", param="tool_choice.name")
+    if choice.name not in names:
+        raise ApiError(
+            400, f"tool_choice names the tool '{choice.name}', which is not in 'tools'.",
+            param="tool_choice.name",
+        )
+    return ToolChoice(mode="function", name=choice.name, parallel=parallel)
+
+
+def _thinking(req: MessagesRequest) -> tuple[dict[str, Any] | None, int | None]:
+    """The chat template's ``enable_thinking`` and the thinking budget (None: not sent)."""
+    thinking = req.thinking
+    if thinking is None:
+        return None, None  # the template's own default
+    if thinking.type == "disabled":
+        return {"enable_thinking": False}, None
+    if thinking.type == "adaptive":
+        return {"enable_thinking": True}, None
+    budget = thinking.budget_tokens
+    if budget is None:
+        raise ApiError(
+            400, "thinking 'enabled' needs 'budget_tokens'.", param="thinking.budget_tokens"
+        )
+    if budget >= req.max_tokens:
+        raise ApiError(
+            400, f"thinking.budget_tokens ({budget}) must be less than max_tokens "
+            f"({req.max_tokens}).", param="thinking.budget_tokens",
+        )
+    return {"enable_thinking": True}, budget
+
+
+def _output_format(req: MessagesRequest) -> OutputFormat | None:
+    fmt = req.output_config.format if req.output_config else None
+    fmt = fmt or req.output_format
+    if fmt is None:
+        return None
+    return OutputFormat(type="json_schema", schema=fmt.schema)
 
 
 def admit_message(req: MessagesRequest, request_id: str) -> AdmitChat:
@@ -272,7 +427,8 @@ def admit_message(req: MessagesRequest, request_id: str) -> AdmitChat:
     stops = list(req.stop_sequences or [])
     if any(s == "" for s in stops):
         raise ApiError(400, "Stop sequences must not be empty.", param="stop_sequences")
-    messages, tools = _chat(req)
+    messages, tools, choice = _chat(req)
+    template_kwargs, budget = _thinking(req)
     sent = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k}
     sampling = SamplingParams(
         max_tokens=req.max_tokens,
@@ -280,7 +436,15 @@ def admit_message(req: MessagesRequest, request_id: str) -> AdmitChat:
         **{name: value for name, value in sent.items() if value is not None},
     )
     return AdmitChat(
-        request_id=request_id, model=req.model, messages=messages, sampling=sampling, tools=tools
+        request_id=request_id,
+        model=req.model,
+        messages=messages,
+        sampling=sampling,
+        tools=tools,
+        chat_template_kwargs=template_kwargs,
+        tool_choice=choice,
+        response_format=_output_format(req),
+        thinking_budget=budget,
     )
 
 
@@ -292,12 +456,15 @@ def stop_details(
 ) -> tuple[str, str | None]:
     """Anthropic's ``stop_reason`` and ``stop_sequence`` for a request that ended normally.
 
-    ``delivered_tokens`` counts the token ids the deltas carried. When the scheduler names
-    the stop sequence it matched (``RequestFinished.stop_sequence``), that is the answer.
-    Otherwise: an end-of-sequence token is counted in the usage but carried by no delta,
-    while a stop string is matched on a token that is delivered, so a "stop" whose every
-    token was delivered ended on a stop sequence (named when only one was asked for).
+    An answer that ended by calling tools stopped for ``tool_use``. ``delivered_tokens``
+    counts the token ids the deltas carried. When the scheduler names the stop sequence it
+    matched (``RequestFinished.stop_sequence``), that is the answer. Otherwise: an
+    end-of-sequence token is counted in the usage but carried by no delta, while a stop
+    string is matched on a token that is delivered, so a "stop" whose every token was
+    delivered ended on a stop sequence (named when only one was asked for).
     """
+    if finished.finish_reason == "tool_calls":
+        return "tool_use", None
     if finished.finish_reason == "length":
         return "max_tokens", None
     if "stop_sequence" in finished.__struct_fields__:
@@ -308,13 +475,34 @@ def stop_details(
     return "end_turn", None
 
 
-class _MessagesRenderer(Renderer):
+def tool_use_block(call: ToolCall) -> tuple[ToolUseBlock, str]:
+    """A tool call as a ``tool_use`` block, and its input as the JSON text to stream."""
+    try:
+        value = msgspec.json.decode(call.arguments or "{}")
+    except msgspec.DecodeError:
+        value = None
+    if isinstance(value, dict):
+        arguments = call.arguments or "{}"
+    else:
+        # Anthropic's input is always an object; the engine's parser should only make those.
+        log.warning("tool call %s has arguments that are not a JSON object", call.id)
+        value, arguments = {}, "{}"
+    block = ToolUseBlock(id=anthropic_tool_id(call.id), name=call.name, input=value)
+    return block, arguments
+
+
+class MessagesRenderer(Renderer):
+    """One request's events as Anthropic's message, or as its stream of block events."""
+
     def __init__(self, req: MessagesRequest, msg: AdmitChat, admitted: Admitted) -> None:
         self.message_id = msg.request_id
         self.model = admitted.model
         self.prompt_tokens = admitted.prompt_tokens
         self.stops = msg.sampling.stop
         self.delivered = 0
+        # The streamed block now open ("thinking", "text", or None) and the last index used.
+        self.open_kind: str | None = None
+        self.index = -1
 
     def _usage(self, prompt_tokens: int, cached: int, output_tokens: int) -> MessageUsage:
         # Anthropic counts cache reads apart: input_tokens are the ones not read from cache.
@@ -326,18 +514,42 @@ class _MessagesRenderer(Renderer):
         )
 
     def _message(
-        self, text: str | None, usage: MessageUsage, stop: tuple[str | None, str | None]
+        self, content: list[OutputBlock], usage: MessageUsage, stop: tuple[str | None, str | None]
     ) -> Message:
         return Message(
             id=self.message_id,
             type="message",
             role="assistant",
             model=self.model,
-            content=[] if text is None else [TextBlock(type="text", text=text)],
+            content=content,
             stop_reason=stop[0],
             stop_sequence=stop[1],
             usage=usage,
         )
+
+    # --- streaming: a block opens when its first content arrives, closes when another opens
+
+    def _open(self, kind: str, block: OutputBlock) -> list[Frame]:
+        frames = self._close()
+        self.index += 1
+        self.open_kind = kind
+        start = ContentBlockStart(type="content_block_start", index=self.index, content_block=block)
+        return [*frames, ("content_block_start", _encoder.encode(start))]
+
+    def _close(self) -> list[Frame]:
+        if self.open_kind is None:
+            return []
+        frames = []
+        if self.open_kind == "thinking":
+            frames.append(self._delta(SignatureDelta(signature="")))
+        self.open_kind = None
+        stop = ContentBlockEvent(type="content_block_stop", index=self.index)
+        frames.append(("content_block_stop", _encoder.encode(stop)))
+        return frames
+
+    def _delta(self, delta: BlockDelta) -> Frame:
+        event = ContentBlockDelta(type="content_block_delta", index=self.index, delta=delta)
+        return ("content_block_delta", _encoder.encode(event))
 
     def opening(self, first: RequestEvent) -> list[Frame]:
         prompt, cached = self.prompt_tokens, 0
@@ -345,36 +557,44 @@ class _MessagesRenderer(Renderer):
             prompt, cached = first.prompt_tokens, first.cached_tokens
         start = MessageStart(
             type="message_start",
-            message=self._message(None, self._usage(prompt, cached, 0), (None, None)),
-        )
-        block = ContentBlockStart(
-            type="content_block_start", index=0, content_block=TextBlock(type="text", text="")
+            message=self._message([], self._usage(prompt, cached, 0), (None, None)),
         )
         return [
             ("message_start", _encoder.encode(start)),
-            ("content_block_start", _encoder.encode(block)),
             ("ping", _encoder.encode(Bare(type="ping"))),
         ]
 
     def delta(self, event: TokensGenerated) -> list[Frame]:
         self.delivered += len(event.token_ids)
-        if not event.text:
-            return []
-        delta = ContentBlockDelta(
-            type="content_block_delta", index=0, delta=TextBlock(type="text_delta", text=event.text)
-        )
-        return [("content_block_delta", _encoder.encode(delta))]
+        frames: list[Frame] = []
+        if event.reasoning:
+            if self.open_kind != "thinking":
+                frames += self._open("thinking", ThinkingBlock(thinking=""))
+            frames.append(self._delta(ThinkingDelta(thinking=event.reasoning)))
+        if event.text:
+            if self.open_kind != "text":
+                frames += self._open("text", TextBlock(text=""))
+            frames.append(self._delta(TextDelta(text=event.text)))
+        for call in event.tool_calls or []:
+            block, arguments = tool_use_block(call)
+            # Anthropic starts a tool_use block with an empty input and streams it as JSON.
+            frames += self._open("tool_use", ToolUseBlock(id=block.id, name=block.name, input={}))
+            frames.append(self._delta(InputJsonDelta(partial_json=arguments)))
+            frames += self._close()
+        return frames
 
     def closing(self, finished: RequestFinished) -> list[Frame]:
+        frames = self._close()
+        if self.index < 0:  # an empty answer is one empty text block, as Anthropic sends it
+            frames += self._open("text", TextBlock(text="")) + self._close()
         reason, sequence = stop_details(finished, self.stops, self.delivered)
         delta = MessageDelta(
             type="message_delta",
             delta=StopDelta(stop_reason=reason, stop_sequence=sequence),
             usage=OutputUsage(output_tokens=finished.usage.completion_tokens),
         )
-        stop = ContentBlockEvent(type="content_block_stop", index=0)
         return [
-            ("content_block_stop", _encoder.encode(stop)),
+            *frames,
             ("message_delta", _encoder.encode(delta)),
             ("message_stop", _encoder.encode(Bare(type="message_stop"))),
         ]
@@ -384,9 +604,18 @@ class _MessagesRenderer(Renderer):
 
     def whole(self, deltas: list[TokensGenerated], finished: RequestFinished) -> bytes:
         delivered = sum(len(event.token_ids) for event in deltas)
+        reasoning = "".join(event.reasoning for event in deltas)
+        text = "".join(event.text for event in deltas)
+        calls = [call for event in deltas for call in event.tool_calls or []]
+        content: list[OutputBlock] = []
+        if reasoning:
+            content.append(ThinkingBlock(thinking=reasoning))
+        if text or not (reasoning or calls):
+            content.append(TextBlock(text=text))
+        content.extend(tool_use_block(call)[0] for call in calls)
         usage = finished.usage
         message = self._message(
-            "".join(event.text for event in deltas),
+            content,
             self._usage(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens),
             stop_details(finished, self.stops, delivered),
         )
@@ -412,14 +641,14 @@ class AnthropicRoutes:
     async def messages(self, request: web.Request) -> web.StreamResponse:
         """``POST /v1/messages``."""
         return await generate(
-            request, self.admission, _messages_decoder, "msg_", admit_message, _MessagesRenderer
+            request, self.admission, _messages_decoder, "msg_", admit_message, MessagesRenderer
         )
 
     async def count_tokens(self, request: web.Request) -> web.Response:
         """``POST /v1/messages/count_tokens``: the prompt's size, without generating."""
         req = decode_body(await request.read(), _count_decoder)
         request[RECORD].model = req.model
-        messages, tools = _chat(req)
+        messages, tools, _ = _chat(req)
         count: int = await ask_admission(
             self.admission, CountTokens(model=req.model, messages=messages, tools=tools)
         )

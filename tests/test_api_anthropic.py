@@ -17,14 +17,29 @@ from http_stack import (
     BUSY_MODEL,
     DELTAS,
     MODEL,
+    REASONING,
     STOP,
+    TOOL_CALLS,
+    TOOL_TEXT,
     Scripted,
     parse_named_sse,
     real_stack,
 )
 from mlx_lm.utils import load_tokenizer
 
-from actors.messages import AdmitChat, CountTokens
+from actors.messages import (
+    AdmitChat,
+    Admitted,
+    CountTokens,
+    OutputFormat,
+    RequestFinished,
+    SamplingParams,
+    TokensGenerated,
+    ToolCall,
+    ToolChoice,
+    Usage,
+)
+from api.anthropic import MessagesRenderer, MessagesRequest
 
 MESSAGES = "/v1/messages"
 COUNT = "/v1/messages/count_tokens"
@@ -32,6 +47,17 @@ COUNT = "/v1/messages/count_tokens"
 
 # The scripted stack's fixtures, bound here by name so that pytest finds them.
 scripted, client = http_stack.scripted, http_stack.client
+
+
+WEATHER = {"name": "get_weather", "description": "Weather in a city",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
+CLOCK = {"name": "get_time", "input_schema": {"type": "object",
+                                              "properties": {"zone": {"type": "string"}}}}
+# What the "tool-call" script's two calls are as Anthropic tool_use blocks.
+TOOL_USES = [
+    {"type": "tool_use", "id": "toolu_0", "name": "get_weather", "input": {"city": "Paris"}},
+    {"type": "tool_use", "id": "toolu_1", "name": "get_time", "input": {"zone": "CET"}},
+]
 
 
 def body(content: Any = "hello", **fields: Any) -> dict[str, Any]:
@@ -160,7 +186,8 @@ async def test_stream_sends_anthropic_events_in_order(client: TestClient) -> Non
     assert resp.headers["Content-Type"] == "text/event-stream"
     events = parse_named_sse(await resp.text())
     names = [name for name, _ in events]
-    assert names == ["message_start", "content_block_start", "ping",
+    # The text block opens with its first text, so after the ping (no block is open early).
+    assert names == ["message_start", "ping", "content_block_start",
                      *["content_block_delta"] * len(DELTAS),
                      "content_block_stop", "message_delta", "message_stop"]
     start = events[0][1]["message"]
@@ -168,7 +195,7 @@ async def test_stream_sends_anthropic_events_in_order(client: TestClient) -> Non
     assert (start["role"], start["content"], start["stop_reason"]) == ("assistant", [], None)
     assert start["usage"] == {"input_tokens": 3, "output_tokens": 0,
                               "cache_read_input_tokens": 2, "cache_creation_input_tokens": 0}
-    assert events[1][1] == {"type": "content_block_start", "index": 0,
+    assert events[2][1] == {"type": "content_block_start", "index": 0,
                             "content_block": {"type": "text", "text": ""}}
     assert [data for name, data in events if name == "content_block_delta"] == [
         {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": d}}
@@ -225,6 +252,21 @@ BAD = [
     pytest.param(body(stop_sequences=[""]), id="empty-stop-sequence"),
     pytest.param(body(tools=[{"name": "web", "type": "web_search_20250305"}]), id="server-tool"),
     pytest.param(body(system=[{"type": "image"}]), id="image-in-system"),
+    pytest.param(body(tools=[WEATHER], tool_choice={"type": "tool", "name": "nope"}),
+                 id="tool-choice-unknown-tool"),
+    pytest.param(body(tools=[WEATHER], tool_choice={"type": "tool"}),
+                 id="tool-choice-without-name"),
+    pytest.param(body(tool_choice={"type": "any"}), id="tool-choice-any-without-tools"),
+    pytest.param(body(tool_choice={"type": "maybe"}), id="tool-choice-unknown-type"),
+    pytest.param(body(tools=WEATHER), id="tools-not-a-list"),
+    pytest.param(body(tools=[{"name": "f"}]), id="tool-without-input-schema"),
+    pytest.param(body(tools=[WEATHER, WEATHER]), id="duplicate-tool-names"),
+    pytest.param(body(thinking={"type": "enabled", "budget_tokens": 16}),
+                 id="budget-equal-to-max-tokens"),
+    pytest.param(body(thinking={"type": "enabled", "budget_tokens": 0}), id="budget-zero"),
+    pytest.param(body(thinking={"type": "enabled"}), id="enabled-without-budget"),
+    pytest.param(body(thinking={"type": "sometimes"}), id="thinking-unknown-type"),
+    pytest.param(body(output_format={"type": "json_schema"}), id="output-format-no-schema"),
 ]
 
 
@@ -301,6 +343,240 @@ async def test_missing_api_key_on_messages_is_authentication_error(
     assert resp.status == 200
 
 
+async def test_bad_requests_leave_the_server_serving(client: TestClient) -> None:
+    for payload in (body(tools={"name": "f"}),
+                    body(tools=[WEATHER], tool_choice={"type": "tool", "name": "nope"}),
+                    body(max_tokens=8, thinking={"type": "enabled", "budget_tokens": 9})):
+        resp = await client.post(MESSAGES, json=payload)
+        assert resp.status == 400
+        assert_anthropic_error(await resp.json(), "invalid_request_error")
+    resp = await client.post(MESSAGES, json=body())
+    assert resp.status == 200
+    assert (await resp.json())["content"] == [{"type": "text", "text": "Hello world"}]
+
+
+# --- tools and thinking --------------------------------------------------------------------
+
+
+async def test_tool_calls_are_tool_use_blocks_after_the_text(client: TestClient) -> None:
+    resp = await client.post(MESSAGES, json=body("tool-call", tools=[WEATHER, CLOCK]))
+    assert resp.status == 200
+    data = await resp.json()
+    assert data["content"] == [{"type": "text", "text": TOOL_TEXT}, *TOOL_USES]
+    assert (data["stop_reason"], data["stop_sequence"]) == ("tool_use", None)
+    assert data["usage"]["output_tokens"] == 6
+
+
+async def test_streamed_tool_calls_are_blocks_with_input_json_deltas(client: TestClient) -> None:
+    resp = await client.post(MESSAGES, json=body("tool-call", tools=[WEATHER, CLOCK],
+                                                 stream=True))
+    assert resp.status == 200
+    events = parse_named_sse(await resp.text())
+    assert [data for _, data in events[2:]] == [
+        {"type": "content_block_start", "index": 0,
+         "content_block": {"type": "text", "text": ""}},
+        {"type": "content_block_delta", "index": 0,
+         "delta": {"type": "text_delta", "text": TOOL_TEXT}},
+        {"type": "content_block_stop", "index": 0},
+        *[event for i, (use, call) in enumerate(zip(TOOL_USES, TOOL_CALLS, strict=True), 1)
+          for event in (
+              {"type": "content_block_start", "index": i,
+               "content_block": {**use, "input": {}}},
+              {"type": "content_block_delta", "index": i,
+               "delta": {"type": "input_json_delta", "partial_json": call.arguments}},
+              {"type": "content_block_stop", "index": i},
+          )],
+        {"type": "message_delta", "delta": {"stop_reason": "tool_use", "stop_sequence": None},
+         "usage": {"output_tokens": 6}},
+        {"type": "message_stop"},
+    ]
+
+
+async def test_reasoning_is_a_thinking_block_before_the_text(client: TestClient) -> None:
+    resp = await client.post(MESSAGES, json=body("reasoning"))
+    assert resp.status == 200
+    data = await resp.json()
+    assert data["content"] == [
+        {"type": "thinking", "thinking": "".join(REASONING), "signature": ""},
+        {"type": "text", "text": "".join(DELTAS)},
+    ]
+    assert data["stop_reason"] == "end_turn"
+    # Anthropic counts thinking in output_tokens: reasoning, text and the end token.
+    assert data["usage"]["output_tokens"] == len(REASONING) + len(DELTAS) + 1
+
+
+async def test_streamed_reasoning_is_a_thinking_block_then_a_text_block(
+    client: TestClient,
+) -> None:
+    resp = await client.post(MESSAGES, json=body("reasoning", stream=True))
+    assert resp.status == 200
+    events = parse_named_sse(await resp.text())
+    assert [data for _, data in events[2:-2]] == [
+        {"type": "content_block_start", "index": 0,
+         "content_block": {"type": "thinking", "thinking": "", "signature": ""}},
+        *[{"type": "content_block_delta", "index": 0,
+           "delta": {"type": "thinking_delta", "thinking": thought}} for thought in REASONING],
+        {"type": "content_block_delta", "index": 0,
+         "delta": {"type": "signature_delta", "signature": ""}},
+        {"type": "content_block_stop", "index": 0},
+        {"type": "content_block_start", "index": 1,
+         "content_block": {"type": "text", "text": ""}},
+        *[{"type": "content_block_delta", "index": 1,
+           "delta": {"type": "text_delta", "text": text}} for text in DELTAS],
+        {"type": "content_block_stop", "index": 1},
+    ]
+    assert events[-2][1]["delta"]["stop_reason"] == "end_turn"
+
+
+def _renderer() -> MessagesRenderer:
+    req = MessagesRequest(model=MODEL, max_tokens=8, messages=[])
+    msg = AdmitChat(request_id="msg_1", model=MODEL, messages=[],
+                    sampling=SamplingParams(max_tokens=8))
+    return MessagesRenderer(req, msg, Admitted(request_id="msg_1", model=MODEL, prompt_tokens=5))
+
+
+def _frames(renderer: MessagesRenderer, deltas: list[TokensGenerated],
+            finished: RequestFinished) -> list[dict[str, Any]]:
+    frames = [*renderer.opening(finished)]
+    for delta in deltas:
+        frames += renderer.delta(delta)
+    frames += renderer.closing(finished)
+    return [json.loads(data) for _, data in frames]
+
+
+def test_tool_only_answer_has_no_text_block_and_an_empty_answer_has_one() -> None:
+    call = ToolCall(index=0, id="call_abc", name="get_weather", arguments="")
+    tool_only = [TokensGenerated(request_id="msg_1", text="", token_ids=[1], tool_calls=[call])]
+    finished = RequestFinished(request_id="msg_1", finish_reason="tool_calls",
+                               usage=Usage(prompt_tokens=5, completion_tokens=2))
+    use = {"type": "tool_use", "id": "toolu_abc", "name": "get_weather", "input": {}}
+    whole = json.loads(_renderer().whole(tool_only, finished))
+    assert (whole["content"], whole["stop_reason"]) == ([use], "tool_use")
+    blocks = [e for e in _frames(_renderer(), tool_only, finished)
+              if e["type"] == "content_block_start"]
+    assert blocks == [{"type": "content_block_start", "index": 0, "content_block": use}]
+
+    empty = RequestFinished(request_id="msg_1", finish_reason="stop",
+                            usage=Usage(prompt_tokens=5, completion_tokens=1))
+    whole = json.loads(_renderer().whole([], empty))
+    assert whole["content"] == [{"type": "text", "text": ""}]
+    assert [e["type"] for e in _frames(_renderer(), [], empty)] == [
+        "message_start", "ping", "content_block_start", "content_block_stop",
+        "message_delta", "message_stop"]
+
+
+def test_tool_call_arguments_that_are_not_an_object_become_an_empty_input() -> None:
+    call = ToolCall(index=0, id="call_x", name="f", arguments="[1, 2")
+    deltas = [TokensGenerated(request_id="msg_1", text="", token_ids=[1], tool_calls=[call])]
+    finished = RequestFinished(request_id="msg_1", finish_reason="tool_calls",
+                               usage=Usage(prompt_tokens=5, completion_tokens=1))
+    assert json.loads(_renderer().whole(deltas, finished))["content"][0]["input"] == {}
+    partial = [e["delta"]["partial_json"] for e in _frames(_renderer(), deltas, finished)
+               if e["type"] == "content_block_delta"]
+    assert partial == ["{}"]  # valid JSON, so the client's accumulator can parse it
+
+
+@pytest.mark.parametrize(
+    ("choice", "expected"),
+    [
+        (None, ToolChoice()),
+        ({"type": "auto"}, ToolChoice(mode="auto")),
+        ({"type": "any"}, ToolChoice(mode="required")),
+        ({"type": "tool", "name": "get_time"}, ToolChoice(mode="function", name="get_time")),
+        ({"type": "none"}, ToolChoice(mode="none")),
+        ({"type": "auto", "disable_parallel_tool_use": True},
+         ToolChoice(mode="auto", parallel=False)),
+        ({"type": "any", "disable_parallel_tool_use": False}, ToolChoice(mode="required")),
+        ({"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
+         ToolChoice(mode="function", name="get_weather", parallel=False)),
+    ],
+)
+async def test_tool_choice_becomes_the_neutral_tool_choice(
+    client: TestClient, scripted: Scripted, choice: dict[str, Any] | None, expected: ToolChoice
+) -> None:
+    fields: dict[str, Any] = {"tools": [WEATHER, CLOCK]}
+    if choice is not None:
+        fields["tool_choice"] = choice
+    resp = await client.post(MESSAGES, json=body(**fields))
+    assert resp.status == 200, await resp.text()
+    msg = scripted.seen[-1]
+    assert isinstance(msg, AdmitChat)
+    assert msg.tool_choice == expected
+    # "none" hides the tools from the template; every other choice shows them all.
+    names = [tool["function"]["name"] for tool in msg.tools or []]
+    assert names == ([] if expected.mode == "none" else ["get_weather", "get_time"])
+
+
+@pytest.mark.parametrize(
+    ("thinking", "template_kwargs", "budget"),
+    [
+        (None, None, None),
+        ({"type": "enabled", "budget_tokens": 1024}, {"enable_thinking": True}, 1024),
+        # Below Anthropic's minimum of 1024: a local model may think usefully in fewer.
+        ({"type": "enabled", "budget_tokens": 1}, {"enable_thinking": True}, 1),
+        ({"type": "enabled", "budget_tokens": 1999}, {"enable_thinking": True}, 1999),
+        ({"type": "disabled"}, {"enable_thinking": False}, None),
+        ({"type": "adaptive"}, {"enable_thinking": True}, None),
+    ],
+)
+async def test_thinking_sets_the_template_switch_and_the_budget(
+    client: TestClient, scripted: Scripted, thinking: dict[str, Any] | None,
+    template_kwargs: dict[str, Any] | None, budget: int | None,
+) -> None:
+    fields: dict[str, Any] = {"max_tokens": 2000}
+    if thinking is not None:
+        fields["thinking"] = thinking
+    resp = await client.post(MESSAGES, json=body(**fields))
+    assert resp.status == 200, await resp.text()
+    msg = scripted.seen[-1]
+    assert isinstance(msg, AdmitChat)
+    assert (msg.chat_template_kwargs, msg.thinking_budget) == (template_kwargs, budget)
+    assert msg.response_format is None
+
+
+@pytest.mark.parametrize("field", ["output_format", "output_config"])
+async def test_json_schema_output_format_becomes_the_response_format(
+    client: TestClient, scripted: Scripted, field: str
+) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    fmt = {"type": "json_schema", "schema": schema}
+    value = fmt if field == "output_format" else {"format": fmt, "effort": "low"}
+    resp = await client.post(MESSAGES, json=body(**{field: value}))
+    assert resp.status == 200, await resp.text()
+    msg = scripted.seen[-1]
+    assert isinstance(msg, AdmitChat)
+    assert msg.response_format == OutputFormat(type="json_schema", schema=schema)
+
+
+async def test_agent_loop_maps_tool_use_ids_back_to_the_engines_call_ids(
+    client: TestClient, scripted: Scripted
+) -> None:
+    first = await client.post(MESSAGES, json=body("tool-call", tools=[WEATHER, CLOCK]))
+    answer = (await first.json())["content"]
+    resp = await client.post(MESSAGES, json=body(tools=[WEATHER, CLOCK], messages=[
+        {"role": "user", "content": "tool-call"},
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_0", "content": "18C"},
+            {"type": "tool_result", "tool_use_id": "toolu_1",
+             "content": [{"type": "text", "text": "14:00"}], "is_error": False},
+        ]},
+    ]))
+    assert resp.status == 200, await resp.text()
+    msg = scripted.seen[-1]
+    assert isinstance(msg, AdmitChat)
+    # The prompt is the one an OpenAI client would send back with the engine's call ids.
+    assert msg.messages == [
+        {"role": "user", "content": "tool-call"},
+        {"role": "assistant", "content": TOOL_TEXT, "tool_calls": [
+            {"id": call.id, "type": "function",
+             "function": {"name": call.name, "arguments": json.loads(call.arguments)}}
+            for call in TOOL_CALLS]},
+        {"role": "tool", "tool_call_id": "call_0", "content": "18C"},
+        {"role": "tool", "tool_call_id": "call_1", "content": "14:00"},
+    ]
+
+
 # --- the official anthropic client ---------------------------------------------------------
 
 
@@ -346,6 +622,69 @@ async def test_anthropic_client_create_stream_and_errors_on_scripted_server(
                 model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "hi"}]
             )
         await stranger.close()
+    finally:
+        await client.close()
+        await server.close()
+
+
+async def test_anthropic_client_tool_use_and_thinking_on_scripted_server(
+    scripted: Scripted,
+) -> None:
+    server = await scripted.start()
+    client = anthropic.AsyncAnthropic(base_url=server.url, api_key="x", max_retries=0)
+    tools: Any = [WEATHER, CLOCK]
+    ask: Any = {"model": MODEL, "max_tokens": 64, "tools": tools,
+                "messages": [{"role": "user", "content": "tool-call"}]}
+    try:
+        message = await client.messages.create(
+            **ask, tool_choice={"type": "any", "disable_parallel_tool_use": False}
+        )
+        assert scripted.seen[-1].tool_choice == ToolChoice(mode="required")
+        async with client.messages.stream(**ask) as stream:
+            final = await stream.get_final_message()
+        for answer in (message, final):
+            assert answer.stop_reason == "tool_use"
+            assert [block.type for block in answer.content] == ["text", "tool_use", "tool_use"]
+            assert answer.content[0].text == TOOL_TEXT
+            assert [block.model_dump(include={"type", "id", "name", "input"})
+                    for block in answer.content[1:]] == TOOL_USES
+
+        # The agent loop: the answer goes back as it came, each call with its result.
+        results: Any = [{"type": "tool_result", "tool_use_id": block.id, "content": "ok"}
+                        for block in final.content if block.type == "tool_use"]
+        after = await client.messages.create(**{**ask, "messages": [
+            *ask["messages"], {"role": "assistant", "content": final.content},
+            {"role": "user", "content": results}]})
+        assert after.content[0].text == "Hello world"
+        seen = scripted.seen[-1].messages
+        assert [m.get("tool_call_id") for m in seen[-2:]] == ["call_0", "call_1"]
+        assert [c["id"] for c in seen[-3]["tool_calls"]] == ["call_0", "call_1"]
+
+        thinking: Any = {"type": "enabled", "budget_tokens": 32}
+        think: Any = {"model": MODEL, "max_tokens": 64, "thinking": thinking,
+                      "messages": [{"role": "user", "content": "reasoning"}]}
+        message = await client.messages.create(**think)
+        msg = scripted.seen[-1]
+        assert (msg.thinking_budget, msg.chat_template_kwargs) == (32, {"enable_thinking": True})
+        async with client.messages.stream(**think) as stream:
+            thoughts = [event.thinking async for event in stream if event.type == "thinking"]
+            final = await stream.get_final_message()
+        assert thoughts == REASONING
+        for answer in (message, final):
+            assert [block.type for block in answer.content] == ["thinking", "text"]
+            assert answer.content[0].thinking == "".join(REASONING)
+            assert answer.content[1].text == "".join(DELTAS)
+            assert answer.stop_reason == "end_turn"
+
+        with pytest.raises(anthropic.BadRequestError) as caught:
+            await client.messages.create(**ask, tool_choice={"type": "tool", "name": "nope"})
+        assert caught.value.body["error"]["type"] == "invalid_request_error"
+        with pytest.raises(anthropic.BadRequestError):
+            await client.messages.create(**{**think, "max_tokens": 32})
+        message = await client.messages.create(  # still serving
+            model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "hello"}]
+        )
+        assert message.content[0].text == "Hello world"
     finally:
         await client.close()
         await server.close()
