@@ -18,6 +18,7 @@ from api.errors import ApiError, error_middleware
 from api.introspection import IntrospectionRoutes
 from api.metrics import METRICS, Metrics, metrics_handler
 from api.openai import OpenAIRoutes
+from api.responses import ResponsesRoutes
 from api.shutdown import INFLIGHT, SHUTTING_DOWN, Inflight
 from api.telemetry import telemetry_middleware
 from runtime import ActorRef, ActorSystem
@@ -144,5 +145,6 @@ def create_app(*, system: ActorSystem, admission: ActorRef, config: ServeConfig)
     app.router.add_get("/metrics", metrics_handler)
     OpenAIRoutes(admission, config).register(app.router)
     AnthropicRoutes(admission, config).register(app.router)
+    ResponsesRoutes(admission, config).register(app.router)
     IntrospectionRoutes(system).register(app.router)
     return app
