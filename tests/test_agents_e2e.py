@@ -1,0 +1,266 @@
+"""End to end: agents against the bundled default model, through the official clients.
+
+SmolLM2-135M's chat template has no tool format: its tool calls come from the constrained
+path (the tools written into its prompt, the call's markup and arguments forced by the
+grammar), so even this model always makes a valid call when one is required. The server is
+conftest's session-wide ``server`` fixture.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import anthropic
+import httpx
+import jsonschema
+import openai
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "SmolLM2-135M-Instruct"
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 130},
+        "role": {"enum": ["engineer", "artist", "teacher", "farmer"]},
+        "skills": {"type": "array", "items": {"type": "string", "maxLength": 16},
+                   "minItems": 1, "maxItems": 3},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20},
+                           "country": {"type": "string", "maxLength": 20}},
+            "required": ["city", "country"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "role", "skills", "address"],
+    "additionalProperties": False,
+}
+
+SUBJECTS = ["a painter from Lyon", "a farmer in Kenya", "a physics teacher", "a young coder",
+            "a retired sailor", "a chef in Tokyo", "a violinist", "a bus driver in Oslo",
+            "a nurse", "a mountain guide", "a librarian", "a robot engineer", "a potter",
+            "a beekeeper", "a pilot", "a surfer from Lima", "a baker in Rome", "a poet",
+            "a chess champion", "an astronaut"]
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 30},
+                           "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The local time in a time zone.",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "maxLength": 30}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOLS = [WEATHER, CLOCK]
+SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+ASK = "What is the weather in Paris right now?"
+
+
+@pytest.fixture(scope="module")
+def client(server: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", timeout=300)
+
+
+def _person(client: openai.OpenAI, i: int) -> dict[str, Any]:
+    """One json_schema answer, streamed for odd i: the parsed, validated object."""
+    kwargs: dict[str, Any] = dict(
+        model=MODEL, temperature=0, max_tokens=200,
+        messages=[{"role": "user", "content": f"Describe {SUBJECTS[i]} as JSON."}],
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "person", "schema": PERSON, "strict": True}},
+    )
+    if i % 2:
+        chunks = list(client.chat.completions.create(stream=True, **kwargs))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+    else:
+        r = client.chat.completions.create(**kwargs)
+        text, finish = r.choices[0].message.content, r.choices[0].finish_reason
+    assert finish == "stop", (finish, text)
+    answer = json.loads(text)
+    jsonschema.validate(answer, PERSON)
+    return answer
+
+
+def test_json_schema_answers_all_validate_twenty_prompts_eight_at_a_time(
+    client: openai.OpenAI,
+) -> None:
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda i: _person(client, i), range(len(SUBJECTS))))
+    assert len(answers) == 20
+    # Different prompts, different answers: the grammar shapes them, the model fills them.
+    assert len({json.dumps(a, sort_keys=True) for a in answers}) > 1
+
+
+def test_json_object_answer_is_an_object(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=120, response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": "Give a city and its country as JSON."}])
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    else:  # a long answer cut by max_tokens is still the start of an object
+        assert r.choices[0].finish_reason == "length"
+        assert r.choices[0].message.content.lstrip().startswith("{")
+
+
+def _check_call(name: str, arguments: str) -> dict[str, Any]:
+    assert name in SCHEMAS, name
+    args = json.loads(arguments)
+    jsonschema.validate(args, SCHEMAS[name])
+    return args
+
+
+def test_openai_agent_loop_required_call_then_tool_result_then_text(
+    client: openai.OpenAI,
+) -> None:
+    messages: list[dict[str, Any]] = [{"role": "user", "content": ASK}]
+    # One call: with parallel calls allowed, this small model goes on calling until max_tokens.
+    r = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=120,
+                                       messages=messages, tools=TOOLS, tool_choice="required",
+                                       parallel_tool_calls=False)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.tool_calls, choice.message
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.id
+    _check_call(call.function.name, call.function.arguments)
+    assert "<tool_call>" not in (choice.message.content or "")
+    messages.append(choice.message.model_dump(exclude_none=True))
+    messages.append({"role": "tool", "tool_call_id": call.id,
+                     "content": json.dumps({"temperature": 21, "sky": "sunny"})})
+    final = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=48,
+                                           messages=messages, tools=TOOLS, tool_choice="none")
+    assert final.choices[0].finish_reason in ("stop", "length")
+    assert final.choices[0].message.content.strip()
+    assert not final.choices[0].message.tool_calls
+
+
+def test_openai_named_tool_call_streamed_arrives_whole(client: openai.OpenAI) -> None:
+    chunks = list(client.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=120, stream=True, parallel_tool_calls=False,
+        messages=[{"role": "user", "content": "What time is it in Berlin?"}], tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_time"}}))
+    calls: dict[int, dict[str, str]] = {}
+    content = ""
+    for chunk in chunks:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for part in delta.tool_calls or ():
+            call = calls.setdefault(part.index, {"id": "", "name": "", "arguments": ""})
+            call["id"] += part.id or ""
+            call["name"] += (part.function.name or "") if part.function else ""
+            call["arguments"] += (part.function.arguments or "") if part.function else ""
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert list(calls) == [0]
+    assert calls[0]["name"] == "get_time" and calls[0]["id"]
+    _check_call("get_time", calls[0]["arguments"])
+    assert "<tool_call>" not in content and "get_time" not in content
+
+
+def test_anthropic_agent_loop_any_tool_then_tool_result_then_text(server: str) -> None:
+    client = anthropic.Anthropic(base_url=server, api_key="unused", timeout=300)
+    tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
+              "input_schema": t["function"]["parameters"]} for t in TOOLS]
+    messages: list[dict[str, Any]] = [{"role": "user", "content": ASK}]
+    first = client.messages.create(model=MODEL, max_tokens=120, messages=messages, tools=tools,
+                                   tool_choice={"type": "any", "disable_parallel_tool_use": True},
+                                   extra_body={"temperature": 0})
+    assert first.stop_reason == "tool_use"
+    uses = [b for b in first.content if b.type == "tool_use"]
+    assert uses
+    jsonschema.validate(uses[0].input, SCHEMAS[uses[0].name])
+    messages.append({"role": "assistant", "content": [b.model_dump() for b in first.content]})
+    messages.append({"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": uses[0].id,
+         "content": json.dumps({"temperature": 21, "sky": "sunny"})}]})
+    with client.messages.stream(model=MODEL, max_tokens=48, messages=messages, tools=tools,
+                                tool_choice={"type": "none"},
+                                extra_body={"temperature": 0}) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason in ("end_turn", "max_tokens")
+    text = "".join(b.text for b in final.content if b.type == "text")
+    assert text.strip()
+
+
+def test_responses_api_call_then_output_then_text(client: openai.OpenAI) -> None:
+    tools = [{"type": "function", "name": t["function"]["name"],
+              "description": t["function"]["description"],
+              "parameters": t["function"]["parameters"], "strict": True} for t in TOOLS]
+    first = client.responses.create(model=MODEL, input=ASK, tools=tools,
+                                    tool_choice="required", parallel_tool_calls=False,
+                                    temperature=0, max_output_tokens=120)
+    calls = [item for item in first.output if item.type == "function_call"]
+    assert calls, first.output
+    _check_call(calls[0].name, calls[0].arguments)
+    follow_up: list[Any] = [{"role": "user", "content": ASK}]
+    follow_up += [{"type": "function_call", "call_id": c.call_id, "name": c.name,
+                   "arguments": c.arguments} for c in calls]
+    follow_up += [{"type": "function_call_output", "call_id": c.call_id,
+                   "output": json.dumps({"temperature": 21})} for c in calls]
+    with client.responses.stream(model=MODEL, input=follow_up, tools=tools,
+                                 tool_choice="none", temperature=0,
+                                 max_output_tokens=48) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert "".join(deltas).strip()
+    assert final.output_text == "".join(deltas)
+
+
+def test_bad_agent_requests_get_400_and_the_server_keeps_serving(
+    server: str, client: openai.OpenAI
+) -> None:
+    url = f"{server}/v1/chat/completions"
+    base = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    bad = [
+        {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        {"response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object", "dependentSchemas": {"a": {}}}}}},
+        {"tools": {"type": "function"}},
+    ]
+    for extra in bad:
+        r = httpx.post(url, json={**base, **extra}, timeout=60)
+        assert r.status_code == 400, (extra, r.text)
+        assert r.json()["error"]["type"] == "invalid_request_error", r.text
+    ok = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=8,
+                                        messages=[{"role": "user", "content": "hi"}])
+    assert ok.choices[0].message.content
+
+
+def test_parallel_calls_allowed_each_complete_call_is_valid(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=150,
+                                       messages=[{"role": "user", "content": ASK}],
+                                       tools=TOOLS, tool_choice="required")
+    choice = r.choices[0]
+    assert choice.finish_reason in ("tool_calls", "length")
+    assert choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        _check_call(call.function.name, call.function.arguments)
+        assert call.id
+    # A call cut by max_tokens comes back as text; no complete call is ever in it.
+    assert "</tool_call>" not in (choice.message.content or "")
