@@ -160,3 +160,21 @@ async def test_tool_choice_none_hides_the_tools_from_the_prompt(aiohttp_client, 
     plain = await prompt_tokens()
     assert await prompt_tokens(tools=[TOOL], tool_choice="none") == plain
     assert await prompt_tokens(tools=[TOOL]) > plain
+
+
+async def test_constrained_answer_from_the_prefix_cache_is_the_same(aiohttp_client,
+                                                                     tiny_model_dir):
+    client, model = await _client(aiohttp_client, tiny_model_dir)
+    body = _chat(model, messages=[{"role": "user", "content": "The quick brown fox " * 12}],
+                 response_format={"type": "json_schema",
+                                  "json_schema": {"name": "s", "schema": SCHEMA}})
+    answers = []
+    for _ in range(2):
+        resp = await client.post("/v1/chat/completions", json=body)
+        assert resp.status == 200, await resp.text()
+        answers.append(await resp.json())
+    cold, warm = answers
+    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert warm["choices"][0]["message"] == cold["choices"][0]["message"]
+    if cold["choices"][0]["finish_reason"] == "stop":
+        jsonschema.validate(json.loads(cold["choices"][0]["message"]["content"]), SCHEMA)
