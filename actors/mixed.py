@@ -10,7 +10,8 @@ and only attention, which needs each sequence's own cache and mask, runs per gro
 
 Only decoder layers of the llama shape are taken (llama, mistral, qwen2 and the like: one
 ``self_attn`` with q/k/v/o projections and a rope, one ``mlp``, two RMS norms, plain KV caches,
-no sliding window); ``supports_mixed`` says whether a model is one, and anything else keeps
+no sliding window), and qwen3's, which is that shape with a norm of each head's queries and
+keys before the rope; ``supports_mixed`` says whether a model is one, and anything else keeps
 mlx-lm's two calls.
 """
 
@@ -33,7 +34,9 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, dynamic_roll
 from actors import cpu_kernels
 
 # Model types whose decoder layer is exactly: x + attn(norm(x)), then h + mlp(norm(h)).
-MIXED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+MIXED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+# Those whose attention norms each head's queries and keys (q_norm, k_norm) before the rope.
+QK_NORM_MODEL_TYPES = frozenset({"qwen3"})
 
 
 def supports_mixed(model: Any) -> bool:
@@ -48,9 +51,11 @@ def supports_mixed(model: Any) -> bool:
         return False
     needed = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
     attn = ("q_proj", "k_proj", "v_proj", "o_proj", "rope", "n_heads", "n_kv_heads", "scale")
+    qk_norm = args.model_type in QK_NORM_MODEL_TYPES
     return all(
         all(hasattr(layer, n) for n in needed) and all(hasattr(layer.self_attn, n) for n in attn)
-        and not hasattr(layer.self_attn, "q_norm")
+        and hasattr(layer.self_attn, "q_norm") == qk_norm
+        and hasattr(layer.self_attn, "k_norm") == qk_norm
         for layer in inner.layers
     )
 
@@ -60,8 +65,11 @@ def _attend(attn: Any, q: mx.array, k: mx.array, v: mx.array, batch: int, length
     """The attention of one group, as the layer's own ``Attention.__call__`` computes it after
     its projections. q/k/v: [batch * length, features]; returns [batch * length, features].
     ``offset``: the group's positions before this step (default: the cache's own)."""
-    q = q.reshape(batch, length, attn.n_heads, -1).transpose(0, 2, 1, 3)
-    k = k.reshape(batch, length, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    q = q.reshape(batch, length, attn.n_heads, -1)
+    k = k.reshape(batch, length, attn.n_kv_heads, -1)
+    if hasattr(attn, "q_norm"):  # qwen3: each head's queries and keys normed, as the layer does
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
     v = v.reshape(batch, length, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
     offset = cache.offset if offset is None else offset
     q = attn.rope(q, offset=offset)

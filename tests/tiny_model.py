@@ -7,7 +7,9 @@ chat template included), so detokenization, stop strings and templates run for r
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 CHATML = (
     "{% for message in messages %}"
@@ -52,6 +54,74 @@ def write_tokenizer(out: Path, vocab_size: int = 512) -> int:
     return len(fast)
 
 
+def _sliding_and_full(layers: int) -> list[str]:
+    """Alternate sliding-window and global attention layers, a global one last."""
+    return ["sliding_attention" if (layers - 1 - i) % 2 else "full_attention"
+            for i in range(layers)]
+
+
+# Per architecture, what its ModelArgs needs on top of the llama settings (``hidden``, ``layers``
+# given). Windows are 8 tokens, so any test prompt runs past them; MoE models have 4 experts,
+# 2 a token.
+ARCH_CONFIGS: dict[str, Callable[[int, int], dict[str, Any]]] = {
+    "qwen2": lambda hidden, layers: {},
+    # q_norm / k_norm on each head.
+    "qwen3": lambda hidden, layers: {"head_dim": 16},
+    # Global layers every second layer, the others sliding (RotatingKVCache); Gemma's own
+    # scalings of embeddings and attention.
+    "gemma3_text": lambda hidden, layers: {
+        "head_dim": 16,
+        "query_pre_attn_scalar": 16,
+        "sliding_window": 8,
+        "sliding_window_pattern": 2,
+    },
+    # mlx-lm runs "mistral" as llama; a window takes layer_types naming the sliding layers.
+    "mistral": lambda hidden, layers: {
+        "sliding_window": 8,
+        "layer_types": _sliding_and_full(layers),
+    },
+    # Fused qkv and gate/up projections.
+    "phi3": lambda hidden, layers: {},
+    "qwen3_moe": lambda hidden, layers: {
+        "head_dim": 16,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": hidden,
+        "norm_topk_prob": True,
+    },
+    # Attention sinks, sliding and global layers, biased experts.
+    "gpt_oss": lambda hidden, layers: {
+        "head_dim": 16,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "intermediate_size": hidden,
+        "sliding_window": 8,
+        "layer_types": _sliding_and_full(layers),
+    },
+    # Gated delta-net (ArraysCache) layers and gated full attention (KVCache) layers, MoE with
+    # a shared expert.
+    "qwen3_next": lambda hidden, layers: {
+        "head_dim": 16,
+        "linear_num_value_heads": 4,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "shared_expert_intermediate_size": hidden,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": hidden,
+        "norm_topk_prob": True,
+        "partial_rotary_factor": 0.25,
+        "full_attention_interval": 2,
+    },
+}
+
+
 def make_tiny_model(
     out: Path,
     *,
@@ -61,7 +131,11 @@ def make_tiny_model(
     seed: int = 0,
     dtype: str = "float32",
 ) -> Path:
-    """Write a random-weight mlx-lm model directory (config, weights, tokenizer) to ``out``."""
+    """Write a random-weight mlx-lm model directory (config, weights, tokenizer) to ``out``.
+
+    ``arch``: "llama", "lfm2" or any key of ``ARCH_CONFIGS`` (the settings that architecture's
+    ``ModelArgs`` needs beyond the llama ones, at this size).
+    """
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
@@ -96,6 +170,8 @@ def make_tiny_model(
                 "norm_eps": 1e-5,
             }
         )
+    if arch in ARCH_CONFIGS:
+        config.update(ARCH_CONFIGS[arch](hidden, layers))
     model_cls, args_cls = _get_classes(config)
     mx.random.seed(seed)
     model = model_cls(args_cls.from_dict(config))
@@ -106,6 +182,16 @@ def make_tiny_model(
         k: (mx.random.normal(v.shape) * 2.0 / v.shape[-1] ** 0.5 if v.ndim == 2 else v)
         for k, v in weights.items()
     }
+    if arch in ARCH_CONFIGS:
+        # (Only for these: llama's and lfm2's weights stay as other tests know them.) 3-D
+        # weights (stacked experts, convolutions) get the same wider normal as the 2-D ones,
+        # and attention sinks (zeros by default, which would leave them untested) a random
+        # value per head.
+        weights = {
+            k: (mx.random.normal(v.shape) * 2.0 / v.shape[-1] ** 0.5 if v.ndim == 3
+                else mx.random.normal(v.shape) if k.endswith("sinks") else v)
+            for k, v in weights.items()
+        }
     weights = {k: v.astype(getattr(mx, dtype)) for k, v in weights.items()}
     mx.save_safetensors(str(out / "model.safetensors"), weights)
     config["torch_dtype"] = dtype

@@ -1,0 +1,235 @@
+"""Every architecture people run, at the engine level: a tiny random-weight model of each, made
+with mlx-lm's own model classes (tests/tiny_model.py), served greedily and checked against
+mlx-lm's own generation of each prompt alone (tests/reference.py).
+
+Per architecture: one request; four joining a running batch at different steps; a long prompt
+prefilled in chunks beside a decoding stream; a repeated prompt served from the RAM prefix cache;
+blocks written to disk serving a restarted engine. Architectures whose caches cannot be cut into
+blocks (sliding windows keep a RotatingKVCache) run without a prefix cache: for them the cache
+tests check that caching is off and that repeats are still right.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from engine_helpers import greedy, run, run_arriving
+from mlx_lm import load
+from reference import PROMPTS, reference_tokens
+from tiny_model import make_tiny_model
+
+from actors import block_store
+from actors.engine import Engine
+from actors.kv_blocks import KVBlock, from_numpy, to_numpy
+from actors.messages import TokensGenerated
+from actors.prefix import model_fingerprint, usable_blocks
+
+BLOCK = 16
+# Crosses several blocks and every sliding window (8 tokens) many times over.
+LONG = ("The quick brown fox jumps over the lazy dog. " * 6
+        + "What is the capital of France? The capital of France is Paris. " * 2)
+CHUNK = 16  # prefill_step_size of the long-prompt test
+
+
+@dataclass(frozen=True)
+class Arch:
+    name: str  # mlx-lm model_type
+    layers: int
+    # Whether the engine keeps a prefix cache for it (False: a layer's cache cannot be cut).
+    caching: bool
+    why: str  # what the architecture adds to the matrix
+
+
+ARCHS = [
+    Arch("llama", 2, True, "the reference shape"),
+    Arch("qwen2", 2, True, "q/k/v biases"),
+    Arch("qwen3", 2, True, "q/k norms"),
+    Arch("gemma3_text", 4, False, "sliding-window and global layers"),
+    Arch("mistral", 2, False, "a sliding window (as llama with layer_types)"),
+    Arch("phi3", 2, True, "fused qkv and gate/up projections"),
+    Arch("qwen3_moe", 2, True, "a mixture of experts"),
+    Arch("gpt_oss", 2, False, "attention sinks, sliding window, experts"),
+    Arch("lfm2", 4, True, "hybrid: convolution and attention layers"),
+    Arch("qwen3_next", 4, True, "hybrid: gated delta-net and attention layers, experts"),
+]
+
+
+@dataclass
+class Tiny:
+    arch: Arch
+    model_dir: Path
+    model: Any
+    tok: Any
+    _refs: dict[tuple[tuple[int, ...], int], list[int]] = field(default_factory=dict)
+
+    def reference(self, prompt: list[int], max_tokens: int) -> list[int]:
+        """mlx-lm's greedy tokens for the prompt alone (computed once)."""
+        key = (tuple(prompt), max_tokens)
+        if key not in self._refs:
+            self._refs[key] = reference_tokens(self.model, self.tok, prompt, max_tokens)
+        return self._refs[key]
+
+    def engine(self, **kw: Any) -> Engine:
+        return Engine(self.model, self.tok, **kw)
+
+    def caching_engine(self, model: Any = None, tok: Any = None) -> Engine:
+        return Engine(model or self.model, tok or self.tok, block_size=BLOCK,
+                      fingerprint=model_fingerprint(self.model_dir), prefill_step_size=24)
+
+
+@pytest.fixture(scope="module", params=ARCHS, ids=[a.name for a in ARCHS])
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Tiny:
+    arch: Arch = request.param
+    model_dir = make_tiny_model(tmp_path_factory.mktemp(arch.name) / arch.name,
+                                arch=arch.name, layers=arch.layers)
+    model, tok = load(str(model_dir))
+    return Tiny(arch, model_dir, model, tok)
+
+
+def serve(engine: Engine, rid: str, prompt: list[int], max_tokens: int,
+          cached: list[KVBlock] | None = None) -> tuple[list[int], int]:
+    """Run one request to its end: its tokens and the prompt tokens it took from cache."""
+    engine.add(rid, prompt, greedy(max_tokens), cached=cached or ())
+    res = run(engine)[rid]
+    return res["tokens"], res["finish"].usage.cached_tokens
+
+
+def ram_hit(engine: Engine, prompt: list[int]) -> list[KVBlock]:
+    """The prompt's leading blocks in the engine's RAM tier (what the cache index would send)."""
+    out = []
+    for h in engine.prompt_hashes(prompt):
+        if h not in engine.blocks:
+            break
+        out.append(engine.blocks[h])
+    return out
+
+
+# -- generation ------------------------------------------------------------------------------
+
+
+def test_one_request_gives_mlx_lm_greedy_tokens(tiny: Tiny) -> None:
+    prompt = tiny.tok.encode(PROMPTS[0])
+    engine = tiny.engine()
+    tokens, _ = serve(engine, "a", prompt, 24)
+    assert tokens == tiny.reference(prompt, 24)
+    assert len(tokens) > 1, "the model must generate something to compare"
+
+
+@pytest.mark.parametrize("mixed", [True, False], ids=["served", "separate-calls"])
+def test_four_requests_joining_mid_way_each_give_their_tokens_alone(tiny: Tiny,
+                                                                    mixed: bool) -> None:
+    """Different lengths (some past the sliding windows), joining every third step while the
+    others decode, with small prefill chunks. ``separate-calls``: mlx-lm's decode step and
+    prefill call apart, for architectures the one-pass step also covers."""
+    texts = [PROMPTS[0], PROMPTS[5], PROMPTS[6], " ".join(PROMPTS[1:5])]
+    prompts = [tiny.tok.encode(t) for t in texts]
+    assert len({len(p) for p in prompts}) == 4
+    engine = tiny.engine(prefill_step_size=4, mixed=mixed)
+    results = run_arriving(engine, prompts, 16)
+    for i, p in enumerate(prompts):
+        assert results[f"r{i}"] == tiny.reference(p, 16), f"r{i} ({len(p)} prompt tokens)"
+
+
+def test_a_long_prompt_prefilled_in_chunks_beside_a_decoding_stream_gives_mlx_lm_tokens(
+        tiny: Tiny) -> None:
+    """mlx-lm prefills the prompt in one call; the engine in chunks of CHUNK tokens, each in a
+    step where another stream decodes."""
+    short = tiny.tok.encode(PROMPTS[1])
+    long_prompt = tiny.tok.encode(" ".join(PROMPTS) * 2)
+    assert len(long_prompt) > 6 * CHUNK
+    engine = tiny.engine(prefill_step_size=CHUNK)
+    engine.add("short", short, greedy(64, ignore_eos=True))
+    got: dict[str, list[int]] = {"short": [], "long": []}
+
+    def step() -> None:
+        for ev in engine.step():
+            if isinstance(ev, TokensGenerated):
+                got[ev.request_id] += ev.token_ids
+
+    while not got["short"]:
+        step()
+    engine.add("long", long_prompt, greedy(12))
+    chunks = []
+    while not got["long"]:
+        before = engine.prefill_tokens
+        step()
+        chunks.append(engine.prefill_tokens - before)
+    assert len(chunks) >= len(long_prompt) // CHUNK
+    assert max(chunks) <= CHUNK + 1  # a chunk may take the prompt's last token too
+    while engine.has_work:
+        step()
+    assert got["long"] == tiny.reference(long_prompt, 12)
+    want_short = reference_tokens(tiny.model, tiny.tok, short, 64)  # ignore_eos: no EOS cut
+    assert got["short"][: len(want_short)] == want_short
+
+
+# -- prefix cache ----------------------------------------------------------------------------
+
+
+def test_the_prefix_cache_is_kept_exactly_when_every_layer_cache_can_be_cut(tiny: Tiny) -> None:
+    engine = tiny.caching_engine()
+    assert engine.caching is tiny.arch.caching, (
+        f"{tiny.arch.name}: caching is {engine.caching}; update ARCHS if the engine now "
+        "caches (or no longer caches) this architecture")
+
+
+def test_a_repeated_prompt_is_served_from_ram_blocks_with_the_same_tokens(tiny: Tiny) -> None:
+    engine = tiny.caching_engine()
+    prompt = tiny.tok.encode(LONG)
+    want = tiny.reference(prompt, 12)
+    cold, cold_cached = serve(engine, "cold", prompt, 12)
+    assert cold == want
+    assert cold_cached == 0
+    hit = ram_hit(engine, prompt)
+    warm, warm_cached = serve(engine, "warm", prompt, 12, cached=hit)
+    assert warm == want
+    if not tiny.arch.caching:
+        assert not hit and not engine.blocks and warm_cached == 0
+        return
+    assert len(hit) == usable_blocks(len(prompt), BLOCK)
+    if engine.hybrid:  # recurrent state exists only at block ends: whole blocks only
+        assert warm_cached == len(hit) * BLOCK
+    else:  # whole blocks, then the first request's tail up to the last prompt token
+        assert warm_cached == len(prompt) - 1
+
+
+def test_blocks_written_to_disk_serve_a_restarted_engine_with_the_same_tokens(
+        tiny: Tiny, tmp_path: Path) -> None:
+    """The whole blocks go through the files the SSD writer writes (block_store) and come back
+    as the scheduler reads them, into a fresh engine on a freshly loaded model."""
+    fingerprint = model_fingerprint(tiny.model_dir)
+    cache_dir = tmp_path / "cache"
+    prompt = tiny.tok.encode(LONG)
+    want = tiny.reference(prompt, 12)
+
+    first = tiny.caching_engine()
+    cold, _ = serve(first, "cold", prompt, 12)
+    assert cold == want
+    for _, blk in first.take_new_blocks():
+        if not blk.tail:  # tails are RAM-only
+            data = to_numpy(blk)
+            block_store.write_atomic(block_store.block_path(cache_dir, blk.block_hash),
+                                     block_store.encode_block(data, fingerprint),
+                                     block_store.fingerprint_tag(fingerprint))
+    first.close()
+
+    model, tok = load(str(tiny.model_dir))
+    restarted = tiny.caching_engine(model, tok)
+    on_disk = {b.block_hash for b in block_store.scan_cache_dir(cache_dir, fingerprint).blocks}
+    hit = []
+    for h in restarted.prompt_hashes(prompt):
+        if h not in on_disk:
+            break
+        data = block_store.decode_block(
+            block_store.block_path(cache_dir, h).read_bytes(), fingerprint, h)
+        hit.append(from_numpy(data, restarted.kinds, restarted.state_sizes))
+    warm, warm_cached = serve(restarted, "warm", prompt, 12, cached=hit)
+    assert warm == want
+    if not tiny.arch.caching:
+        assert not on_disk and warm_cached == 0
+        return
+    assert len(hit) == usable_blocks(len(prompt), BLOCK)
+    assert warm_cached == len(hit) * BLOCK
