@@ -29,6 +29,7 @@ import numpy as np
 from llguidance import LLMatcher, LLTokenizer
 
 from actors.messages import OutputFormat, ToolChoice
+from actors.mlx_lm_private import hf_tokenizer
 
 log = logging.getLogger("actors.grammar")
 
@@ -80,7 +81,7 @@ class Grammars:
 
     def __init__(self, tokenizer: Any, vocab_size: int | None = None) -> None:
         self._wrapper = tokenizer
-        self._hf = getattr(tokenizer, "_tokenizer", tokenizer)
+        self._hf = hf_tokenizer(tokenizer)
         self.vocab_size = vocab_size
         self.eos_ids: list[int] = sorted(int(t) for t in tokenizer.eos_token_ids)
         self._ll: LLTokenizer | None = None

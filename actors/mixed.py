@@ -22,16 +22,12 @@ import time
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import (
-    BatchGenerator,
-    GenerationBatch,
-    PromptProcessingBatch,
-    _right_pad_prompts,
-)
+from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import BatchKVCache, KVCache, dynamic_roll
 
 from actors import cpu_kernels
+from actors.mlx_lm_private import right_pad_prompts
 
 # Model types whose decoder layer is exactly: x + attn(norm(x)), then h + mlp(norm(h)).
 MIXED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -358,7 +354,7 @@ class _Forward:
         longest = max(lengths)
         self.padding = [longest - n for n in lengths]
         if max(self.padding) > 0:
-            self.tokens = _right_pad_prompts(prompts, max_length=longest)
+            self.tokens = right_pad_prompts(prompts, max_length=longest)
             for c in batch.prompt_cache:
                 c.prepare(lengths=lengths, right_padding=self.padding)
         else:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.gguf import CONVERTER_VERSION, DTYPES, convert_gguf, default_dtype
+from actors.mlx_lm_private import download
 
 log = logging.getLogger(__name__)
 
@@ -132,11 +133,7 @@ def resolve_model(spec: str | None, *, dtype: str | None = None) -> ResolvedMode
 def _from_hub(repo_id: str) -> Path:
     """Fetch (or find in the HF cache) a Hugging Face repo through mlx-lm's own download."""
     try:
-        from mlx_lm.utils import _download
-    except ImportError as exc:  # pragma: no cover - mlx-lm is a hard dependency
-        raise ModelResolutionError(f"mlx-lm is needed to fetch {repo_id!r}: {exc}") from exc
-    try:
-        path = Path(_download(repo_id))
+        path = Path(download(repo_id))
     except Exception as exc:  # hub errors are many types: network, auth, missing repo
         raise ModelResolutionError(
             f"could not resolve {repo_id!r}: it is not a local directory or .gguf file, and "

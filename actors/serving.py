@@ -10,6 +10,7 @@ from actors.admission import ADMISSION_THREAD, Admission
 from actors.config import ServeConfig, model_specs
 from actors.memory_monitor import MEMORY_THREAD, MONITOR_NAME, MemoryMonitor
 from actors.messages import ListModels, ModelCard
+from actors.mlx_lm_private import check_mlx_lm
 from actors.model_store import troupe_home
 from actors.pool import POOL_NAME, EnginePool, engine_names
 from actors.scheduler import MLX_THREAD
@@ -40,6 +41,7 @@ async def start_serving(system: ActorSystem, config: ServeConfig) -> ServingHand
     Start order: the engine pool (which resolves every model and loads the first, with its
     cache index and SSD writer), the memory monitor, then admission; actors stop in reverse.
     """
+    check_mlx_lm()  # troupe steers mlx-lm's batch generator from inside: tested versions only
     # Before any model runs: MLX reads PATH and TMPDIR when it first fuses a kernel.
     cpu_kernels.enable(config.cpu_kernels, troupe_home())
     cache = None

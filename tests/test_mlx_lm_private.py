@@ -1,0 +1,47 @@
+"""The mlx-lm private names troupe reaches (actors/mlx_lm_private.py) exist in the installed
+mlx-lm, and serving refuses an mlx-lm version it was not tested on."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+from mlx_lm.generate import BatchGenerator, GenerationBatch
+from mlx_lm.models.cache import BatchKVCache
+
+from actors import mlx_lm_private
+from actors.mlx_lm_private import ATTRIBUTES, FUNCTIONS, UntestedMlxLm, check_mlx_lm
+
+
+@pytest.mark.parametrize(("module", "name"), [(m, n) for m, n, _ in FUNCTIONS])
+def test_each_private_function_listed_exists(module: str, name: str) -> None:
+    assert callable(getattr(importlib.import_module(module), name, None))
+
+
+def _instances(loaded) -> dict[str, object]:
+    model, tok = loaded
+    gen = BatchGenerator(model)
+    try:
+        return {"BatchGenerator": gen, "GenerationBatch": gen._generation_batch,
+                "BatchKVCache": BatchKVCache([0]), "TokenizerWrapper": tok}
+    finally:
+        gen.close()
+
+
+def test_each_private_attribute_listed_exists(loaded) -> None:
+    instances = _instances(loaded)
+    classes = {"BatchGenerator": BatchGenerator, "GenerationBatch": GenerationBatch,
+               "BatchKVCache": BatchKVCache}
+    missing = [f"{cls}.{attr}" for cls, attr, _ in ATTRIBUTES
+               if not (hasattr(classes.get(cls), attr) or hasattr(instances[cls], attr))]
+    assert not missing, f"mlx-lm no longer has {missing}: update actors/mlx_lm_private.py"
+
+
+def test_the_installed_mlx_lm_is_a_tested_one() -> None:
+    assert check_mlx_lm() in mlx_lm_private.TESTED_MLX_LM
+
+
+def test_an_untested_mlx_lm_is_refused_with_what_to_install(monkeypatch) -> None:
+    monkeypatch.setattr(mlx_lm_private, "mlx_lm_version", lambda: "0.99.0")
+    with pytest.raises(UntestedMlxLm, match=r"mlx-lm 0\.99\.0 is installed.*pip install"):
+        check_mlx_lm()
