@@ -188,13 +188,20 @@ class OutputParser:
 
     # --- the states: each step returns whether to step again ---------------------------------
 
-    def _in_text(self, final: bool) -> bool:
-        buf = self._buf
+    def _stripped(self) -> str | None:
+        """The buffer, with the whitespace due to be dropped (after a tag or a call) dropped;
+        None while nothing but that whitespace has come."""
         if self._strip:
-            buf = self._buf = buf.lstrip()
-            if not buf:
-                return False
+            self._buf = self._buf.lstrip()
+            if not self._buf:
+                return None
             self._strip = False
+        return self._buf
+
+    def _in_text(self, final: bool) -> bool:
+        buf = self._stripped()
+        if buf is None:
+            return False
         if self._bare_json and not self._started:
             # Llama 3.x answers a call with bare JSON: an answer that starts with "{" is one.
             body = buf.lstrip()
@@ -222,12 +229,9 @@ class OutputParser:
         return False
 
     def _in_reasoning(self, final: bool) -> bool:
-        buf = self._buf
-        if self._strip:
-            buf = self._buf = buf.lstrip()
-            if not buf:
-                return False
-            self._strip = False
+        buf = self._stripped()
+        if buf is None:
+            return False
         hit = self._reasoning.find(buf)
         if hit is not None:
             i, marker = hit
