@@ -144,6 +144,9 @@ class RamTier:
     def __init__(self) -> None:
         self._blocks: dict[str, KVBlock] = {}
         self._children: dict[str | None, dict[str, KVBlock]] = {}
+        # Kept as blocks come and go: the scheduler's report reads it from another thread,
+        # where summing over the dict while the MLX thread changes it would fail.
+        self.nbytes = 0
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -161,6 +164,7 @@ class RamTier:
         self.pop(h)
         self._blocks[h] = block
         self._children.setdefault(block.parent_hash, {})[h] = block
+        self.nbytes += block.nbytes
 
     def get(self, h: str) -> KVBlock | None:
         return self._blocks.get(h)
@@ -172,6 +176,7 @@ class RamTier:
         block = self._blocks.pop(h, None)
         if block is None:
             return default
+        self.nbytes -= block.nbytes
         siblings = self._children.get(block.parent_hash)
         if siblings is not None:
             siblings.pop(h, None)

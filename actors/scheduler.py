@@ -547,7 +547,7 @@ class Scheduler(Actor):
             "retired": self.retired,
             "tokens_per_s": round(tps, 2),
             "ram_blocks": len(engine.blocks),
-            "ram_block_bytes": sum(b.nbytes for b in engine.blocks.values()),
+            "ram_block_bytes": engine.blocks.nbytes,
             "write_wait_s": round(self.write_wait_s, 3),
             **self.counters,
         }
