@@ -781,6 +781,26 @@ class Engine:
         log.warning("request %s failed by the memory gate: %s", req.request_id, message)
         return self._finish(req, "error", error=message, status=status)
 
+    def progress(self) -> list[dict[str, Any]]:
+        """Where each request stands (waiting, prefilling n of its prompt, decoding), for a
+        report read on another thread: every live container is first copied with ``list()``,
+        which runs without yielding the GIL, so the MLX thread's changes never break it; a
+        request that moves between the copies shows its old stage for one snapshot."""
+        batch = self.gen._prompt_batch
+        uids, held = list(batch.uids), list(batch.tokens)
+        prefilled = {uid: len(tokens) for uid, tokens in zip(uids, held, strict=False)}
+        out = []
+        for req in list(self.requests.values()):
+            if req.generated:
+                stage, done = "decoding", req.prompt_len
+            elif req.uid in prefilled:
+                stage, done = "prefilling", min(req.prompt_len, prefilled[req.uid])
+            else:
+                stage, done = "waiting", req.cached_tokens
+            out.append({"id": req.request_id, "stage": stage, "prompt_tokens": req.prompt_len,
+                        "prefilled_tokens": done, "generated_tokens": req.generated})
+        return out
+
     def stats(self) -> dict[str, Any]:
         return {
             "requests": len(self.requests),

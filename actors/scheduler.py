@@ -550,6 +550,7 @@ class Scheduler(Actor):
             "ram_block_bytes": engine.blocks.nbytes,
             "write_wait_s": round(self.write_wait_s, 3),
             **self.counters,
+            "requests": engine.progress(),
         }
 
 

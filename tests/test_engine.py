@@ -307,3 +307,24 @@ def test_step_times_are_learned_from_whole_steps():
     assert engine._token_s == pytest.approx(0.01)
     engine._measure(50, 0, 1.0)  # prefill alone: 20 ms a token, smoothed
     assert engine._token_s == pytest.approx(EMA * 0.02 + (1 - EMA) * 0.01)
+
+
+def test_progress_tells_waiting_prefilling_n_of_m_then_decoding(loaded):
+    model, tok = loaded
+    engine = Engine(model, tok, prefill_step_size=8, prefill_batch_size=1)
+    long = encode(tok, " ".join(PROMPTS))
+    engine.add("long", long, greedy(4, ignore_eos=True))
+    engine.add("next", encode(tok, PROMPTS[0]), greedy(4, ignore_eos=True))
+    assert {p["id"]: p["stage"] for p in engine.progress()} == {"long": "waiting",
+                                                                 "next": "waiting"}
+    engine.step()
+    first = {p["id"]: p for p in engine.progress()}
+    assert first["long"]["stage"] == "prefilling"
+    assert 0 < first["long"]["prefilled_tokens"] < first["long"]["prompt_tokens"] == len(long)
+    assert first["next"]["stage"] == "waiting"  # one prompt prefills at a time here
+    while engine.has_work and engine.progress()[0]["stage"] != "decoding":
+        engine.step()
+    decoding = engine.progress()[0]
+    assert decoding["id"] == "long" and decoding["generated_tokens"] >= 1
+    run(engine)
+    assert engine.progress() == []
