@@ -15,7 +15,8 @@ import msgspec
 from runtime import Message
 
 # Bumped whenever the on-disk block layout changes; files of another version are skipped.
-FORMAT_VERSION = 1
+# 2: a checksum of the tensor data in the metadata (version 1 files cannot be verified).
+FORMAT_VERSION = 2
 
 
 class BlockData(msgspec.Struct, frozen=True, kw_only=True):

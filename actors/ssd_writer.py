@@ -99,6 +99,9 @@ class SsdWriter(Actor):
         self.bytes_written = 0
         self.dropped: dict[str, int] = dict.fromkeys(DROP_REASONS, 0)
         self.read_blocks = self.read_missing = self.read_corrupt = 0
+        # Corrupt files found by a read and deleted; of them, whole files whose tensor data
+        # failed its checksum (bytes changed on disk).
+        self.blocks_corrupt = self.checksum_failures = 0
         self.disk_free_bytes: int | None = None
 
     async def on_start(self) -> None:
@@ -152,6 +155,8 @@ class SsdWriter(Actor):
             "read_blocks": self.read_blocks,
             "read_missing": self.read_missing,
             "read_corrupt": self.read_corrupt,
+            "blocks_corrupt": self.blocks_corrupt,
+            "checksum_failures": self.checksum_failures,
             "disk_max_bytes": self.disk_max_bytes,
             "disk_free_bytes": self.disk_free_bytes,
         }
@@ -309,7 +314,11 @@ class SsdWriter(Actor):
 
     async def _read(self, request_id: str, hashes: list[str], reply_to: str) -> None:
         """Read the chain's blocks up to the first one missing or unusable; answer, then tell
-        the index to forget the one that failed."""
+        the index to forget the one that failed.
+
+        Every block's tensor data is checked against its checksum here, on this thread
+        (``block_store.decode_block``): a corrupt block is deleted, counted, logged once and
+        never sent, so the scheduler prefills its tokens again."""
         blocks: list[BlockData] = []
         forget: list[str] = []
         for h in hashes:
@@ -326,9 +335,16 @@ class SsdWriter(Actor):
                 break
             except block_store.BlockFileError as exc:
                 self.read_corrupt += 1
-                log.warning("ssd writer: block %s unusable (%s)", h, exc)
                 if exc.reason == "corrupt":
+                    # Deleted, so that it is reported once: the next request recomputes the
+                    # block and writes it again.
                     block_store.unlink_quietly(path)
+                    self.blocks_corrupt += 1
+                    self.checksum_failures += exc.checksum
+                    log.warning("ssd writer: block %s is corrupt (%s): deleted, its tokens "
+                                "are prefilled again", h, exc)
+                else:
+                    log.warning("ssd writer: block %s unusable (%s)", h, exc)
                 forget.append(h)
                 break
             except (OSError, ValueError) as exc:

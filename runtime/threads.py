@@ -16,6 +16,29 @@ T = TypeVar("T")
 
 log = logging.getLogger("runtime")
 
+# The ActorThread running the current OS thread, if any (for ``at_thread_exit``).
+_current = threading.local()
+
+
+def at_thread_exit(fn: Callable[[], object]) -> bool:
+    """Call ``fn()`` on the current actor thread as it ends: after its loop has stopped, while
+    the interpreter still runs (``ActorSystem`` joins the thread before it returns). A function
+    registered several times runs once. Returns False (and registers nothing) off an actor
+    thread.
+
+    For a native library's per-thread state that holds Python objects: C++ ``thread_local``
+    destructors run after ``Thread.join`` has returned, and one that needs the GIL while the
+    interpreter finalizes kills the thread inside a destructor, which aborts the process
+    ("terminate called without an active exception"). Released here, there is nothing left
+    for them to do.
+    """
+    thread: ActorThread | None = getattr(_current, "thread", None)
+    if thread is None:
+        return False
+    if fn not in thread._exit_hooks:
+        thread._exit_hooks.append(fn)
+    return True
+
 
 async def run_on(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T]) -> T:
     """Await ``coro`` on ``loop`` from a coroutine running on another loop."""
@@ -53,6 +76,7 @@ class ActorThread:
     def __init__(self, name: str) -> None:
         self.name = name
         self.loop = asyncio.new_event_loop()
+        self._exit_hooks: list[Callable[[], object]] = []
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -70,6 +94,7 @@ class ActorThread:
                         timeout)
 
     def _run(self) -> None:
+        _current.thread = self
         asyncio.set_event_loop(self.loop)
         try:
             self.loop.run_forever()
@@ -84,6 +109,16 @@ class ActorThread:
             self.loop.run_until_complete(self.loop.shutdown_asyncgens())
         finally:
             self.loop.close()
+            self._run_exit_hooks()
+
+    def _run_exit_hooks(self) -> None:
+        """The ``at_thread_exit`` functions, on this thread, each once; errors are logged."""
+        hooks, self._exit_hooks = self._exit_hooks, []
+        for fn in hooks:
+            try:
+                fn()
+            except Exception:
+                log.exception("thread %r: exit hook %r failed", self.name, fn)
 
 
 class Lane:

@@ -360,8 +360,21 @@ async def test_hard_pressure_pauses_new_work_with_503_and_retry_after(aiohttp_cl
     assert resp.status == 200
 
 
+# Held in MLX memory by the soft-pressure test, so that its usage is not the tiny model's alone.
+BALLAST_BYTES = 128 * MB
+
+
 async def test_soft_pressure_spills_ram_blocks_already_on_disk(aiohttp_client, tiny_model_dir,
                                                                tok, tmp_path):
+    # The limit is set from the last poll's usage, and the next poll must land in the soft band
+    # (+-5.6% of it). The tiny model alone uses under 1 MB: the scheduler's work after the
+    # answer adds 10-15% (hard pressure), and a last poll that fell inside the prefill read
+    # 4.3 MB, so the next one was "ok": no spill, and the wait below timed out. A 128 MB
+    # ballast makes those moves at most 3% of usage.
+    gc.collect()
+    mx.clear_cache()  # earlier tests' garbage, freed meanwhile, would move usage too
+    ballast = mx.zeros((BALLAST_BYTES // 4,), dtype=mx.float32)
+    mx.eval(ballast)
     client, system, handles = await serve(aiohttp_client, str(tiny_model_dir), block_size=16,
                                           cache_dir=str(tmp_path / "kv"))
     model = handles.models[0].id
@@ -374,7 +387,11 @@ async def test_soft_pressure_spills_ram_blocks_already_on_disk(aiohttp_client, t
         await asyncio.sleep(0.02)
     ram_blocks = report(system, "scheduler")["ram_blocks"]
     usage = report(system, "memory_monitor")["usage_bytes"]
+    assert usage >= BALLAST_BYTES
     await set_limit(handles, int(usage / 0.9))  # soft: between 85% and 95%
+    # The poll of the new limit saw soft pressure: the spill below is the soft one.
+    assert report(system, "memory_monitor")["pressure"] == "soft", report(system,
+                                                                          "memory_monitor")
     while report(system, "cache_index")["blocks"]["both"] > 0:
         assert time.monotonic() < deadline, report(system, "cache_index")
         await asyncio.sleep(0.02)
@@ -389,3 +406,4 @@ async def test_soft_pressure_spills_ram_blocks_already_on_disk(aiohttp_client, t
                                                       "max_tokens": 2})
     assert resp.status == 200
     assert (await resp.json())["usage"]["prompt_tokens_details"]["cached_tokens"] >= 12 * 16
+    del ballast

@@ -85,6 +85,64 @@ async def test_disk_hit_after_restart_gives_identical_output(aiohttp_client, tin
     await system.__aexit__(None, None, None)
 
 
+def chain_files(cache_dir: Path) -> list[Path]:
+    """The block files of one chain on disk, first block first (by their parent hashes)."""
+    from safetensors import safe_open
+
+    by_parent = {}
+    for path in cache_dir.rglob("*.safetensors"):
+        with safe_open(str(path), "np") as f:
+            by_parent[f.metadata()["parent_hash"]] = path
+    chain, parent = [], ""
+    while parent in by_parent:
+        chain.append(by_parent.pop(parent))
+        parent = chain[-1].name.removesuffix(".safetensors")
+    assert not by_parent, "the files are not one chain"
+    return chain
+
+
+async def test_a_block_corrupted_on_disk_between_runs_is_dropped_and_the_answer_is_unchanged(
+    aiohttp_client, tiny_model_dir, tmp_path
+):
+    # 4 KB of 0xFF (NaN) in one block's tensors, size and header intact: served, it turned a
+    # cached prefix's answer into 16 <|endoftext|> after every restart.
+    from test_block_integrity import overwrite_data
+
+    from actors import block_store
+    from actors.prefix import model_fingerprint
+
+    cache_dir = tmp_path / "c"
+    client, system, model = await serve(aiohttp_client, tiny_model_dir, cache_dir)
+    cold_text, cold = await complete(client, model, LONG)
+    total = cold["prompt_tokens"] + cold["completion_tokens"]
+    await wait_persisted(system, total // BLOCK)
+    await system.__aexit__(None, None, None)
+    chain = chain_files(cache_dir)
+    assert len(chain) == total // BLOCK >= 4
+    bad = chain[2]
+    size = bad.stat().st_size
+    overwrite_data(bad)
+    assert bad.stat().st_size == size
+
+    client, system, model = await serve(aiohttp_client, tiny_model_dir, cache_dir)
+    assert report(system, "cache_index")["blocks"]["disk"] == len(chain)  # headers look fine
+    warm_text, warm = await complete(client, model, LONG)
+    assert warm_text == cold_text
+    # The two blocks before it came from disk; the rest of the prompt was prefilled again.
+    assert warm["prompt_tokens_details"]["cached_tokens"] == 2 * BLOCK
+    writer = report(system, "ssd_writer")
+    assert (writer["blocks_corrupt"], writer["checksum_failures"]) == (1, 1), writer
+    for _ in range(300):  # the writer tells the index after answering the read
+        if report(system, "cache_index")["forgotten"] == 1:
+            break
+        await asyncio.sleep(0.02)
+    assert report(system, "cache_index")["forgotten"] == 1
+    # The block is recomputed and written again, and this time it verifies.
+    await wait_persisted(system, 1)
+    block_store.decode_block(bad.read_bytes(), model_fingerprint(tiny_model_dir), bad.stem)
+    await system.__aexit__(None, None, None)
+
+
 async def test_ram_eviction_spills_to_disk_while_only_the_mlx_thread_touches_mlx(
     aiohttp_client, tiny_model_dir, tmp_path
 ):
