@@ -1,9 +1,16 @@
 """The admission actor: templates, tokenizes and validates, and decides before any header.
 
-It runs on its own thread (tokenizing a long prompt would otherwise stall the event loop) and
-never touches MLX. An admitted request goes straight into the model's scheduler with
-``try_stream``; the HTTP layer gets the scheduler's event stream back in an
-``AdmissionTicket``. Every refusal is an ``AdmissionError`` carrying its HTTP status.
+It runs on its own thread and never touches MLX. An admitted request goes straight into the
+model's scheduler with ``try_stream``; the HTTP layer gets the scheduler's event stream back in
+an ``AdmissionTicket``. Every refusal is an ``AdmissionError`` carrying its HTTP status.
+
+One request's tokenizing never holds the others: the handler checks what is cheap (the model,
+the tools, an empty conversation), takes the ask's answer and returns, so the actor takes the
+next message at once. The templating, tokenizing and grammar compiling run in a small thread
+pool the actor owns (the fast tokenizer releases the GIL while it encodes); the rest (the
+context and memory checks, loading the model, the send to the scheduler, the counters) runs
+back on the actor's thread, which then gives the answer. A prompt that cannot fit the context
+is refused from a floor on its token count, before it is tokenized (``PromptBound``).
 
 The prefill guard: with the memory monitor's latest ``MemoryLimits``, a prompt whose prefill
 would take MLX memory past the limit is refused here, before any response header (413 if it
@@ -14,8 +21,15 @@ engine pool (``LoadModel``) before its first request goes to its scheduler.
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import json
 import logging
-from typing import Any
+from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, TypeVar
 
 import jinja2
 from mlx_lm.utils import load_tokenizer
@@ -47,19 +61,173 @@ from actors.messages import (
     ModelCard,
     OutputFormat,
     OutputSpec,
+    RequestEvent,
+    RequestFinished,
     SamplingParams,
     ToolChoice,
 )
+from actors.retry import Drain
 from actors.tool_prompt import uses_tools, with_parsed_arguments, with_tools_in_prompt
-from runtime import Actor, ActorDead, ActorRef, MailboxFull
+from runtime import Actor, ActorDead, ActorRef, MailboxFull, Reply, ReplyStream
 
 log = logging.getLogger("actors.admission")
+
+T = TypeVar("T")
 
 ADMISSION_THREAD = "admission"
 RETRY_AFTER_S = 1.0
 # Loading a model (the first request for it) may take minutes for a large one.
 LOAD_TIMEOUT_S = 600.0
 MB = 1e6
+# Threads that template, tokenize and compile grammars off the actor's message loop. The fast
+# tokenizer releases the GIL while it encodes, so they run in parallel (measured: two 2 MB
+# prompts at once took 1.47x less time than one after the other on 2 cores).
+ADMISSION_WORKERS = 4
+# A templated prompt longer than this (characters; about 25 ms to tokenize) is large: at most
+# ADMISSION_WORKERS - 1 of them tokenize at once, so a worker is always left for short ones.
+LARGE_PROMPT_CHARS = 32_768
+# A graceful stop lets the admissions under way finish within this long, then cancels them.
+STOP_WAIT_S = 10.0
+
+
+# -- a floor on a prompt's tokens, without tokenizing it ----------------------------------------
+
+# Pre-tokenizers that keep every character of the text (they split it, or map it one to one).
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "FixedLength",
+                           "Split", "Punctuation", "Sequence"}
+
+
+@dataclass(frozen=True)
+class PromptBound:
+    """The most characters one token of this tokenizer can stand for (``chars``, L), and the
+    normalizer the text goes through first (None: none).
+
+    Why ceil(C / L) tokens is a floor for a text of C characters (C counted after the
+    normalizer): each token stands for one vocabulary entry, or one added token, and covers at
+    most that many characters of the normalized text (a byte-level entry is one character per
+    byte, and a character has at least one byte); every character is covered by some token. So
+    the tokens times L reach C. ``prompt_bound`` gives None for a tokenizer whose pipeline can
+    drop text or fold a run of unknown characters into one token, where this does not hold.
+    """
+
+    chars: int
+    normalizer: Any = None
+
+    def fewest_tokens(self, text: str) -> int:
+        """At least this many tokens encode ``text`` (see the class)."""
+        if self.normalizer is not None:
+            text = self.normalizer.normalize_str(text)
+        return -(-len(text) // self.chars)
+
+
+def prompt_bound(tokenizer: Any) -> PromptBound | None:
+    """The ``PromptBound`` of an mlx-lm ``TokenizerWrapper`` (or a Hugging Face tokenizer), read
+    from its vocabulary once per model; None when no sound bound can be read off it."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None  # a slow tokenizer: nothing to read the pipeline from
+    try:
+        spec = json.loads(backend.to_str())
+    except Exception:  # a tokenizer that cannot be serialized: tokenize everything
+        return None
+    model = spec.get("model") or {}
+    pre = spec.get("pre_tokenizer")
+    byte_level = _has(pre, "ByteLevel")
+    if model.get("type") == "BPE":
+        vocab = list(model.get("vocab") or ())
+        # Unknown characters become bytes (byte-level, byte fallback) or one <unk> each; with
+        # fuse_unk a whole run of them becomes one token.
+        if not (byte_level or model.get("byte_fallback")) and model.get("fuse_unk"):
+            return None
+    elif model.get("type") == "Unigram" and model.get("byte_fallback"):
+        vocab = [piece for piece, _ in model.get("vocab") or ()]
+    else:
+        return None  # WordPiece, WordLevel, Unigram without byte fallback: a word may be <unk>
+    if not _keeps_text(pre) or _has(spec.get("normalizer"), "Strip"):
+        # Dropped text, or a Strip that acts on each piece between added tokens rather than on
+        # the whole text the floor is counted on.
+        return None
+    added = spec.get("added_tokens") or ()
+    if any(token.get("lstrip") or token.get("rstrip") for token in added):
+        return None  # such a token also swallows the whitespace beside it
+    normalizer = backend.normalizer
+    lengths = [len(piece) for piece in vocab]
+    for token in added:
+        content = token.get("content") or ""
+        lengths.append(len(content))
+        if normalizer is not None:
+            lengths.append(len(normalizer.normalize_str(content)))
+    if not lengths or max(lengths) < 1:
+        return None
+    return PromptBound(chars=max(lengths), normalizer=normalizer)
+
+
+def _has(node: Any, kind: str) -> bool:
+    """Whether a tokenizer.json component (or a sequence of them) contains ``kind``."""
+    if isinstance(node, dict):
+        return node.get("type") == kind or any(_has(v, kind) for v in node.values())
+    if isinstance(node, list):
+        return any(_has(v, kind) for v in node)
+    return False
+
+
+def _keeps_text(pre: Any) -> bool:
+    """Whether a pre-tokenizer (possibly a sequence) keeps every character."""
+    if pre is None:
+        return True
+    if pre.get("type") not in _KEEPING_PRE_TOKENIZERS or pre.get("behavior") == "Removed":
+        return False
+    return all(_keeps_text(p) for p in pre.get("pretokenizers") or ())
+
+
+class TrackedEvents:
+    """A ticket's event stream (a ``ReplyStream``'s interface) that tells the model's ``Drain``
+    once when the request ends: its last event read, the stream closed, or dropped."""
+
+    __slots__ = ("_events", "_drain", "_open")
+
+    def __init__(self, events: ReplyStream[RequestEvent], drain: Drain) -> None:
+        self._events = events
+        self._drain = drain
+        self._open = True
+
+    def __aiter__(self) -> TrackedEvents:
+        return self
+
+    async def __anext__(self) -> RequestEvent:
+        try:
+            event = await self._events.__anext__()
+        except Exception:  # StopAsyncIteration or the request's error: either way it ended
+            self._end()
+            raise
+        if isinstance(event, RequestFinished):
+            self._end()
+        return event
+
+    async def next(self) -> RequestEvent:
+        return await self.__anext__()
+
+    async def aclose(self) -> None:
+        self._end()
+        await self._events.aclose()
+
+    async def __aenter__(self) -> TrackedEvents:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.aclose()
+
+    def __del__(self) -> None:
+        self._end()
+
+    def _end(self) -> None:
+        if self._open:
+            self._open = False
+            self._drain.ended()
+
+
+# -- the actor ---------------------------------------------------------------------------------
 
 
 class ModelEntry:
@@ -76,14 +244,28 @@ class ModelEntry:
         self.tool_format: str | None = None
         self.think: tuple[str, str] | None = None
         self.grammars: Grammars | None = None
+        self.bound: PromptBound | None = None
+        self.drain = Drain()
 
     @property
     def loaded(self) -> bool:
         return self.scheduler is not None and self.scheduler.alive
 
 
+@dataclass(frozen=True)
+class _Prompt:
+    """A chat rendered by its template (in the pool), and the tool-call format its answer is
+    read with."""
+
+    text: str
+    tool_format: str | None
+
+
 class Admission(Actor):
-    """Turns API requests into scheduler requests, or into a refusal with a status code."""
+    """Turns API requests into scheduler requests, or into a refusal with a status code.
+
+    ``workers``: the threads of its pool (default ADMISSION_WORKERS; at least 2, as large
+    prompts may take all but one)."""
 
     def __init__(
         self,
@@ -92,15 +274,24 @@ class Admission(Actor):
         pool: str | None = "engine_pool",
         prefill_step_size: int = 512,
         block_size: int = 0,
+        workers: int | None = None,
     ) -> None:
         self.models = {card.id: ModelEntry(card, ref) for card, ref in models}
         self.pool_name = pool
         self.prefill_step_size = prefill_step_size
         self.block_size = block_size
+        # Read when constructed (not as defaults), so a test can change the module's values.
+        self.workers = max(2, workers or ADMISSION_WORKERS)
+        self.large_prompt_chars = LARGE_PROMPT_CHARS
         self.limits: MemoryLimits | None = None
         self.admitted = 0
         self.refused: dict[int, int] = {}
         self.last_estimate = 0
+        self.last_retry_after: float | None = None
+        self._pending: set[asyncio.Task[Any]] = set()
+        self._executor: ThreadPoolExecutor | None = None
+        self._large: asyncio.Semaphore | None = None
+        self._load_gate: asyncio.Lock | None = None
 
     async def on_start(self) -> None:
         for entry in self.models.values():
@@ -109,53 +300,149 @@ class Admission(Actor):
             entry.tool_format = tool_format_of(entry.tokenizer)
             entry.think = think_tags_of(entry.tokenizer)
             entry.grammars = Grammars(entry.tokenizer)
+            entry.bound = prompt_bound(entry.tokenizer)
+            if entry.bound is None:
+                log.info("%s: no cheap bound on prompt length; every prompt is tokenized",
+                         entry.card.id)
+        self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="admission-work")
+        self._large = asyncio.Semaphore(self.workers - 1)
+        self._load_gate = asyncio.Lock()
+
+    async def on_stop(self, error: BaseException | None) -> None:
+        if error is None and self._pending:
+            # A graceful stop: what was admitted before it is answered, within a bound.
+            await asyncio.wait(set(self._pending), timeout=STOP_WAIT_S)
+        for task in list(self._pending):
+            task.cancel()
+        if self._executor is not None:
+            # A tokenizer call under way cannot be interrupted: its thread ends after it.
+            self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def handle(self, msg: Any) -> Any:
+        try:
+            return self._handle(msg)
+        except AdmissionError as err:
+            self._count(err)
+            raise
+
+    def _handle(self, msg: Any) -> Any:
+        """The order-independent checks, here on the actor's thread; the rest is deferred."""
         match msg:
             case AdmitChat():
                 entry = self._model(msg.model)
                 tools = self._tools(msg.tools, msg.tool_choice)
-                tokens, tool_format = self._chat_tokens(entry, msg.messages, tools,
-                                                        msg.chat_template_kwargs)
-                output = self._output_spec(entry, tokens, tools, tool_format,
-                                           msg.thinking_budget)
-                # The reasoning before a constrained answer stays free text.
-                think = {"think": output.think, "in_reasoning": output.in_reasoning} \
-                    if output is not None else {}
-                if tools and msg.tool_choice.mode in ("required", "function"):
-                    constraint = self._compile(
-                        "tool_choice",
-                        lambda g: g.for_tools(tools, msg.tool_choice, tool_format, **think),
-                        entry)
-                else:
-                    constraint = self._format_constraint(entry, msg.response_format, **think)
-                return await self._admit(entry, msg.request_id, tokens, msg.sampling,
-                                         "messages", output=output, constraint=constraint)
+                self._defer(self._admit_chat(entry, msg, tools))
             case AdmitCompletion():
                 entry = self._model(msg.model)
                 if isinstance(msg.prompt, str):
-                    tokens = entry.tokenizer.encode(msg.prompt)
+                    self._defer(self._admit_text(entry, msg, msg.prompt))
                 else:
                     tokens = list(msg.prompt)
+                    # The exact length first: the range check below is then O(context).
+                    _check_context(entry, len(tokens), msg.sampling, "prompt", exact=True)
                     vocab = len(entry.tokenizer)
                     if any(t < 0 or t >= vocab for t in tokens):
-                        raise self._refuse(400, f"prompt token ids must be in [0, {vocab})",
-                                           param="prompt")
-                constraint = self._format_constraint(entry, msg.response_format)
-                return await self._admit(entry, msg.request_id, tokens, msg.sampling, "prompt",
-                                         constraint=constraint)
+                        raise _refusal(400, f"prompt token ids must be in [0, {vocab})",
+                                       param="prompt")
+                    self._defer(self._admit_ids(entry, msg, tokens))
             case CountTokens():
                 entry = self._model(msg.model)
                 tools = self._tools(msg.tools, ToolChoice())
-                tokens, _ = self._chat_tokens(entry, msg.messages, tools, None,
-                                              generation_prompt=False)
-                return len(tokens)
+                self._defer(self._count_tokens(entry, msg, tools))
             case ListModels():
                 return [entry.card for entry in self.models.values()]
             case MemoryLimits():
                 self.limits = msg
             case _:
                 raise TypeError(f"admission cannot handle {type(msg).__name__}")
+        return None
+
+    # -- deferred work: the pool, then back on the actor's thread -----------------------------
+
+    def _defer(self, work: Coroutine[Any, Any, Any]) -> None:
+        """Take the ask's answer and give it when ``work`` (a task on the actor's own loop, so
+        its state changes stay on this thread) ends; the actor takes its next message now."""
+        try:
+            answer: Reply | None = self.take_answer()
+        except RuntimeError:
+            answer = None  # sent with tell or stream: nobody waits for this answer
+        task = asyncio.get_running_loop().create_task(work)
+        self._pending.add(task)
+        task.add_done_callback(functools.partial(self._answer, answer))
+
+    def _answer(self, answer: Reply | None, task: asyncio.Task[Any]) -> None:
+        self._pending.discard(task)
+        if answer is None:
+            error = None if task.cancelled() else task.exception()
+            if isinstance(error, AdmissionError):
+                self._count(error)
+            elif error is not None:
+                log.error("admission failed on a message nobody waits for", exc_info=error)
+            return
+        if task.cancelled():
+            answer.fail(ActorDead(f"actor {self.name!r} stopped before answering"))
+            return
+        error = task.exception()
+        if error is None:
+            answer.send(task.result())
+            return
+        if isinstance(error, AdmissionError):
+            self._count(error)
+        answer.fail(error)
+
+    async def _work(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run pure ``fn(*args)`` in the pool (it must not touch the actor's state)."""
+        assert self._executor is not None
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(fn, *args))
+
+    async def _large_turn(self, fn: Callable[..., T], *args: Any) -> T:
+        """``_work`` for a large prompt: at most workers - 1 of them at once (FIFO), so a
+        worker is always left for short prompts."""
+        assert self._large is not None
+        async with self._large:
+            return await self._work(fn, *args)
+
+    async def _admit_chat(self, entry: ModelEntry, msg: AdmitChat,
+                          tools: list[dict] | None) -> AdmissionTicket:
+        args = (tools, msg.tool_choice, msg.response_format, msg.thinking_budget)
+        # One trip to the pool for a short prompt; a large one comes back to wait its turn.
+        prepared = await self._work(_chat_short, entry, msg.messages, msg.chat_template_kwargs,
+                                    msg.sampling, self.large_prompt_chars, *args)
+        if isinstance(prepared, _Prompt):
+            prepared = await self._large_turn(_prepare_chat, entry, prepared, *args)
+        tokens, output, constraint = prepared
+        return await self._admit(entry, msg.request_id, tokens, msg.sampling, "messages",
+                                 output=output, constraint=constraint)
+
+    async def _admit_text(self, entry: ModelEntry, msg: AdmitCompletion,
+                          prompt: str) -> AdmissionTicket:
+        if len(prompt) <= self.large_prompt_chars:
+            tokens, constraint = await self._work(_prepare_text, entry, prompt, msg.sampling,
+                                                  msg.response_format)
+        else:
+            await self._work(_check_floor, entry, prompt, msg.sampling, "prompt")
+            tokens, constraint = await self._large_turn(_prepare_text, entry, prompt,
+                                                        msg.sampling, msg.response_format)
+        return await self._admit(entry, msg.request_id, tokens, msg.sampling, "prompt",
+                                 constraint=constraint)
+
+    async def _admit_ids(self, entry: ModelEntry, msg: AdmitCompletion,
+                         tokens: list[int]) -> AdmissionTicket:
+        constraint = None
+        if msg.response_format is not None and msg.response_format.type != "text":
+            constraint = await self._work(_format_constraint, entry, msg.response_format)
+        return await self._admit(entry, msg.request_id, tokens, msg.sampling, "prompt",
+                                 constraint=constraint)
+
+    async def _count_tokens(self, entry: ModelEntry, msg: CountTokens,
+                            tools: list[dict] | None) -> int:
+        prompt = await self._work(_render_chat, entry, msg.messages, tools, None, False)
+        if len(prompt.text) <= self.large_prompt_chars:
+            return len(await self._work(_encode, entry, prompt.text, False))
+        return len(await self._large_turn(_encode, entry, prompt.text, False))
+
+    # -- checks on the actor's thread ---------------------------------------------------------
 
     def _model(self, name: str) -> ModelEntry:
         entry = self.models.get(name)
@@ -163,116 +450,36 @@ class Admission(Actor):
             entry = next(iter(self.models.values()))
         if entry is None:
             served = ", ".join(sorted(self.models))
-            raise self._refuse(404, f"model {name!r} is not served here (served: {served})",
-                               param="model", code="model_not_found")
+            raise _refusal(404, f"model {name!r} is not served here (served: {served})",
+                           param="model", code="model_not_found")
         return entry
-
-    # -- agents: tools, reasoning, constrained output ------------------------------------
 
     def _tools(self, tools: list[dict] | None, choice: ToolChoice) -> list[dict] | None:
         """The request's tools, checked (OpenAI's function shape), or None when there are none
         or the choice hides them; a tool choice that names no offered tool is refused."""
         if choice.mode not in ("auto", "none", "required", "function"):
-            raise self._refuse(400, f"unknown tool_choice mode {choice.mode!r}",
-                               param="tool_choice")
+            raise _refusal(400, f"unknown tool_choice mode {choice.mode!r}",
+                           param="tool_choice")
         for i, tool in enumerate(tools or ()):
             function = tool.get("function") if isinstance(tool, dict) else None
             if (not isinstance(tool, dict) or tool.get("type", "function") != "function"
                     or not isinstance(function, dict)
                     or not isinstance(function.get("name"), str) or not function["name"]):
-                raise self._refuse(400, "each tool must be {'type': 'function', 'function': "
-                                   "{'name': ..., 'parameters': {...}}}", param=f"tools[{i}]")
+                raise _refusal(400, "each tool must be {'type': 'function', 'function': "
+                               "{'name': ..., 'parameters': {...}}}", param=f"tools[{i}]")
             if not isinstance(function.get("parameters", {}), dict):
-                raise self._refuse(400, "a tool's parameters must be a JSON Schema object",
-                                   param=f"tools[{i}].function.parameters")
+                raise _refusal(400, "a tool's parameters must be a JSON Schema object",
+                               param=f"tools[{i}].function.parameters")
         if choice.mode == "none":
             return None
         names = [tool["function"]["name"] for tool in tools or ()]
         if choice.mode in ("required", "function") and not names:
-            raise self._refuse(400, f"tool_choice {choice.mode!r} needs tools",
-                               param="tool_choice")
+            raise _refusal(400, f"tool_choice {choice.mode!r} needs tools",
+                           param="tool_choice")
         if choice.mode == "function" and choice.name not in names:
-            raise self._refuse(400, f"tool_choice names {choice.name!r}, which is not among "
-                               f"the tools ({', '.join(names)})", param="tool_choice")
+            raise _refusal(400, f"tool_choice names {choice.name!r}, which is not among "
+                           f"the tools ({', '.join(names)})", param="tool_choice")
         return list(tools) if tools else None
-
-    def _chat_tokens(
-        self,
-        entry: ModelEntry,
-        messages: list[dict],
-        tools: list[dict] | None,
-        extra: dict | None,
-        generation_prompt: bool = True,
-    ) -> tuple[list[int], str | None]:
-        """The templated prompt, and the tool-call format its answer is read with. A template
-        without a tool format gets the tools written into the conversation instead
-        (``actors.tool_prompt``), read back in troupe's fallback format."""
-        tool_format = entry.tool_format
-        if tool_format is None and (tools or uses_tools(messages)):
-            messages, tools, tool_format = (with_tools_in_prompt(messages, tools), None,
-                                            FALLBACK_TOOL_FORMAT)
-        elif uses_tools(messages):
-            messages = with_parsed_arguments(messages)
-        tokens = self._apply_template(entry, messages, tools, extra, generation_prompt)
-        return tokens, tool_format
-
-    def _output_spec(self, entry: ModelEntry, tokens: list[int], tools: list[dict] | None,
-                     tool_format: str | None, thinking_budget: int | None) -> OutputSpec | None:
-        """How the engine reads this answer; None when it is plain text (no parser runs).
-        Harmony (gpt-oss) marks reasoning and the final text with the same markup as its
-        calls, so its answers are always parsed."""
-        if entry.tool_format == "harmony":
-            tool_format = "harmony"
-        elif not tools:
-            tool_format = None
-        if tool_format is None and entry.think is None:
-            return None
-        in_reasoning = False
-        if entry.think is not None:
-            tail = entry.tokenizer.decode(tokens[-16:])
-            in_reasoning = prompt_opens_reasoning(tail, entry.think)
-        return OutputSpec(tool_format=tool_format, tools=tools,
-                          think=entry.think, in_reasoning=in_reasoning,
-                          thinking_budget=thinking_budget)
-
-    def _format_constraint(self, entry: ModelEntry, fmt: OutputFormat | None,
-                           **think: Any) -> Constraint | None:
-        if fmt is None or fmt.type == "text":
-            return None
-        return self._compile("response_format", lambda g: g.for_format(fmt, **think), entry)
-
-    def _compile(self, param: str, build: Any, entry: ModelEntry) -> Constraint:
-        """Compile a grammar here, on admission's thread, so that the scheduler never waits
-        for one; a grammar llguidance cannot compile is the client's 400."""
-        assert entry.grammars is not None
-        try:
-            return build(entry.grammars)
-        except GrammarError as exc:
-            raise self._refuse(400, f"cannot enforce this {param}: {exc}", param=param) from exc
-
-    def _apply_template(
-        self,
-        entry: ModelEntry,
-        messages: list[dict],
-        tools: list[dict] | None,
-        extra: dict | None,
-        generation_prompt: bool = True,
-    ) -> list[int]:
-        if not messages:
-            raise self._refuse(400, "messages must not be empty", param="messages")
-        tokenizer = entry.tokenizer
-        if not tokenizer.has_chat_template:
-            raise self._refuse(400, f"model {entry.card.id!r} has no chat template; "
-                               "use /v1/completions", param="messages")
-        try:
-            return list(tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=generation_prompt,
-                **(extra or {}),
-            ))
-        except (jinja2.TemplateError, TypeError, ValueError, KeyError) as exc:
-            # Templates reject what they cannot render (roles out of order, bad tool specs).
-            raise self._refuse(400, f"the chat template rejected the messages: {exc}",
-                               param="messages") from exc
 
     async def _admit(
         self,
@@ -286,16 +493,8 @@ class Admission(Actor):
         constraint: Constraint | None = None,
     ) -> AdmissionTicket:
         if not tokens:
-            raise self._refuse(400, "the prompt is empty", param=prompt_param)
-        limit = entry.card.context_length
-        if len(tokens) + sampling.max_tokens > limit:
-            raise self._refuse(
-                400,
-                f"this model's context is {limit} tokens; the prompt has {len(tokens)} and "
-                f"max_tokens asks for {sampling.max_tokens}",
-                param="max_tokens" if len(tokens) < limit else prompt_param,
-                code="context_length_exceeded",
-            )
+            raise _refusal(400, "the prompt is empty", param=prompt_param)
+        _check_context(entry, len(tokens), sampling, prompt_param, exact=True)
         self._check_memory(entry, len(tokens), prompt_param)
         request = AddRequest(request_id=request_id, prompt_tokens=tokens, sampling=sampling,
                              output=output, constraint=constraint)
@@ -307,12 +506,16 @@ class Admission(Actor):
                 entry.scheduler = None
                 events = (await self._scheduler(entry)).try_stream(request)
         except MailboxFull:
-            raise self._refuse(429, "the server is busy; retry shortly", type="rate_limit_error",
-                               code="queue_full", retry_after=RETRY_AFTER_S) from None
+            retry_after = self.last_retry_after = entry.drain.retry_after()
+            raise _refusal(429, "the server is busy; retry shortly", type="rate_limit_error",
+                           code="queue_full", retry_after=retry_after) from None
         self.admitted += 1
+        entry.drain.started()
         admitted = Admitted(request_id=request_id, model=entry.card.id,
                             prompt_tokens=len(tokens))
-        return AdmissionTicket(admitted=admitted, events=events)
+        # Duck-typed as the ReplyStream it wraps: the HTTP layer only iterates and closes it.
+        return AdmissionTicket(admitted=admitted,
+                               events=TrackedEvents(events, entry.drain))
 
     def _check_memory(self, entry: ModelEntry, n_tokens: int, prompt_param: str) -> None:
         """The prefill guard: refuse before any header what the memory limit cannot take."""
@@ -320,7 +523,7 @@ class Admission(Actor):
         if limits is None or entry.memory is None:
             return
         if limits.pressure == HARD:
-            raise self._refuse(
+            raise _refusal(
                 503,
                 f"the server is short of memory ({limits.usage / MB:.0f} MB of its "
                 f"{limits.limit / MB:.0f} MB limit in use); retry shortly",
@@ -340,7 +543,7 @@ class Admission(Actor):
         floor = max(limits.floor, memory.weights_bytes) + (0 if entry.loaded else
                                                            memory.weights_bytes)
         if need > limits.limit - floor:
-            raise self._refuse(
+            raise _refusal(
                 413,
                 f"this prompt of {n_tokens} tokens needs about {need / MB:.0f} MB for its "
                 f"prefill, {estimate / MB:.0f} MB in all with what is in use, over the server's "
@@ -349,7 +552,7 @@ class Admission(Actor):
                 param=prompt_param, code="memory_limit_exceeded",
             )
         if estimate > limits.limit:
-            raise self._refuse(
+            raise _refusal(
                 503,
                 f"this prompt of {n_tokens} tokens needs about {need / MB:.0f} MB for its "
                 f"prefill, {estimate / MB:.0f} MB in all with what is in use, over the server's "
@@ -359,25 +562,26 @@ class Admission(Actor):
 
     async def _scheduler(self, entry: ModelEntry) -> ActorRef:
         """The model's scheduler, loading the model through the engine pool if need be.
-        (Admission waits for the load: the load holds the MLX thread anyway.)"""
-        if entry.loaded:
-            assert entry.scheduler is not None
-            return entry.scheduler
-        pool = self.system.find(self.pool_name) if self.pool_name else None
-        if pool is None:
-            raise self._refuse(503, f"model {entry.card.id!r} is not loaded",
+
+        One load at a time, and no request goes to any scheduler while one runs (the load
+        holds the MLX thread anyway, and the pool may be unloading another model for it):
+        as when admission handled one request at a time, they wait for it in order."""
+        assert self._load_gate is not None
+        async with self._load_gate:
+            if entry.loaded:
+                assert entry.scheduler is not None
+                return entry.scheduler
+            pool = self.system.find(self.pool_name) if self.pool_name else None
+            if pool is None:
+                raise _refusal(503, f"model {entry.card.id!r} is not loaded",
                                type="server_error", retry_after=RETRY_AFTER_S)
-        try:
             entry.scheduler = await pool.ask(LoadModel(model=entry.card.id),
                                              timeout=LOAD_TIMEOUT_S)
-        except AdmissionError as err:
-            self.refused[err.status] = self.refused.get(err.status, 0) + 1
-            raise
-        return entry.scheduler
+            return entry.scheduler
 
-    def _refuse(self, status: int, message: str, **kw: Any) -> AdmissionError:
-        self.refused[status] = self.refused.get(status, 0) + 1
-        return AdmissionError(status, message, **kw)
+    def _count(self, err: AdmissionError) -> None:
+        """Every refusal is counted once, on the actor's thread, when it is answered."""
+        self.refused[err.status] = self.refused.get(err.status, 0) + 1
 
     def report(self) -> dict[str, Any]:
         limits = self.limits
@@ -386,7 +590,156 @@ class Admission(Actor):
             "loaded": sorted(name for name, entry in self.models.items() if entry.loaded),
             "admitted": self.admitted,
             "refused": {str(k): v for k, v in sorted(self.refused.items())},
+            "admitting": len(self._pending),
+            "in_flight": {name: entry.drain.in_flight for name, entry in self.models.items()},
+            "last_retry_after_s": self.last_retry_after,
             "memory_limit_bytes": limits.limit if limits else 0,
             "memory_pressure": limits.pressure if limits else "unknown",
             "last_estimate_bytes": self.last_estimate,
         }
+
+
+# -- pure work: runs in the pool, reads only what does not change after on_start ---------------
+
+
+def _refusal(status: int, message: str, **kw: Any) -> AdmissionError:
+    return AdmissionError(status, message, **kw)
+
+
+def _check_context(entry: ModelEntry, n_tokens: int, sampling: SamplingParams,
+                   prompt_param: str, *, exact: bool) -> None:
+    """Refuse a prompt of ``n_tokens`` (``exact``, or at least that many) that leaves no room
+    for ``max_tokens`` in the context."""
+    limit = entry.card.context_length
+    if n_tokens + sampling.max_tokens > limit:
+        has = "has" if exact else "has at least"
+        raise _refusal(
+            400,
+            f"this model's context is {limit} tokens; the prompt {has} {n_tokens} and "
+            f"max_tokens asks for {sampling.max_tokens}",
+            param="max_tokens" if n_tokens < limit else prompt_param,
+            code="context_length_exceeded",
+        )
+
+
+def _check_floor(entry: ModelEntry, text: str, sampling: SamplingParams,
+                 prompt_param: str) -> None:
+    """Refuse, without tokenizing it, a text whose floor of tokens cannot fit."""
+    if entry.bound is not None:
+        _check_context(entry, entry.bound.fewest_tokens(text), sampling, prompt_param,
+                       exact=False)
+
+
+def _render_chat(entry: ModelEntry, messages: list[dict], tools: list[dict] | None,
+                 extra: dict | None, generation_prompt: bool) -> _Prompt:
+    """The chat as the template renders it, not tokenized yet (so that its floor of tokens is
+    checked first). A template without a tool format gets the tools written into the
+    conversation instead (``actors.tool_prompt``), read back in troupe's fallback format."""
+    tool_format = entry.tool_format
+    if tool_format is None and (tools or uses_tools(messages)):
+        messages, tools, tool_format = (with_tools_in_prompt(messages, tools), None,
+                                        FALLBACK_TOOL_FORMAT)
+    elif uses_tools(messages):
+        messages = with_parsed_arguments(messages)
+    if not messages:
+        raise _refusal(400, "messages must not be empty", param="messages")
+    if not entry.tokenizer.has_chat_template:
+        raise _refusal(400, f"model {entry.card.id!r} has no chat template; "
+                       "use /v1/completions", param="messages")
+    try:
+        text = entry.tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False,
+            **(extra or {}),
+        )
+    except (jinja2.TemplateError, TypeError, ValueError, KeyError) as exc:
+        # Templates reject what they cannot render (roles out of order, bad tool specs).
+        raise _refusal(400, f"the chat template rejected the messages: {exc}",
+                       param="messages") from exc
+    return _Prompt(text=text, tool_format=tool_format)
+
+
+_Prepared = tuple[list[int], OutputSpec | None, Constraint | None]
+
+
+def _chat_short(entry: ModelEntry, messages: list[dict], extra: dict | None,
+                sampling: SamplingParams, large: int, tools: list[dict] | None,
+                choice: ToolChoice, fmt: OutputFormat | None, thinking_budget: int | None,
+                ) -> _Prepared | _Prompt:
+    """The chat rendered for generation, refused if its floor of tokens cannot fit; prepared
+    at once if it has at most ``large`` characters, else returned to wait its turn."""
+    prompt = _render_chat(entry, messages, tools, extra, True)
+    _check_floor(entry, prompt.text, sampling, "messages")
+    if len(prompt.text) > large:
+        return prompt
+    return _prepare_chat(entry, prompt, tools, choice, fmt, thinking_budget)
+
+
+def _prepare_text(entry: ModelEntry, prompt: str, sampling: SamplingParams,
+                  fmt: OutputFormat | None) -> tuple[list[int], Constraint | None]:
+    """A completion prompt's tokens and its grammar, refused first if its floor of tokens
+    cannot fit."""
+    _check_floor(entry, prompt, sampling, "prompt")
+    return _encode(entry, prompt, True), _format_constraint(entry, fmt)
+
+
+def _encode(entry: ModelEntry, text: str, special: bool) -> list[int]:
+    """The text's tokens; a rendered chat carries its special tokens already (as
+    ``apply_chat_template`` encodes it), a raw completion prompt gets the tokenizer's own."""
+    return list(entry.tokenizer.encode(text, add_special_tokens=special))
+
+
+def _prepare_chat(entry: ModelEntry, prompt: _Prompt, tools: list[dict] | None,
+                  choice: ToolChoice, fmt: OutputFormat | None, thinking_budget: int | None,
+                  ) -> _Prepared:
+    """A rendered chat's tokens, how its answer is read, and its grammar (``tools``: the
+    request's, also when the fallback wrote them into the prompt)."""
+    tokens = _encode(entry, prompt.text, False)
+    tool_format = prompt.tool_format
+    output = _output_spec(entry, tokens, tools, tool_format, thinking_budget)
+    # The reasoning before a constrained answer stays free text.
+    think = {"think": output.think, "in_reasoning": output.in_reasoning} \
+        if output is not None else {}
+    if tools and choice.mode in ("required", "function"):
+        constraint = _compile(
+            entry, "tool_choice", lambda g: g.for_tools(tools, choice, tool_format, **think))
+    else:
+        constraint = _format_constraint(entry, fmt, **think)
+    return tokens, output, constraint
+
+
+def _output_spec(entry: ModelEntry, tokens: list[int], tools: list[dict] | None,
+                 tool_format: str | None, thinking_budget: int | None) -> OutputSpec | None:
+    """How the engine reads this answer; None when it is plain text (no parser runs).
+    Harmony (gpt-oss) marks reasoning and the final text with the same markup as its
+    calls, so its answers are always parsed."""
+    if entry.tool_format == "harmony":
+        tool_format = "harmony"
+    elif not tools:
+        tool_format = None
+    if tool_format is None and entry.think is None:
+        return None
+    in_reasoning = False
+    if entry.think is not None:
+        tail = entry.tokenizer.decode(tokens[-16:])
+        in_reasoning = prompt_opens_reasoning(tail, entry.think)
+    return OutputSpec(tool_format=tool_format, tools=tools,
+                      think=entry.think, in_reasoning=in_reasoning,
+                      thinking_budget=thinking_budget)
+
+
+def _format_constraint(entry: ModelEntry, fmt: OutputFormat | None,
+                       **think: Any) -> Constraint | None:
+    if fmt is None or fmt.type == "text":
+        return None
+    return _compile(entry, "response_format", lambda g: g.for_format(fmt, **think))
+
+
+def _compile(entry: ModelEntry, param: str, build: Callable[[Grammars], Constraint]
+             ) -> Constraint:
+    """Compile a grammar in admission's pool, so that the scheduler never waits for one; a
+    grammar llguidance cannot compile is the client's 400."""
+    assert entry.grammars is not None
+    try:
+        return build(entry.grammars)
+    except GrammarError as exc:
+        raise _refusal(400, f"cannot enforce this {param}: {exc}", param=param) from exc

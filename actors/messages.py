@@ -274,6 +274,7 @@ class RequestFinished(Message, frozen=True, kw_only=True):
     error_status: int | None = None
     ttft_s: float | None = None
     stop_sequence: str | None = None  # the stop string that ended the text, if one did
+    retry_after: float | None = None  # a refusal's Retry-After (seconds), when it estimated one
 
 
 RequestEvent = RequestStarted | TokensGenerated | RequestFinished
@@ -288,4 +289,5 @@ class AdmissionTicket:
     """
 
     admitted: Admitted
-    events: ReplyStream
+    # A ReplyStream, or admission's wrapper of one (the same interface).
+    events: ReplyStream | Any

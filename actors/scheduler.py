@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+import msgspec
 from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_load
 
@@ -60,7 +61,9 @@ from actors.messages import (
 )
 from actors.model_store import DEFAULT_MODEL, resolve_model
 from actors.prefix import model_fingerprint
+from actors.retry import FinishPace
 from runtime import Actor, ActorDead, AskTimeout, MailboxFull, Reply
+from runtime.threads import at_thread_exit
 
 log = logging.getLogger("actors.scheduler")
 
@@ -144,6 +147,7 @@ class Scheduler(Actor):
         self.model_id = model_id
         self.model_name = model_id or model or DEFAULT_MODEL
         self.max_queue = max_queue
+        self.pace = FinishPace()  # how fast requests finish: a full queue's Retry-After
         self._engine_kwargs = dict(
             max_batch_size=max_batch_size,
             prefill_batch_size=prefill_batch_size,
@@ -194,6 +198,10 @@ class Scheduler(Actor):
         )
         # The run-time compiled kernels are built now, not in the first request's time.
         warm = self.engine.warm_up()
+        # MLX's compile cache is per thread and holds Python objects. Left to its C++
+        # thread_local destructor, which runs after the thread was joined, it needed the GIL
+        # while the interpreter finalized and aborted `troupe serve` at exit now and then.
+        at_thread_exit(mx.clear_streams)
         if self._engine_kwargs["block_size"] and not self.engine.caching:
             log.warning("%s: its cache layers cannot be cut into blocks; prefix cache off",
                         resolved.name)
@@ -286,9 +294,13 @@ class Scheduler(Actor):
             reply.close()
             return
         if engine.waiting + len(self._loading) >= self.max_queue:
-            reply.send(_refused(msg, 429, "the scheduler's queue is full; retry shortly"))
+            refused = _refused(msg, 429, "the scheduler's queue is full; retry shortly")
+            ahead = len(engine.requests) + len(self._loading)
+            reply.send(msgspec.structs.replace(refused, retry_after=self.pace.retry_after(ahead)))
             reply.close()
             return
+        if not engine.has_work and not self._loading:
+            self.pace.busy()
         self._epoch += 1
         self._epochs[msg.request_id] = self._epoch
         ram, disk = await self._find_prefix(msg.prompt_tokens)
@@ -486,6 +498,7 @@ class Scheduler(Actor):
             if isinstance(event, RequestFinished):
                 reply.close()
                 del self._replies[event.request_id]
+                self.pace.finished()
                 self._epochs.pop(event.request_id, None)
 
     def _queue_step(self, delay: float = 0.0) -> None:

@@ -55,3 +55,13 @@ class Actor:
         while it is still open.
         """
         return self._cell.take_reply()
+
+    def take_answer(self) -> Reply:
+        """The answer of the message being handled, which must have come with ``ask``.
+
+        Once taken, the actor gives it later (``send`` answers, ``fail`` raises in the asker),
+        from any thread, so that a handler can start a long job, return, and take the next
+        message meanwhile; the runtime no longer answers with ``handle``'s return value and
+        fails the answer with ``ActorDead`` if the actor ends before giving it.
+        """
+        return self._cell.take_answer()

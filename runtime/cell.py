@@ -19,7 +19,7 @@ from runtime.errors import ActorDead, AskTimeout
 from runtime.mailbox import Mailbox
 from runtime.messages import Envelope
 from runtime.ref import ActorRef
-from runtime.reply import Reply
+from runtime.reply import AskReply, Reply
 from runtime.snapshot import ENDED, ActorSnapshot, ActorState, ErrorInfo
 from runtime.supervision import Restart, RestartBudget
 from runtime.threads import ActorThread, Lane
@@ -77,6 +77,7 @@ class ActorCell:
         self._lock = asyncio.Lock()
         self._current: Envelope | None = None
         self._reply_taken = False
+        self._answer: AskReply | None = None  # an ask's answer the handler took to give later
         self._hook_task: asyncio.Task[Any] | None = None
         self._open_replies: set[Reply] = set()
         self._stop_self = False
@@ -148,6 +149,23 @@ class ActorCell:
                 reply._on_finish = self._open_replies.discard
                 self._open_replies.add(reply)
         return reply
+
+    def take_answer(self) -> Reply:
+        """For a message sent with ``ask``: its answer (an ``AskReply``), for the actor to give
+        later, from any thread, so that a handler can start a long job, return, and take the
+        next message meanwhile. The runtime no longer answers with ``handle``'s return value
+        (an exception ``handle`` raises still fails the ask) and fails the answer with
+        ``ActorDead`` if the actor ends before giving it.
+        """
+        envelope = self._current
+        if envelope is None or not isinstance(envelope.reply, asyncio.Future):
+            raise RuntimeError("take_answer(): the message being handled was not sent with ask()")
+        if self._answer is None:
+            self._answer = answer = AskReply(envelope.reply)
+            self._reply_taken = True
+            answer._on_finish = self._open_replies.discard
+            self._open_replies.add(answer)
+        return self._answer
 
     def snapshot(self) -> ActorSnapshot:
         """This actor now, for ``ActorSystem.snapshot``."""
@@ -240,15 +258,17 @@ class ActorCell:
         self._hook_task = asyncio.current_task()
         self._current = envelope
         self._reply_taken = False
+        self._answer = None
         try:
             result = await self.instance.handle(envelope.message)  # type: ignore[union-attr]
         except asyncio.CancelledError:
             if self._hook_task is not None and self._hook_task.cancelling():
                 raise
             cancelled = RuntimeError(f"actor {self.name!r}: handler was cancelled")
-            return self._answer_error(envelope.reply, cancelled)
+            return self._answer_error(self._answer or envelope.reply, cancelled)
         except Exception as exc:
-            return self._answer_error(envelope.reply, exc)
+            # A taken answer fails through itself, so that it is no longer counted open.
+            return self._answer_error(self._answer or envelope.reply, exc)
         finally:
             self._current = None
         # Counted before answering, so an asker that got its answer sees the count.
@@ -259,7 +279,7 @@ class ActorCell:
                 if result is not None:
                     reply.send(result)
                 reply.close()
-        elif reply is not None:
+        elif reply is not None and not self._reply_taken:
             self._complete(reply, result, None)
         return None
 

@@ -105,6 +105,85 @@ class Reply:
             on_finish(self)
 
 
+class AskReply(Reply):
+    """The answer to an ``ask``, taken by the actor to give after ``handle`` returned (see
+    ``ActorCell.take_answer``), so that the actor can handle its next message meanwhile.
+
+    The first ``send`` answers the asker; ``close`` without one answers None; ``fail`` makes
+    the ask raise. Every call after the first is ignored (``send`` returns False). Like
+    ``Reply``, every method is thread-safe and never blocks.
+    """
+
+    __slots__ = ("_future", "_lock", "_closed")
+
+    def __init__(self, future: asyncio.Future[Any]) -> None:
+        # Not Reply.__init__: there is no channel, only the asker's future.
+        self._future = future
+        self._lock = threading.Lock()
+        self._closed = False
+        self._on_finish = None
+
+    def send(self, item: Any) -> bool:
+        """Answer the ask with ``item``; False if it was answered already."""
+        return self._answer(item, None)
+
+    def close(self) -> None:
+        """Answer None, unless the ask was answered already."""
+        self._answer(None, None)
+
+    def fail(self, error: BaseException) -> None:
+        """Make the ask raise ``error``, unless it was answered already."""
+        self._answer(None, error)
+
+    @property
+    def consumer_gone(self) -> bool:
+        """True once the asker stopped waiting (it timed out or was cancelled)."""
+        return self._future.done() and not self._closed
+
+    @property
+    def done(self) -> bool:
+        """True once the ask was answered (or failed)."""
+        return self._closed
+
+    def _answer(self, result: Any, error: BaseException | None) -> bool:
+        with self._lock:
+            if self._closed:
+                return False
+            self._closed = True
+        # No longer open before the asker can see its answer.
+        on_finish, self._on_finish = self._on_finish, None
+        if on_finish is not None:
+            on_finish(self)
+        _settle_future(self._future, result, error)
+        return True
+
+
+def _settle_future(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    """Complete ``future`` from any thread; a future already done (the asker left) stays so."""
+
+    def apply() -> None:
+        if future.done():
+            return
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+
+    loop = future.get_loop()
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        apply()
+        return
+    try:
+        loop.call_soon_threadsafe(apply)
+    except RuntimeError:
+        # The asker's event loop is closed: nobody is left to answer.
+        pass
+
+
 class ReplyStream(Generic[T]):
     """The consuming end of a streamed reply: ``async for item in stream``.
 

@@ -151,7 +151,7 @@ async def test_full_scheduler_queue_answers_429_with_retry_after(aiohttp_client,
     statuses = sorted(r.status for r in results)
     assert 200 in statuses and 429 in statuses, statuses
     refused = next(r for r in results if r.status == 429)
-    assert float(refused.headers["Retry-After"]) > 0
+    assert float(refused.headers["Retry-After"]) >= 1  # the queue's estimate: see test_retry_after
     assert (await refused.json())["error"]["type"] == "rate_limit_error"
 
 
