@@ -38,6 +38,17 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     cache_disk_max: int = 8 << 30
     max_body_bytes: int = 8 * 1024 * 1024
     api_key: str | None = None
+    # Needed instead of api_key on the introspection routes (/actors..., /metrics); None:
+    # they take api_key like every other route.
+    admin_api_key: str | None = None
+    # Connections: seconds a connection may wait for a complete request head (idle between
+    # requests, or a head arriving slowly), seconds a request body may take to arrive, the
+    # most open at once (None: three quarters of the open-file limit), and the longest
+    # request line or header field in bytes.
+    idle_timeout: float = 30.0
+    body_timeout: float = 60.0
+    max_connections: int | None = None
+    max_header_bytes: int = 8190
     allowed_origins: list[str] = []
     shutdown_grace: float = 30.0
     log_level: str = "info"

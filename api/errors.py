@@ -100,7 +100,8 @@ class ApiError(Exception):
 
     Raised anywhere below a handler; the error middleware turns it into the response.
     ``type`` is OpenAI's (Anthropic's follows from the status); ``retry_after`` (seconds)
-    becomes a Retry-After header; ``headers`` are added as they are.
+    becomes a Retry-After header; ``headers`` are added as they are; ``close`` closes the
+    connection after the answer (what the client was sending cannot be trusted to end).
     """
 
     def __init__(
@@ -113,6 +114,7 @@ class ApiError(Exception):
         code: str | None = None,
         retry_after: float | None = None,
         headers: dict[str, str] | None = None,
+        close: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -122,6 +124,7 @@ class ApiError(Exception):
         self.code = code
         self.retry_after = retry_after
         self.headers = dict(headers or {})
+        self.close = close
 
     @classmethod
     def from_admission(cls, err: AdmissionError) -> ApiError:
@@ -152,12 +155,15 @@ class ApiError(Exception):
         if self.retry_after is not None:
             # Retry-After takes whole seconds; rounding up never invites an early retry.
             headers["Retry-After"] = str(max(0, math.ceil(self.retry_after)))
-        return web.Response(
+        response = web.Response(
             status=self.status,
             body=self.body(shape),
             content_type="application/json",
             headers=headers,
         )
+        if self.close:
+            response.force_close()
+        return response
 
 
 def _from_http_exception(request: web.Request, exc: web.HTTPException) -> ApiError:

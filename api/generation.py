@@ -15,11 +15,17 @@ from abc import ABC, abstractmethod
 
 from aiohttp import web
 
-from actors.messages import AdmissionTicket, RequestEvent, RequestFinished, TokensGenerated
+from actors.messages import (
+    AdmissionTicket,
+    RequestEvent,
+    RequestFinished,
+    TokensGenerated,
+    Usage,
+)
 from api.errors import DEFAULT_RETRY_AFTER_S, ApiError
 from api.shutdown import INFLIGHT, SHUTTING_DOWN
 from api.sse import EventStream, Frame
-from api.telemetry import RECORD, ObservedEvents
+from api.telemetry import RECORD, ObservedEvents, RequestRecord
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +55,11 @@ class Renderer(ABC):
     def whole(self, deltas: list[TokensGenerated], finished: RequestFinished) -> bytes:
         """The non-streaming response body."""
 
+    def interrupted(self, error: ApiError, usage: Usage) -> list[Frame]:
+        """The last events of a stream cut short after its headers were sent (a failure, the
+        shutdown), ``usage`` counting the tokens so far: by default, ``failure``'s."""
+        return self.failure(error)
+
 
 def failure_of(finished: RequestFinished) -> ApiError | None:
     """The error a finished request carries, or None when it ended normally."""
@@ -57,8 +68,19 @@ def failure_of(finished: RequestFinished) -> ApiError | None:
     status = finished.error_status or 500
     message = finished.error or f"The request ended with finish_reason '{finished.finish_reason}'."
     # 429 (a full queue) and 503 (memory short, a model being unloaded) pass with time.
-    retry_after = DEFAULT_RETRY_AFTER_S if status in (429, 503) else None
+    retry_after = finished.retry_after
+    if retry_after is None and status in (429, 503):
+        retry_after = DEFAULT_RETRY_AFTER_S
     return ApiError(status, message, retry_after=retry_after)
+
+
+def usage_so_far(record: RequestRecord) -> Usage:
+    """The tokens a request has used until now, as its record counted them."""
+    return Usage(
+        prompt_tokens=record.prompt_tokens or 0,
+        completion_tokens=record.completion_tokens,
+        cached_tokens=record.cached_tokens or 0,
+    )
 
 
 def _as_api_error(exc: Exception) -> ApiError:
@@ -118,7 +140,10 @@ async def _answer_stream(
             if event is None:
                 raise ApiError(500, _ENDED_EARLY)
         failure = failure_of(event)
-        await stream.send(renderer.failure(failure) if failure else renderer.closing(event))
+        if failure:
+            await stream.send(renderer.interrupted(failure, event.usage))
+        else:
+            await stream.send(renderer.closing(event))
         await stream.close()
     except ConnectionResetError:
         log.info("client went away during %s", request[RECORD].request_id)
@@ -129,13 +154,15 @@ async def _answer_stream(
         # The shutdown's grace period is over: end the stream cleanly, as the API ends one.
         task.uncancel()
         request[RECORD].finish_reason = "abort"
-        await _end_with(stream, renderer, ApiError(503, SHUTTING_DOWN))
+        await _end_with(stream, renderer, ApiError(503, SHUTTING_DOWN), request[RECORD])
     except Exception as exc:  # headers are out: the failure goes in the stream
-        await _end_with(stream, renderer, _as_api_error(exc))
+        await _end_with(stream, renderer, _as_api_error(exc), request[RECORD])
     return stream.response
 
 
-async def _end_with(stream: EventStream, renderer: Renderer, error: ApiError) -> None:
+async def _end_with(
+    stream: EventStream, renderer: Renderer, error: ApiError, record: RequestRecord
+) -> None:
     with contextlib.suppress(ConnectionResetError):
-        await stream.send(renderer.failure(error))
+        await stream.send(renderer.interrupted(error, usage_so_far(record)))
         await stream.close()

@@ -533,6 +533,12 @@ class _OpenAIRenderer(Renderer):
     def failure(self, error: ApiError) -> list[Frame]:
         return [(None, error.body()), DONE]
 
+    def interrupted(self, error: ApiError, usage: Usage) -> list[Frame]:
+        # include_usage promises a usage chunk before [DONE]: a stream cut short (the
+        # shutdown, a failure) still sends one, counting the tokens so far.
+        frames = [(None, self.usage_chunk(usage))] if self.include_usage else []
+        return frames + self.failure(error)
+
     def closing(self, finished: RequestFinished) -> list[Frame]:
         frames = [(None, self.finish_chunk(finished))]
         if self.include_usage:

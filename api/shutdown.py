@@ -38,6 +38,8 @@ class Inflight:
         self._idle.set()
         self._hurry = asyncio.Event()
         self.draining = False
+        # Set with ``draining``: what waits on a client (a body still arriving) gives up on it.
+        self.stopping = asyncio.Event()
 
     def __len__(self) -> int:
         return len(self._tasks)
@@ -53,6 +55,7 @@ class Inflight:
     async def shutdown(self, grace: float) -> None:
         """Refuse new requests, wait up to ``grace`` seconds for those running, abort the rest."""
         self.draining = True
+        self.stopping.set()
         if self._tasks:
             log.info("waiting up to %.1fs for %d request(s) in flight", grace, len(self._tasks))
             waits = {asyncio.ensure_future(self._idle.wait()),
