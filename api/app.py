@@ -14,10 +14,13 @@ from aiohttp.typedefs import Handler, Middleware
 
 from actors.config import ServeConfig
 from api.anthropic import AnthropicRoutes
+from api.dashboard import PUBLIC_PATHS, DashboardRoutes
+from api.decode import read_body
 from api.errors import ApiError, error_middleware
 from api.introspection import IntrospectionRoutes
 from api.metrics import METRICS, Metrics, metrics_handler
 from api.openai import OpenAIRoutes
+from api.openapi import OpenApiRoute
 from api.responses import ResponsesRoutes
 from api.shutdown import INFLIGHT, SHUTTING_DOWN, Inflight
 from api.telemetry import telemetry_middleware
@@ -28,37 +31,105 @@ ADMISSION = web.AppKey("admission", ActorRef)
 CONFIG = web.AppKey("config", ServeConfig)
 
 # Everything but /health needs the key (introspection and metrics show what the server
-# does); load balancers and probes call /health without one.
-_OPEN_PATHS = frozenset({"/health"})
+# does); load balancers and probes call /health without one. The dashboard's page holds no
+# data (its stream, /actors/events, wants the key): a browser cannot send one to load it.
+_OPEN_PATHS = frozenset({"/health", *PUBLIC_PATHS})
 
 
-def _api_key_middleware(api_key: str) -> Middleware:
-    """Refuse requests without the key, sent as a Bearer token or as ``x-api-key``."""
-    expected = api_key.encode()
+# The introspection routes (and the dashboard's): what the server does and holds, for its
+# operators. With an admin key set, they take that key and no other.
+_ADMIN_PREFIXES = ("/actors", "/metrics", "/dashboard")
 
-    def matches(token: str) -> bool:
+_NO_KEY = "Missing or invalid API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'."
+
+
+def _is_admin_route(request: web.Request) -> bool:
+    """True for the introspection routes (by the route matched, else by the path)."""
+    resource = request.match_info.route.resource
+    path = resource.canonical if resource is not None else request.path
+    return any(path == prefix or path.startswith(prefix + "/") for prefix in _ADMIN_PREFIXES)
+
+
+def _presented_keys(request: web.Request) -> list[bytes]:
+    """The keys a request sends (``x-api-key``, ``Authorization: Bearer``), as raw bytes.
+
+    Raw: a header that is not UTF-8 is a wrong key, not an error. Exact: ``Bearer`` and one
+    space, then the key; anything around it (more spaces, a tab) makes it another key.
+    """
+    keys = []
+    for name, value in request.raw_headers:
+        name = name.lower()
+        if name == b"x-api-key":
+            keys.append(value)
+        elif name == b"authorization":
+            scheme, space, token = value.partition(b" ")
+            if space and scheme.lower() == b"bearer":
+                keys.append(token)
+    return keys
+
+
+def _holds(keys: list[bytes], expected: bytes | None) -> bool:
+    """Whether one of ``keys`` is ``expected``, compared in constant time."""
+    if expected is None:
+        return False
+    found = False
+    for key in keys:
         # compare_digest: the time taken must not reveal how much of the key matched.
-        return hmac.compare_digest(token.strip().encode(), expected)
+        found |= hmac.compare_digest(key, expected)
+    return found
+
+
+def _key_bytes(key: str | None) -> bytes | None:
+    # surrogateescape: a key passed as bytes that are not UTF-8 (argv, the environment)
+    # compares as those bytes.
+    return key.encode("utf-8", "surrogateescape") if key else None
+
+
+def _api_key_middleware(api_key: str | None, admin_api_key: str | None) -> Middleware:
+    """Refuse requests without the key, sent as a Bearer token or as ``x-api-key``.
+
+    ``api_key`` guards every route but the open ones; ``admin_api_key``, when set, guards
+    the introspection routes instead (and is taken wherever ``api_key`` is).
+    """
+    api, admin = _key_bytes(api_key), _key_bytes(admin_api_key)
 
     @web.middleware
     async def check_api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
         # Browsers send CORS preflights without credentials.
-        if request.path not in _OPEN_PATHS and request.method != "OPTIONS":
-            scheme, _, bearer = request.headers.get("Authorization", "").partition(" ")
-            # OpenAI clients send a Bearer token, Anthropic's send x-api-key.
-            if not (
-                (scheme.lower() == "bearer" and matches(bearer))
-                or matches(request.headers.get("x-api-key", ""))
-            ):
-                raise ApiError(
-                    401,
-                    "Missing or invalid API key: send 'Authorization: Bearer <key>' "
-                    "or 'x-api-key: <key>'.",
-                    code="invalid_api_key",
-                )
+        if request.path in _OPEN_PATHS or request.method == "OPTIONS":
+            return await handler(request)
+        # OpenAI clients send a Bearer token, Anthropic's send x-api-key.
+        keys = _presented_keys(request)
+        if admin is not None and _is_admin_route(request):
+            if not _holds(keys, admin):
+                if _holds(keys, api):
+                    raise ApiError(403, "This route needs the admin API key.",
+                                   code="admin_key_required")
+                raise ApiError(401, _NO_KEY, code="invalid_api_key")
+        elif api is not None and not (_holds(keys, api) or _holds(keys, admin)):
+            raise ApiError(401, _NO_KEY, code="invalid_api_key")
         return await handler(request)
 
     return check_api_key
+
+
+def _body_middleware(config: ServeConfig) -> Middleware:
+    """Read a request's body before its handler runs, within ``config.body_timeout``.
+
+    The handler's own ``request.read()`` then returns it at once. A body that is too large,
+    too slow or still arriving when the server begins to stop is answered here (413, 408,
+    503) and never holds a handler, the shutdown or a batch slot.
+    """
+
+    @web.middleware
+    async def read_body_first(request: web.Request, handler: Handler) -> web.StreamResponse:
+        # No route (404, 405): aiohttp answers without reading.
+        if request.can_read_body and request.match_info.http_exception is None:
+            await read_body(request, max_bytes=config.max_body_bytes,
+                            timeout=config.body_timeout, stopping=request.app[INFLIGHT].stopping)
+        return await handler(request)
+
+    return read_body_first
 
 
 _ALLOW_HEADERS = "Authorization, Content-Type, x-api-key, anthropic-version"
@@ -129,8 +200,10 @@ def create_app(*, system: ActorSystem, admission: ActorRef, config: ServeConfig)
     cors = _Cors(config.allowed_origins) if config.allowed_origins else None
     if cors is not None:
         middlewares.append(cors.preflight)
-    if config.api_key:
-        middlewares.append(_api_key_middleware(config.api_key))
+    if config.api_key or config.admin_api_key:
+        middlewares.append(_api_key_middleware(config.api_key, config.admin_api_key))
+    # After the key: a body is read only for a client that may send one.
+    middlewares.append(_body_middleware(config))
     # client_max_size: aiohttp refuses larger bodies with 413 when the handler reads them.
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=middlewares)
     app[SYSTEM] = system
@@ -146,5 +219,8 @@ def create_app(*, system: ActorSystem, admission: ActorRef, config: ServeConfig)
     OpenAIRoutes(admission, config).register(app.router)
     AnthropicRoutes(admission, config).register(app.router)
     ResponsesRoutes(admission, config).register(app.router)
+    # Before the introspection routes: /actors/events must win over /actors/{name}.
+    DashboardRoutes(system).register(app)
     IntrospectionRoutes(system).register(app.router)
+    OpenApiRoute(config, open_paths=_OPEN_PATHS).register(app.router)
     return app

@@ -201,6 +201,16 @@ def _actors(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- top -----------------------------------------------------------------------------------
+
+
+def _top(args: argparse.Namespace) -> int:
+    # Lazy: rich is only needed here.
+    from api.top import run
+
+    return run(args.url, args.api_key, once=args.once)
+
+
 # --- bench ---------------------------------------------------------------------------------
 
 _HARNESS = Path(__file__).resolve().parents[1] / "benchmarks" / "harness.py"
@@ -399,6 +409,42 @@ def build_parser() -> argparse.ArgumentParser:
         help="require this key on every route but /health (default: $TROUPE_API_KEY, else none)",
     )
     serve_cmd.add_argument(
+        "--admin-api-key",
+        metavar="KEY",
+        default=os.environ.get("TROUPE_ADMIN_API_KEY", opt),
+        help="require this key, and no other, on /actors and /metrics "
+        "(default: $TROUPE_ADMIN_API_KEY, else they take --api-key)",
+    )
+    serve_cmd.add_argument(
+        "--idle-timeout",
+        type=float,
+        metavar="SECONDS",
+        default=opt,
+        help="close a connection that has not sent a complete request head this long after "
+        f"opening or after its last response (default: {_DEFAULTS.idle_timeout})",
+    )
+    serve_cmd.add_argument(
+        "--body-timeout",
+        type=float,
+        metavar="SECONDS",
+        default=opt,
+        help=f"a request body must arrive within this (default: {_DEFAULTS.body_timeout})",
+    )
+    serve_cmd.add_argument(
+        "--max-connections",
+        type=int,
+        metavar="N",
+        default=opt,
+        help="connections open at once; more get 503 (default: 3/4 of the open-file limit)",
+    )
+    serve_cmd.add_argument(
+        "--max-header-bytes",
+        type=int,
+        metavar="N",
+        default=opt,
+        help=f"longest request line or header (default: {_DEFAULTS.max_header_bytes})",
+    )
+    serve_cmd.add_argument(
         "--allowed-origins",
         "--allowed-origin",
         dest="allowed_origins",
@@ -473,6 +519,16 @@ def build_parser() -> argparse.ArgumentParser:
     actors_cmd.add_argument(
         "--api-key", default=os.environ.get("TROUPE_API_KEY"), help="default: $TROUPE_API_KEY"
     )
+
+    top_cmd = commands.add_parser(
+        "top", help="a running server live in the terminal: actors, requests, cache, memory"
+    )
+    top_cmd.set_defaults(run=_top)
+    top_cmd.add_argument("--url", default="http://127.0.0.1:8000", help="the server's URL")
+    top_cmd.add_argument(
+        "--api-key", default=os.environ.get("TROUPE_API_KEY"), help="default: $TROUPE_API_KEY"
+    )
+    top_cmd.add_argument("--once", action="store_true", help="print one snapshot and exit")
 
     # Every flag after `bench` goes to the harness (main() passes them through), --help too.
     bench_cmd = commands.add_parser(
