@@ -1,0 +1,559 @@
+"""The prefix cache against a plain model: random sequences of store, lookup, read, evict,
+spill, restart and corruption (Hypothesis's ``RuleBasedStateMachine``).
+
+What must hold, whatever the order: a hit returns exactly what was stored (bit for bit);
+the RAM and disk quotas are never exceeded; nothing evicted, deleted or corrupt is served.
+
+Three layers, each driven without a model:
+
+- ``BlockTable`` (actors/cache_index.py), the policy: which blocks are in RAM and on disk,
+  within two byte budgets. Pure code against a set-and-dict model, many steps.
+- ``RamTier`` (actors/kv_blocks.py), the scheduler's RAM blocks and partial hits.
+- The cache index and SSD writer actors on a real ``ActorSystem`` with a fake scheduler and
+  a real directory: blocks written and read back through ``actors.block_store``'s files,
+  files corrupted, truncated and deleted underfoot, the whole stack restarted on the
+  directory. The model here is what the directory holds, judged by ``block_store``'s own
+  public functions: a file is intact when ``decode_block`` reads back the block stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import shutil
+import tempfile
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from actors import block_store
+from actors.cache_index import CACHE_INDEX_THREAD, BlockTable, CacheIndex
+from actors.cache_messages import (
+    BlockData,
+    BlocksRead,
+    BlocksStored,
+    DropRamBlocks,
+    FlushWrites,
+    LookupPrefix,
+    RamBlocksDropped,
+    ReadBlocks,
+    SpillRam,
+    WriteBlock,
+)
+from actors.kv_blocks import KVBlock, RamTier
+from actors.ssd_writer import SSD_THREAD, SsdWriter
+from runtime import Actor, ActorSystem, Message
+
+FP = "prop-model@0123abcd"
+TIMEOUT_S = 10.0
+
+# The blocks every machine plays with: a forest of prefix chains (hash -> parent). Hashes are
+# valid file names; two chains share "r0a", so eviction of one can cut the other's prefix.
+UNIVERSE: dict[str, str | None] = {
+    "r0": None, "r0a": "r0", "r0ab": "r0a", "r0abc": "r0ab", "r0ax": "r0a", "r0axy": "r0ax",
+    "r1": None, "r1a": "r1", "r1ab": "r1a",
+    "r2": None,
+}
+HASHES = list(UNIVERSE)
+
+
+def chain(h: str) -> list[str]:
+    """The chain of hashes from its root down to ``h``, as a prompt would look it up."""
+    out = [h]
+    while (parent := UNIVERSE[out[-1]]) is not None:
+        out.append(parent)
+    return out[::-1]
+
+
+nodes = st.sampled_from(HASHES)
+# A chain, sometimes followed by a block the cache has never seen.
+lookups = st.tuples(nodes, st.booleans()).map(
+    lambda t: chain(t[0]) + (["never-stored"] if t[1] else []))
+
+
+# --- BlockTable: the policy -------------------------------------------------------------------
+
+# Bytes per block (a fixed size per hash, as a real block has), and budgets a few blocks wide.
+SIZES = {h: 1000 * (1 + i % 3) for i, h in enumerate(HASHES)}
+SIZES["r2"] = 12_000  # larger than either budget: never kept
+RAM_MAX, DISK_MAX = 6_000, 9_000
+
+
+class BlockTableMachine(RuleBasedStateMachine):
+    """``BlockTable`` driven as the index drives it, against two sets: in RAM, on disk."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = self._table()
+        self.ram: set[str] = set()
+        self.disk: set[str] = set()
+
+    @staticmethod
+    def _table() -> BlockTable:
+        # A burst wider than the universe: every eviction finishes in one call, so the
+        # budgets hold after every step (bounded bursts are pinned in test_cache_index.py).
+        return BlockTable(ram_max_bytes=RAM_MAX, disk_max_bytes=DISK_MAX, evict_burst=64)
+
+    @staticmethod
+    def _entry(h: str) -> tuple[str, str | None, int, int]:
+        return (h, UNIVERSE[h], 16, SIZES[h])
+
+    @rule(h=nodes)
+    def store(self, h: str) -> None:
+        """The scheduler stores a chain in RAM (``BlocksStored``); the index evicts LRU."""
+        self.table.store_ram([self._entry(b) for b in chain(h)])
+        self.ram |= set(chain(h))
+        victims = self.table.ram_victims()
+        assert set(victims) <= self.ram
+        self.table.drop_ram(victims, evicted=True)
+        self.ram -= set(victims)
+
+    @rule(h=nodes)
+    def save(self, h: str) -> None:
+        """The writer persists one block: a file already there is kept (deduplicated), else
+        the index makes room (``MakeRoom``) and the file is written if it fits."""
+        if h in self.disk:
+            self.table.add_disk(*self._entry(h))
+            return
+        victims = self.table.disk_victims(SIZES[h])
+        assert set(victims) <= self.disk
+        self.table.drop_disk(victims, evicted=True)
+        self.disk -= set(victims)
+        if self.table.has_room(SIZES[h]):
+            self.table.add_disk(*self._entry(h))
+            self.disk.add(h)
+        else:
+            # Only a block larger than the whole quota never fits.
+            assert SIZES[h] > DISK_MAX
+
+    @rule(hashes=lookups)
+    def lookup(self, hashes: list[str]) -> None:
+        """A hit is the longest leading chain present, RAM first: nothing dropped shows."""
+        expected = []
+        for h in hashes:
+            if h in self.ram:
+                expected.append("ram")
+            elif h in self.disk:
+                expected.append("disk")
+            else:
+                break
+        assert self.table.lookup(hashes) == expected
+
+    @rule(unpersisted=st.booleans())
+    def spill(self, unpersisted: bool) -> None:
+        """Memory pressure: RAM copies of blocks on disk go first; the others only when
+        ``unpersisted``."""
+        victims = self.table.spill_victims(unpersisted=unpersisted)
+        assert set(victims) <= self.ram and len(victims) <= self.table.evict_burst
+        persisted = [v in self.disk for v in victims]
+        assert persisted == sorted(persisted, reverse=True)  # the persisted ones first
+        if not unpersisted:
+            assert all(persisted)
+        self.table.drop_ram(victims, evicted=True)
+        self.ram -= set(victims)
+
+    @rule(data=st.data())
+    def scheduler_drops(self, data: st.DataObject) -> None:
+        """``RamBlocksDropped``: the scheduler freed some RAM blocks (a restart, say)."""
+        dropped = data.draw(st.lists(nodes, max_size=3))
+        self.table.drop_ram(dropped)
+        self.ram -= set(dropped)
+
+    @rule(data=st.data())
+    def forget(self, data: st.DataObject) -> None:
+        """``ForgetBlocks``: the writer found these files gone or corrupt."""
+        forgotten = data.draw(st.lists(nodes, max_size=3))
+        self.table.drop_disk(forgotten)
+        self.disk -= set(forgotten)
+
+    @rule()
+    def restart(self) -> None:
+        """A new index rebuilt from the files found at start; RAM is empty."""
+        self.table = self._table()
+        self.table.load_disk([self._entry(h) for h in sorted(self.disk)])
+        self.ram = set()
+
+    @invariant()
+    def the_table_is_the_model(self) -> None:
+        t = self.table
+        assert set(t.ram) == self.ram and set(t.disk) == self.disk
+        assert t.ram.nbytes == sum(SIZES[h] for h in self.ram) <= RAM_MAX
+        assert t.disk.nbytes == sum(SIZES[h] for h in self.disk) <= DISK_MAX
+        assert t.both == len(self.ram & self.disk)
+        assert set(t.ram_only()) == self.ram - self.disk
+        # Metadata is kept exactly for the blocks of some tier, children included.
+        assert set(t.meta) == self.ram | self.disk
+        for parent, children in t.children.items():
+            assert children and all(t.meta[c].parent == parent for c in children)
+
+
+BlockTableMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, derandomize=True, database=None,
+    deadline=None, suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+def test_the_block_table_keeps_its_budgets_and_serves_only_what_it_holds() -> None:
+    BlockTableMachine.TestCase().runTest()
+
+
+# --- RamTier: the scheduler's RAM blocks -----------------------------------------------------
+
+
+class RamTierMachine(RuleBasedStateMachine):
+    """``RamTier`` against a dict: a hit is the very block stored; partial hits are the
+    longest shared run of tokens after the same parent, ties to the newest."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tier = RamTier()
+        self.model: dict[str, KVBlock] = {}  # insertion order: newest last
+
+    @rule(h=nodes, tokens=st.lists(st.integers(0, 2), max_size=4), size=st.integers(0, 64))
+    def put(self, h: str, tokens: list[int], size: int) -> None:
+        # A layer of ``size`` bytes (numpy stands in for MLX: only ``nbytes`` is read).
+        block = KVBlock(block_hash=h, parent_hash=UNIVERSE[h], n_tokens=len(tokens),
+                        layers=[(np.zeros(size, np.uint8),)], tokens=tuple(tokens))
+        self.tier[h] = block
+        self.model.pop(h, None)
+        self.model[h] = block
+
+    @rule(h=nodes)
+    def pop(self, h: str) -> None:
+        assert self.tier.pop(h) is self.model.pop(h, None)
+
+    @rule(h=nodes)
+    def get(self, h: str) -> None:
+        assert self.tier.get(h) is self.model.get(h)
+        assert (h in self.tier) == (h in self.model)
+
+    @rule(parent=st.sampled_from([None, *HASHES]), tokens=st.lists(st.integers(0, 2),
+                                                                     max_size=4))
+    def best_partial(self, parent: str | None, tokens: list[int]) -> None:
+        best, n = self.tier.best_partial(parent, tokens)
+        candidates = [
+            b for b in self.model.values()
+            if b.parent_hash == parent and tokens and b.tokens and b.tokens[0] == tokens[0]
+        ]
+        if not candidates:
+            assert (best, n) == (None, 0)
+            return
+
+        def shared(b: KVBlock) -> int:
+            return next((i for i, (x, y) in enumerate(zip(b.tokens or (), tokens,
+                                                          strict=False)) if x != y),
+                        min(len(b.tokens or ()), len(tokens)))
+
+        longest = max(shared(b) for b in candidates)
+        newest = [b for b in candidates if shared(b) == longest][-1]
+        assert (best, n) == (newest, longest)
+
+    @invariant()
+    def the_tier_is_the_model(self) -> None:
+        assert len(self.tier) == len(self.model)
+        assert set(self.tier) == set(self.model)
+        assert all(self.tier[h] is b for h, b in self.model.items())
+        assert self.tier.nbytes == sum(b.nbytes for b in self.model.values())
+
+
+RamTierMachine.TestCase.settings = settings(
+    max_examples=100, stateful_step_count=40, derandomize=True, database=None,
+    deadline=None, suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+def test_the_ram_tier_returns_exactly_what_was_stored() -> None:
+    RamTierMachine.TestCase().runTest()
+
+
+# --- the index and the writer, on disk ---------------------------------------------------------
+
+
+def make_block(h: str) -> BlockData:
+    """The block stored for ``h``: the same bytes every run, sizes differing by block."""
+    i = HASHES.index(h)
+    rng = np.random.default_rng(i)
+    n = 4 if i % 2 else 8
+    shape = (1, 2, n, 8)
+    return BlockData(
+        block_hash=h, parent_hash=UNIVERSE[h], n_tokens=n,
+        tensors={"0.keys": rng.standard_normal(shape).astype(np.float16),
+                 "1.keys": rng.integers(0, 1 << 16, size=shape, dtype=np.uint16)},
+        dtypes={"0.keys": "float16", "1.keys": "bfloat16"},
+    )
+
+
+BLOCKS = {h: make_block(h) for h in HASHES}
+FILE_SIZES = {h: len(block_store.encode_block(b, FP)) for h, b in BLOCKS.items()}
+# About four files: every few writes evict. RAM: about three blocks of the scheduler's bytes.
+STACK_DISK_MAX = 4 * max(FILE_SIZES.values())
+STACK_RAM_MAX = 3 * max(b.nbytes for b in BLOCKS.values())
+
+
+class Ping(Message):
+    pass
+
+
+class FakeScheduler(Actor):
+    """Keeps what the cache actors send the scheduler; answers ``Ping`` (a barrier)."""
+
+    def __init__(self, inbox: list[Any]) -> None:
+        self.inbox = inbox
+
+    async def handle(self, msg: Any) -> None:
+        if not isinstance(msg, Ping):
+            self.inbox.append(msg)
+
+
+def same_block(got: BlockData, want: BlockData) -> bool:
+    """Bit for bit: NaN payloads and signed zeros too."""
+    return (
+        (got.block_hash, got.parent_hash, got.n_tokens, got.dtypes)
+        == (want.block_hash, want.parent_hash, want.n_tokens, want.dtypes)
+        and got.tensors.keys() == want.tensors.keys()
+        and all(got.tensors[k].dtype == v.dtype and got.tensors[k].shape == v.shape
+                and got.tensors[k].tobytes() == v.tobytes() for k, v in want.tensors.items())
+    )
+
+
+class CacheStackMachine(RuleBasedStateMachine):
+    """The cache index and the SSD writer with a fake scheduler, on a real directory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = Path(tempfile.mkdtemp(prefix="troupe-prop-cache-"))
+        self.loop = asyncio.new_event_loop()
+        self.inbox: list[Any] = []
+        self.requests = itertools.count()
+        # The model: what the fake scheduler holds in RAM, and the files deleted behind the
+        # index's back (it may still list them until a read or a restart tells it).
+        self.ram: set[str] = set()
+        self.deleted: set[str] = set()
+        # Files changed behind its back (while they last): the next reads go for them.
+        self.tampered: set[str] = set()
+        self._start()
+
+    # -- plumbing -------------------------------------------------------------------------------
+
+    def _run(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        return self.loop.run_until_complete(asyncio.wait_for(coro, TIMEOUT_S))
+
+    def _start(self) -> None:
+        self.system = ActorSystem()
+        self._run(self._spawn())
+
+    async def _spawn(self) -> None:
+        await self.system.__aenter__()
+        self.scheduler = await self.system.spawn(FakeScheduler, name="scheduler",
+                                                 inbox=self.inbox)
+        self.index = await self.system.spawn(
+            CacheIndex, name="cache_index", thread=CACHE_INDEX_THREAD, cache_dir=str(self.dir),
+            fingerprint=FP, ram_max_bytes=STACK_RAM_MAX, disk_max_bytes=STACK_DISK_MAX,
+            evict_burst=64,
+        )
+        self.writer = await self.system.spawn(
+            SsdWriter, name="ssd_writer", thread=SSD_THREAD, cache_dir=str(self.dir),
+            fingerprint=FP, disk_max_bytes=STACK_DISK_MAX,
+        )
+
+    async def _barrier(self) -> None:
+        """Everything sent so far has been handled: writer, then index, then scheduler (each
+        tells only the next, and mailboxes are FIFO)."""
+        await self.writer.ask(FlushWrites(deadline_s=TIMEOUT_S), timeout=TIMEOUT_S)
+        await self.index.ask(LookupPrefix(hashes=[]), timeout=TIMEOUT_S)
+        await self.scheduler.ask(Ping(), timeout=TIMEOUT_S)
+
+    def _sync(self) -> list[Any]:
+        """Wait for the barrier; what the scheduler was sent since the last call. RAM blocks
+        the index told it to drop leave the model's RAM."""
+        self._run(self._barrier())
+        sent, self.inbox[:] = list(self.inbox), []
+        for msg in sent:
+            if isinstance(msg, DropRamBlocks):
+                assert set(msg.hashes) <= self.ram, msg
+                self.ram -= set(msg.hashes)
+        return sent
+
+    def _report(self) -> dict[str, Any]:
+        (snap,) = [s for s in self.system.snapshot() if s.name == "cache_index"]
+        assert snap.report is not None
+        return snap.report
+
+    def _path(self, h: str) -> Path:
+        return block_store.block_path(self.dir, h)
+
+    def _intact(self, h: str) -> bool:
+        """The file holds exactly the block stored (``block_store`` is the judge)."""
+        try:
+            data = self._path(h).read_bytes()
+            return same_block(block_store.decode_block(data, FP, h), BLOCKS[h])
+        except (OSError, block_store.BlockFileError):
+            return False
+
+    def _files(self) -> dict[str, int]:
+        return {p.name.removesuffix(block_store.FILE_SUFFIX): p.stat().st_size
+                for p in self.dir.rglob(f"*{block_store.FILE_SUFFIX}")}
+
+    # -- rules ----------------------------------------------------------------------------------
+
+    @rule(h=nodes, where=st.sampled_from(["both", "both", "disk", "ram"]))
+    def store(self, h: str, where: str) -> None:
+        """The scheduler stores a chain: it holds the blocks in RAM (``BlocksStored``; over
+        the budget the index drops LRU ones) and has them written (``WriteBlock``; the writer
+        makes room with the index), as serving does, or only one of the two."""
+        if where in ("both", "ram"):
+            blocks = [(b, UNIVERSE[b], BLOCKS[b].n_tokens, BLOCKS[b].nbytes) for b in chain(h)]
+            self.ram |= set(chain(h))
+            self._run(self.index.tell(BlocksStored(blocks=blocks)))
+        if where in ("both", "disk"):
+            request = f"w{next(self.requests)}"
+            for b in chain(h):
+                self._run(self.writer.tell(WriteBlock(block=BLOCKS[b], request_id=request,
+                                                      epoch=0)))
+        self._sync()
+        self.deleted -= set(self._files())  # written again: the index knows the file
+
+    @rule(hashes=lookups)
+    def lookup(self, hashes: list[str]) -> None:
+        tiers = self._run(self.index.ask(LookupPrefix(hashes=hashes), timeout=TIMEOUT_S)).tiers
+        files = self._files()
+        for h, tier in zip(hashes, tiers, strict=False):
+            # RAM: what the scheduler holds. Disk: a file, or one deleted behind its back.
+            assert tier == ("ram" if h in self.ram else "disk"), (h, tier)
+            if tier == "disk":
+                assert h in files or h in self.deleted, (h, "listed, but no file")
+        if len(tiers) < len(hashes):
+            stop = hashes[len(tiers)]
+            assert stop not in self.ram and stop not in files, (stop, "held, but not served")
+
+    @rule(h=nodes)
+    def read(self, h: str) -> None:
+        """Read a chain back: exactly the blocks stored, up to the first file missing or not
+        intact, which is deleted (if corrupt) and forgotten."""
+        hashes = chain(h)
+        intact = [self._intact(b) for b in hashes]
+        served = intact.index(False) if False in intact else len(hashes)
+        request = f"r{next(self.requests)}"
+        self._run(self.writer.tell(ReadBlocks(request_id=request, hashes=hashes,
+                                              reply_to="scheduler")))
+        (answer,) = [m for m in self._sync() if isinstance(m, BlocksRead)]
+        assert answer.request_id == request
+        assert [b.block_hash for b in answer.blocks] == hashes[:served]
+        assert all(same_block(b, BLOCKS[b.block_hash]) for b in answer.blocks)
+        if served < len(hashes):
+            failed = hashes[served]
+            # A corrupt file is deleted; a missing one stays missing; either is forgotten.
+            assert not self._path(failed).exists()
+            self.deleted.discard(failed)
+
+    @precondition(lambda self: bool(self.tampered & set(self._files())))
+    @rule(data=st.data())
+    def read_tampered(self, data: st.DataObject) -> None:
+        """Read a chain whose file was changed underfoot: it must not be served."""
+        h = data.draw(st.sampled_from(sorted(self.tampered & set(self._files()))))
+        self.read(h)
+        self.tampered.discard(h)
+
+    @rule(unpersisted=st.booleans())
+    def spill(self, unpersisted: bool) -> None:
+        """Memory pressure: RAM copies of blocks on disk go first (and are still served from
+        disk), the others only with ``unpersisted``."""
+        files = self._files()
+        self._run(self.index.tell(SpillRam(unpersisted=unpersisted)))
+        dropped = {h for m in self._sync() if isinstance(m, DropRamBlocks) for h in m.hashes}
+        if not unpersisted:
+            assert dropped <= set(files) | self.deleted, dropped
+
+    @rule(data=st.data())
+    def scheduler_drops(self, data: st.DataObject) -> None:
+        """The scheduler freed RAM blocks on its own (``RamBlocksDropped``)."""
+        dropped = data.draw(st.lists(nodes, max_size=3))
+        self._run(self.index.tell(RamBlocksDropped(hashes=dropped)))
+        self.ram -= set(dropped)
+        self._sync()
+
+    @precondition(lambda self: bool(self._files()))
+    @rule(data=st.data(), how=st.sampled_from(["overwrite", "truncate", "delete"]))
+    def tamper(self, data: st.DataObject, how: str) -> None:
+        """A file changed behind the cache's back: tensor bytes overwritten (same size, the
+        header intact: only the checksum can tell), truncated, or deleted."""
+        h = data.draw(st.sampled_from(sorted(self._files())))
+        path = self._path(h)
+        raw = bytearray(path.read_bytes())
+        if how == "overwrite" and raw:
+            # In the tensor data of a whole file; anywhere in one already cut short.
+            start = 8 + int.from_bytes(raw[:8], "little")
+            at = data.draw(st.integers(start if start < len(raw) else 0, len(raw) - 1))
+            raw[at] ^= 0xFF
+            path.write_bytes(bytes(raw))
+            self.tampered.add(h)
+        elif how == "truncate" and raw:
+            path.write_bytes(bytes(raw[: data.draw(st.integers(0, len(raw) - 1))]))
+            self.tampered.add(h)
+        elif how == "delete":
+            path.unlink()
+            self.deleted.add(h)
+
+    @rule()
+    def restart(self) -> None:
+        """Stop the whole stack and start it again on the same directory: RAM is gone, and
+        the index is what the scan finds (broken files deleted, unreadable ones skipped)."""
+        self._run(self.system.stop())
+        self.ram, self.deleted = set(), set()
+        self._start()
+        self.tampered &= set(self._files())  # the cut short are gone: the scan deleted them
+        files = self._files()
+        for h in files:
+            block_store.read_block_info(self._path(h), FP)  # every header left reads
+        report = self._report()
+        assert report["blocks"]["disk"] == len(files)
+        assert report["disk_bytes"] == sum(files.values())
+
+    # -- invariants -----------------------------------------------------------------------------
+
+    @invariant()
+    def the_quotas_hold(self) -> None:
+        report = self._report()
+        assert report["ram_bytes"] <= STACK_RAM_MAX
+        assert report["disk_bytes"] <= STACK_DISK_MAX
+        assert sum(self._files().values()) <= STACK_DISK_MAX
+
+    @invariant()
+    def the_directory_holds_only_whole_blocks_of_ours(self) -> None:
+        assert not list(self.dir.rglob(f"*{block_store.TEMP_SUFFIX}"))
+        assert set(self._files()) <= set(HASHES)
+
+    def teardown(self) -> None:
+        try:
+            self._run(self.system.stop())
+        finally:
+            self.loop.close()
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+CacheStackMachine.TestCase.settings = settings(
+    max_examples=40, stateful_step_count=40, derandomize=True, database=None,
+    deadline=None, suppress_health_check=[HealthCheck.too_slow],
+    # No shrinking: each try starts actors and threads, so shrinking a failure could run for
+    # many minutes. A failure prints its whole sequence of steps, the same every run.
+    phases=[Phase.explicit, Phase.generate],
+)
+
+
+@pytest.mark.timeout(240)
+def test_the_cache_on_disk_serves_exactly_what_was_stored_within_its_quotas() -> None:
+    CacheStackMachine.TestCase().runTest()
+
+
+def test_the_universe_is_what_the_machines_assume() -> None:
+    # Every hash can be a file name; the budgets hold a few blocks each.
+    assert all(block_store.valid_hash(h) for h in HASHES)
+    assert STACK_DISK_MAX // max(FILE_SIZES.values()) == 4
+    # The table's longest chain does not fit its RAM budget alone: stores evict.
+    assert sum(SIZES[h] for h in chain("r0abc")) > RAM_MAX
