@@ -364,6 +364,10 @@ class EnginePool(Actor):
             "refused": self.refused,
             "last_load_s": round(self.last_load_s, 3),
             "last_unload_s": round(self.last_unload_s, 3),
+            # Each model's own memory and state (the dashboard's models table).
+            "per_model": {slot.card.id: {"loaded": slot.loaded, "pinned": slot.pinned,
+                                         "weights_bytes": slot.memory.weights_bytes}
+                          for slot in list(self.slots.values())},
         }
 
 

@@ -331,7 +331,13 @@ async def test_idle_models_are_unloaded_after_the_idle_ttl_unless_pinned(
     resp = await client.post("/v1/completions", json={"model": second, "prompt": "Paris",
                                                       "max_tokens": 2})
     assert resp.status == 200
-    assert report(system, "engine_pool")["loaded"] == [first, second]
+    pool = report(system, "engine_pool")
+    assert pool["loaded"] == [first, second]
+    per_model = pool["per_model"]
+    assert [per_model[m]["pinned"] for m in (first, second)] == [True, False]
+    assert all(per_model[m]["loaded"] and per_model[m]["weights_bytes"] > 0
+               for m in (first, second))
+    assert sum(per_model[m]["weights_bytes"] for m in per_model) == pool["loaded_weights_bytes"]
     deadline = time.monotonic() + 5
     while report(system, "engine_pool")["loaded"] != [first]:
         assert time.monotonic() < deadline, report(system, "engine_pool")
