@@ -177,6 +177,15 @@ def format_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+_INTROSPECTION_KEY = "default: $TROUPE_ADMIN_API_KEY, else $TROUPE_API_KEY"
+
+
+def _introspection_key() -> str | None:
+    """The key the introspection commands send: a server with an admin key wants that one on
+    /actors and its stream; one without takes the API key."""
+    return os.environ.get("TROUPE_ADMIN_API_KEY") or os.environ.get("TROUPE_API_KEY")
+
+
 def _actors(args: argparse.Namespace) -> int:
     url = args.url.rstrip("/") + "/actors"
     request = urllib.request.Request(url, headers={"Accept": "application/json"})
@@ -188,9 +197,9 @@ def _actors(args: argparse.Namespace) -> int:
     except urllib.error.HTTPError as err:
         if err.code == 404:
             print(f"{args.url} has no introspection endpoint (GET /actors)", file=sys.stderr)
-        elif err.code == 401:
-            print(f"{args.url} wants an API key: pass --api-key or set TROUPE_API_KEY",
-                  file=sys.stderr)
+        elif err.code in (401, 403):
+            print(f"{args.url} wants {'its admin' if err.code == 403 else 'an API'} key: pass "
+                  "--api-key or set TROUPE_ADMIN_API_KEY (or TROUPE_API_KEY)", file=sys.stderr)
         else:
             print(f"GET {url} failed: HTTP {err.code}", file=sys.stderr)
         return 1
@@ -516,18 +525,14 @@ def build_parser() -> argparse.ArgumentParser:
     actors_cmd = commands.add_parser("actors", help="show a running server's actors")
     actors_cmd.set_defaults(run=_actors)
     actors_cmd.add_argument("--url", default="http://127.0.0.1:8000", help="the server's URL")
-    actors_cmd.add_argument(
-        "--api-key", default=os.environ.get("TROUPE_API_KEY"), help="default: $TROUPE_API_KEY"
-    )
+    actors_cmd.add_argument("--api-key", default=_introspection_key(), help=_INTROSPECTION_KEY)
 
     top_cmd = commands.add_parser(
         "top", help="a running server live in the terminal: actors, requests, cache, memory"
     )
     top_cmd.set_defaults(run=_top)
     top_cmd.add_argument("--url", default="http://127.0.0.1:8000", help="the server's URL")
-    top_cmd.add_argument(
-        "--api-key", default=os.environ.get("TROUPE_API_KEY"), help="default: $TROUPE_API_KEY"
-    )
+    top_cmd.add_argument("--api-key", default=_introspection_key(), help=_INTROSPECTION_KEY)
     top_cmd.add_argument("--once", action="store_true", help="print one snapshot and exit")
 
     # Every flag after `bench` goes to the harness (main() passes them through), --help too.

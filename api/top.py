@@ -105,9 +105,11 @@ class Feed:
         try:
             response = urllib.request.urlopen(request, timeout=READ_TIMEOUT_S)
         except urllib.error.HTTPError as err:
-            if err.code == 401:
+            if err.code in (401, 403):
+                which = "its admin" if err.code == 403 else "an API"
                 raise Unauthorized(
-                    f"{self.url} wants an API key: pass --api-key or set TROUPE_API_KEY"
+                    f"{self.url} wants {which} key: pass --api-key or set TROUPE_ADMIN_API_KEY "
+                    "(or TROUPE_API_KEY)"
                 ) from None
             raise
         with response:

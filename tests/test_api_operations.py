@@ -224,8 +224,14 @@ def test_allowed_origins_flag_takes_comma_lists_and_keeps_the_singular_alias() -
 
 def test_api_key_flag_defaults_to_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TROUPE_API_KEY", "from-env")
+    monkeypatch.delenv("TROUPE_ADMIN_API_KEY", raising=False)
     assert build_parser().parse_args(["serve"]).api_key == "from-env"
     assert build_parser().parse_args(["actors"]).api_key == "from-env"
+    # The introspection commands prefer the admin key: with one set, /actors wants it.
+    monkeypatch.setenv("TROUPE_ADMIN_API_KEY", "admin-env")
+    assert build_parser().parse_args(["serve"]).api_key == "from-env"
+    for command in ("actors", "top"):
+        assert build_parser().parse_args([command]).api_key == "admin-env"
 
 
 async def test_cors_answers_each_listed_origin(aiohttp_client: Any, scripted: Scripted) -> None:
