@@ -34,7 +34,6 @@ from typing import Any
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from api.errors import ApiError
 from api.introspection import encode_json
 from api.sse import EventStream
 from api.telemetry import CLIENT_CLOSED, RECORD, RequestRecord
@@ -193,19 +192,9 @@ def board_middleware(board: RequestBoard) -> Middleware:
         if record is None:
             return await handler(request)
         board.start(record)
-        status = 500
-        try:
-            response = await handler(request)
-            status = response.status
-            return response
-        except (ApiError, web.HTTPException) as exc:
-            status = exc.status
-            raise
-        except asyncio.CancelledError:
-            status = CLIENT_CLOSED
-            raise
-        finally:
-            board.finish(record, status)
+        # Telemetry closes the record with its final status, whatever the outcome.
+        record.on_close.append(lambda status: board.finish(record, status))
+        return await handler(request)
 
     return on_board
 

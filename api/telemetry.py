@@ -11,7 +11,8 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
@@ -40,6 +41,8 @@ class RequestRecord:
     finish_reason: str | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
+    # Called with the final status when the request is over (the dashboard's board).
+    on_close: list[Callable[[int], None]] = field(default_factory=list)
 
     def observe(self, event: RequestEvent) -> None:
         """Learn from one event of the request's stream (and time it)."""
@@ -80,6 +83,8 @@ class RequestRecord:
             metrics.generated_tokens.labels(model).inc(self.completion_tokens)
         if access_log.isEnabledFor(logging.INFO):
             access_log.info(self.line(request.method, route, status))
+        for hook in self.on_close:
+            hook(status)
 
     def line(self, method: str, route: str, status: int) -> str:
         """The access log line: ``key=value`` pairs, ``-`` for what does not apply."""
