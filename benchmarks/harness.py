@@ -123,10 +123,19 @@ class Stream:
     tokens: int = 0  # the server's usage count when it sent one, else the content chunks
     error: str | None = None
     done: bool = False
+    # When the first token came, where no content chunk shows it: the finish chunk of an
+    # answer whose first token ended it (a random-weight model's greedy answer can be
+    # end-of-sequence at once).
+    answered: float | None = None
+
+    @property
+    def first_token(self) -> float | None:
+        return self.chunk_times[0] if self.chunk_times else self.answered
 
     @property
     def ttft(self) -> float | None:
-        return self.chunk_times[0] - self.sent if self.chunk_times else None
+        first = self.first_token
+        return None if first is None else first - self.sent
 
     def gaps(self) -> list[tuple[float, float]]:
         """(start, end) of every interval between two consecutive content chunks."""
@@ -170,6 +179,8 @@ async def stream_chat(
                 for choice in data.get("choices") or []:
                     if (choice.get("delta") or {}).get("content"):
                         s.chunk_times.append(time.perf_counter())
+                    if s.answered is None and choice.get("finish_reason"):
+                        s.answered = time.perf_counter()
     except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
         s.error = f"{type(exc).__name__}: {exc}"
     s.tokens = usage_tokens if usage_tokens is not None else len(s.chunk_times)
@@ -307,7 +318,7 @@ async def run_interference(base: str, model: str, work: Workload,
         await until(lambda: all(s.done or len(s.chunk_times) >= args.warm_chunks
                                 for s in streams), 1800)
         long = await stream_chat(session, url, model, work.late_prompt, 4)
-        arrived, prefilled = long.sent, long.chunk_times[0] if long.chunk_times else None
+        arrived, prefilled = long.sent, long.first_token
         if prefilled is not None:
             # One more chunk per live stream, so the gap that spans the prefill's end counts.
             await until(lambda: all(s.done or (s.chunk_times and s.chunk_times[-1] > prefilled)

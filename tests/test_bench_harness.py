@@ -127,3 +127,14 @@ def test_a_stall_spanning_the_long_prefill_counts_as_during_it() -> None:
     assert sorted(before) == pytest.approx([0.2, 0.7, 1.0, 1.0])
     # During: the 3.0 -> 10.0 and 3.4 -> 11.0 stalls span the prefill; 10 -> 11 is after it.
     assert sorted(during) == pytest.approx([7.0, 7.6])
+
+
+def test_an_answer_ended_by_its_first_token_still_has_a_first_token_time() -> None:
+    """A random-weight model's greedy answer can be end-of-sequence at once: no content chunk,
+    only the finish chunk. Its first token came then (the peer's late prompt in the
+    interference scenario had a TTFT of None, and the run's structure check failed)."""
+    empty = harness.Stream(sent=10.0, answered=10.5)
+    assert empty.first_token == 10.5 and empty.ttft == 0.5
+    spoken = harness.Stream(sent=10.0, chunk_times=[10.25, 10.3], answered=10.4)
+    assert spoken.first_token == 10.25 and spoken.ttft == 0.25
+    assert harness.Stream(sent=10.0).ttft is None
