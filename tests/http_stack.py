@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import openai
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient
@@ -257,6 +258,18 @@ async def scripted() -> AsyncIterator[Scripted]:
 async def client(aiohttp_client: Any, scripted: Scripted) -> TestClient:
     """A test client of the app on the scripted admission."""
     return await aiohttp_client(scripted.app())
+
+
+@pytest.fixture
+async def openai_client(scripted: Scripted) -> AsyncIterator[openai.AsyncOpenAI]:
+    """The official openai client, on the scripted stack served on 127.0.0.1."""
+    server = await scripted.start()
+    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    try:
+        yield client
+    finally:
+        await client.close()
+        await server.close()
 
 
 @dataclass

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -35,7 +34,7 @@ from actors.messages import AdmitChat, AdmitCompletion, OutputFormat
 # --- fixtures and helpers ------------------------------------------------------------------
 
 # The scripted stack's fixtures, bound here by name so that pytest finds them.
-scripted, client = http_stack.scripted, http_stack.client
+scripted, client, openai_client = http_stack.scripted, http_stack.client, http_stack.openai_client
 
 
 def chat_body(content: str = "hello", **fields: Any) -> dict[str, Any]:
@@ -638,15 +637,6 @@ async def test_cors_allows_configured_origins_only(
 # --- the official openai client --------------------------------------------------------------
 
 
-@pytest.fixture
-async def openai_client(scripted: Scripted) -> AsyncIterator[openai.AsyncOpenAI]:
-    server = await scripted.start()
-    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-    try:
-        yield client
-    finally:
-        await client.close()
-        await server.close()
 
 
 async def test_openai_client_chat_create(openai_client: openai.AsyncOpenAI) -> None:

@@ -10,7 +10,6 @@ against its pydantic models, which parsing alone does not do.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import http_stack
@@ -28,7 +27,7 @@ HELLO = "Hello world"
 REASONING_TEXT = "".join(REASONING)
 
 # The scripted stack's fixtures, bound here by name so that pytest finds them.
-scripted, client = http_stack.scripted, http_stack.client
+scripted, client, openai_client = http_stack.scripted, http_stack.client, http_stack.openai_client
 
 _stream_event = TypeAdapter(ResponseStreamEvent)
 
@@ -563,15 +562,6 @@ async def test_refusals_say_what_to_do(client: TestClient) -> None:
 # --- the official openai client --------------------------------------------------------------
 
 
-@pytest.fixture
-async def openai_client(scripted: Scripted) -> AsyncIterator[openai.AsyncOpenAI]:
-    server = await scripted.start()
-    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-    try:
-        yield client
-    finally:
-        await client.close()
-        await server.close()
 
 
 async def test_openai_client_create(openai_client: openai.AsyncOpenAI) -> None:
