@@ -27,20 +27,51 @@ def retry_after_estimate(in_flight: int, finished: int, span_s: float) -> float:
     return min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, in_flight / rate))
 
 
+class FinishPace:
+    """How fast requests finish, kept on one thread: a scheduler's own (the Retry-After of a
+    request its full queue refuses), and admission's ``Drain``."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.busy_since = clock()  # when the work last went from idle to busy
+        self._recent: deque[float] = deque()
+
+    def busy(self, at: float | None = None) -> None:
+        """The work, idle until now (or ``at``), took a request."""
+        self.busy_since = self.clock() if at is None else at
+
+    def finished(self, at: float | None = None) -> None:
+        """A request finished now (or at ``at``, a time of this pace's clock)."""
+        at = self.clock() if at is None else at
+        self._recent.append(at)
+        self._prune(at)  # bounded by the window, whether or not anything is ever refused
+
+    def retry_after(self, in_flight: int) -> float:
+        now = self.clock()
+        self._prune(now)
+        since = max(now - DRAIN_WINDOW_S, self.busy_since)
+        finished = sum(1 for t in self._recent if t >= since)
+        return retry_after_estimate(in_flight, finished, now - since)
+
+    def _prune(self, now: float) -> None:
+        while self._recent and self._recent[0] < now - DRAIN_WINDOW_S:
+            self._recent.popleft()
+
+
 class Drain:
     """How fast one model's admitted requests finish, for a 429's Retry-After.
 
     Admission counts requests in on its own thread; a request's end is recorded from whatever
     thread reads its events (the HTTP event loop), with only a ``deque.append`` (atomic, and
-    safe from a finalizer, where a lock could deadlock), and counted on admission's thread.
+    safe from a finalizer, where a lock could deadlock), and counted on admission's thread,
+    where the ``FinishPace`` lives.
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self._count = 0  # in flight as of the last settle: admission's thread
-        self.busy_since = 0.0  # when in_flight last went from 0 to 1
         self._ended: deque[float] = deque()  # ends not yet counted: any thread appends
-        self._recent: deque[float] = deque()  # ends within the window: admission's thread
+        self.pace = FinishPace(clock)  # admission's thread
 
     @property
     def in_flight(self) -> int:
@@ -50,10 +81,9 @@ class Drain:
 
     def started(self) -> None:
         """A request was admitted (admission's thread)."""
-        now = self.clock()
-        self._settle(now)
+        self._settle()
         if self._count == 0:
-            self.busy_since = now
+            self.pace.busy()
         self._count += 1
 
     def ended(self) -> None:
@@ -62,41 +92,11 @@ class Drain:
 
     def retry_after(self) -> float:
         """The Retry-After for a request refused now (admission's thread)."""
-        now = self.clock()
-        self._settle(now)
-        since = max(now - DRAIN_WINDOW_S, self.busy_since)
-        finished = sum(1 for t in self._recent if t >= since)
-        return retry_after_estimate(self.in_flight, finished, now - since)
+        self._settle()
+        return self.pace.retry_after(self.in_flight)
 
-    def _settle(self, now: float) -> None:
+    def _settle(self) -> None:
         ended = self._ended
         while ended:
-            self._recent.append(ended.popleft())
+            self.pace.finished(ended.popleft())
             self._count = max(0, self._count - 1)
-        while self._recent and self._recent[0] < now - DRAIN_WINDOW_S:
-            self._recent.popleft()
-
-
-class FinishPace:
-    """How fast one scheduler's requests finish, kept on the scheduler's own thread: the
-    Retry-After of a request its full queue refuses."""
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self.clock = clock
-        self.busy_since = clock()  # when the scheduler last went from idle to busy
-        self._recent: deque[float] = deque()
-
-    def busy(self) -> None:
-        """The scheduler, idle until now, took a request."""
-        self.busy_since = self.clock()
-
-    def finished(self) -> None:
-        self._recent.append(self.clock())
-
-    def retry_after(self, in_flight: int) -> float:
-        now = self.clock()
-        while self._recent and self._recent[0] < now - DRAIN_WINDOW_S:
-            self._recent.popleft()
-        since = max(now - DRAIN_WINDOW_S, self.busy_since)
-        finished = sum(1 for t in self._recent if t >= since)
-        return retry_after_estimate(in_flight, finished, now - since)
