@@ -232,6 +232,8 @@ class _ApiRunner(web.AppRunner):
         super().__init__(app, **kwargs)
         self.config = config
 
+    # aiohttp's private hook, and its only one for a RequestHandler of our own (the JSON
+    # error on malformed HTTP, the connection cap); tests/test_api_hardening.py pins it.
     async def _make_server(self) -> web.Server:
         inner = await super()._make_server()  # the application started, its handler
         config = self.config
