@@ -34,14 +34,14 @@ from typing import Any, TypeVar
 import jinja2
 from mlx_lm.utils import load_tokenizer
 
-from actors.agent_output import (
+from actors.engine.agent_output import (
     FALLBACK_TOOL_FORMAT,
     prompt_opens_reasoning,
     think_tags_of,
     tool_format_of,
 )
-from actors.grammar import Constraint, GrammarError, Grammars
-from actors.memory_estimate import (
+from actors.engine.grammar import Constraint, GrammarError, Grammars
+from actors.engine.memory_estimate import (
     HARD,
     ModelMemory,
     admission_estimate,
@@ -57,6 +57,7 @@ from actors.messages import (
     AdmitCompletion,
     Admitted,
     CountTokens,
+    ErrorKind,
     ListModels,
     ModelCard,
     OutputFormat,
@@ -285,7 +286,7 @@ class Admission(Actor):
         self.large_prompt_chars = LARGE_PROMPT_CHARS
         self.limits: MemoryLimits | None = None
         self.admitted = 0
-        self.refused: dict[int, int] = {}
+        self.refused: dict[str, int] = {}  # by kind of refusal (ErrorKind)
         self.last_estimate = 0
         self.last_retry_after: float | None = None
         self._pending: set[asyncio.Task[Any]] = set()
@@ -342,7 +343,7 @@ class Admission(Actor):
                     _check_context(entry, len(tokens), msg.sampling, "prompt", exact=True)
                     vocab = len(entry.tokenizer)
                     if any(t < 0 or t >= vocab for t in tokens):
-                        raise _refusal(400, f"prompt token ids must be in [0, {vocab})",
+                        raise _refusal("invalid", f"prompt token ids must be in [0, {vocab})",
                                        param="prompt")
                     self._defer(self._admit_ids(entry, msg, tokens))
             case CountTokens():
@@ -450,7 +451,7 @@ class Admission(Actor):
             entry = next(iter(self.models.values()))
         if entry is None:
             served = ", ".join(sorted(self.models))
-            raise _refusal(404, f"model {name!r} is not served here (served: {served})",
+            raise _refusal("unknown_model", f"model {name!r} is not served here (served: {served})",
                            param="model", code="model_not_found")
         return entry
 
@@ -458,26 +459,26 @@ class Admission(Actor):
         """The request's tools, checked (OpenAI's function shape), or None when there are none
         or the choice hides them; a tool choice that names no offered tool is refused."""
         if choice.mode not in ("auto", "none", "required", "function"):
-            raise _refusal(400, f"unknown tool_choice mode {choice.mode!r}",
+            raise _refusal("invalid", f"unknown tool_choice mode {choice.mode!r}",
                            param="tool_choice")
         for i, tool in enumerate(tools or ()):
             function = tool.get("function") if isinstance(tool, dict) else None
             if (not isinstance(tool, dict) or tool.get("type", "function") != "function"
                     or not isinstance(function, dict)
                     or not isinstance(function.get("name"), str) or not function["name"]):
-                raise _refusal(400, "each tool must be {'type': 'function', 'function': "
+                raise _refusal("invalid", "each tool must be {'type': 'function', 'function': "
                                "{'name': ..., 'parameters': {...}}}", param=f"tools[{i}]")
             if not isinstance(function.get("parameters", {}), dict):
-                raise _refusal(400, "a tool's parameters must be a JSON Schema object",
+                raise _refusal("invalid", "a tool's parameters must be a JSON Schema object",
                                param=f"tools[{i}].function.parameters")
         if choice.mode == "none":
             return None
         names = [tool["function"]["name"] for tool in tools or ()]
         if choice.mode in ("required", "function") and not names:
-            raise _refusal(400, f"tool_choice {choice.mode!r} needs tools",
+            raise _refusal("invalid", f"tool_choice {choice.mode!r} needs tools",
                            param="tool_choice")
         if choice.mode == "function" and choice.name not in names:
-            raise _refusal(400, f"tool_choice names {choice.name!r}, which is not among "
+            raise _refusal("invalid", f"tool_choice names {choice.name!r}, which is not among "
                            f"the tools ({', '.join(names)})", param="tool_choice")
         return list(tools) if tools else None
 
@@ -493,7 +494,7 @@ class Admission(Actor):
         constraint: Constraint | None = None,
     ) -> AdmissionTicket:
         if not tokens:
-            raise _refusal(400, "the prompt is empty", param=prompt_param)
+            raise _refusal("invalid", "the prompt is empty", param=prompt_param)
         _check_context(entry, len(tokens), sampling, prompt_param, exact=True)
         self._check_memory(entry, len(tokens), prompt_param)
         request = AddRequest(request_id=request_id, prompt_tokens=tokens, sampling=sampling,
@@ -507,8 +508,8 @@ class Admission(Actor):
                 events = (await self._scheduler(entry)).try_stream(request)
         except MailboxFull:
             retry_after = self.last_retry_after = entry.drain.retry_after()
-            raise _refusal(429, "the server is busy; retry shortly", type="rate_limit_error",
-                           code="queue_full", retry_after=retry_after) from None
+            raise _refusal("overloaded", "the server is busy; retry shortly", code="queue_full",
+                           retry_after=retry_after) from None
         self.admitted += 1
         entry.drain.started()
         admitted = Admitted(request_id=request_id, model=entry.card.id,
@@ -524,10 +525,10 @@ class Admission(Actor):
             return
         if limits.pressure == HARD:
             raise _refusal(
-                503,
+                "unavailable",
                 f"the server is short of memory ({limits.usage / MB:.0f} MB of its "
                 f"{limits.limit / MB:.0f} MB limit in use); retry shortly",
-                type="server_error", code="memory_pressure", retry_after=RETRY_AFTER_S,
+                code="memory_pressure", retry_after=RETRY_AFTER_S,
             )
         if not limits.guard:
             return
@@ -544,7 +545,7 @@ class Admission(Actor):
                                                            memory.weights_bytes)
         if need > limits.limit - floor:
             raise _refusal(
-                413,
+                "too_large",
                 f"this prompt of {n_tokens} tokens needs about {need / MB:.0f} MB for its "
                 f"prefill, {estimate / MB:.0f} MB in all with what is in use, over the server's "
                 f"memory limit of {limits.limit / MB:.0f} MB, of which {floor / MB:.0f} MB "
@@ -553,11 +554,11 @@ class Admission(Actor):
             )
         if estimate > limits.limit:
             raise _refusal(
-                503,
+                "unavailable",
                 f"this prompt of {n_tokens} tokens needs about {need / MB:.0f} MB for its "
                 f"prefill, {estimate / MB:.0f} MB in all with what is in use, over the server's "
                 f"memory limit of {limits.limit / MB:.0f} MB; retry shortly",
-                type="server_error", code="memory_busy", retry_after=RETRY_AFTER_S,
+                code="memory_busy", retry_after=RETRY_AFTER_S,
             )
 
     async def _scheduler(self, entry: ModelEntry) -> ActorRef:
@@ -573,15 +574,15 @@ class Admission(Actor):
                 return entry.scheduler
             pool = self.system.find(self.pool_name) if self.pool_name else None
             if pool is None:
-                raise _refusal(503, f"model {entry.card.id!r} is not loaded",
-                               type="server_error", retry_after=RETRY_AFTER_S)
+                raise _refusal("unavailable", f"model {entry.card.id!r} is not loaded",
+                               retry_after=RETRY_AFTER_S)
             entry.scheduler = await pool.ask(LoadModel(model=entry.card.id),
                                              timeout=LOAD_TIMEOUT_S)
             return entry.scheduler
 
     def _count(self, err: AdmissionError) -> None:
         """Every refusal is counted once, on the actor's thread, when it is answered."""
-        self.refused[err.status] = self.refused.get(err.status, 0) + 1
+        self.refused[err.kind] = self.refused.get(err.kind, 0) + 1
 
     def report(self) -> dict[str, Any]:
         limits = self.limits
@@ -602,8 +603,8 @@ class Admission(Actor):
 # -- pure work: runs in the pool, reads only what does not change after on_start ---------------
 
 
-def _refusal(status: int, message: str, **kw: Any) -> AdmissionError:
-    return AdmissionError(status, message, **kw)
+def _refusal(kind: ErrorKind, message: str, **kw: Any) -> AdmissionError:
+    return AdmissionError(kind, message, **kw)
 
 
 def _check_context(entry: ModelEntry, n_tokens: int, sampling: SamplingParams,
@@ -614,7 +615,7 @@ def _check_context(entry: ModelEntry, n_tokens: int, sampling: SamplingParams,
     if n_tokens + sampling.max_tokens > limit:
         has = "has" if exact else "has at least"
         raise _refusal(
-            400,
+            "invalid",
             f"this model's context is {limit} tokens; the prompt {has} {n_tokens} and "
             f"max_tokens asks for {sampling.max_tokens}",
             param="max_tokens" if n_tokens < limit else prompt_param,
@@ -642,9 +643,9 @@ def _render_chat(entry: ModelEntry, messages: list[dict], tools: list[dict] | No
     elif uses_tools(messages):
         messages = with_parsed_arguments(messages)
     if not messages:
-        raise _refusal(400, "messages must not be empty", param="messages")
+        raise _refusal("invalid", "messages must not be empty", param="messages")
     if not entry.tokenizer.has_chat_template:
-        raise _refusal(400, f"model {entry.card.id!r} has no chat template; "
+        raise _refusal("invalid", f"model {entry.card.id!r} has no chat template; "
                        "use /v1/completions", param="messages")
     try:
         text = entry.tokenizer.apply_chat_template(
@@ -653,7 +654,7 @@ def _render_chat(entry: ModelEntry, messages: list[dict], tools: list[dict] | No
         )
     except (jinja2.TemplateError, TypeError, ValueError, KeyError) as exc:
         # Templates reject what they cannot render (roles out of order, bad tool specs).
-        raise _refusal(400, f"the chat template rejected the messages: {exc}",
+        raise _refusal("invalid", f"the chat template rejected the messages: {exc}",
                        param="messages") from exc
     return _Prompt(text=text, tool_format=tool_format)
 
@@ -742,4 +743,4 @@ def _compile(entry: ModelEntry, param: str, build: Callable[[Grammars], Constrai
     try:
         return build(entry.grammars)
     except GrammarError as exc:
-        raise _refusal(400, f"cannot enforce this {param}: {exc}", param=param) from exc
+        raise _refusal("invalid", f"cannot enforce this {param}: {exc}", param=param) from exc

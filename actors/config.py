@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import msgspec
 
+from actors.engine.config import DEFAULTS as ENGINE
+from actors.engine.config import EngineConfig
+
 
 class ServeConfig(msgspec.Struct, kw_only=True):
     """Everything ``troupe serve`` can set (docs/configuration.md explains each field)."""
@@ -13,26 +16,18 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     model: str | list[str] | None = None
     host: str = "127.0.0.1"
     port: int = 8000
-    # Continuous batching: most sequences decoding at once, and prompts prefilled together.
-    max_batch_size: int = 32
-    prefill_batch_size: int = 8
-    prefill_step_size: int = 512
-    # While sequences decode, a step's prefill takes at most about this many decode steps'
-    # time (0: whole prefill_step_size chunks), so streams keep flowing past a long prompt.
-    prefill_interleave: float = 1.2
-    # An idle engine waits this many milliseconds after a request arrives before stepping,
-    # so a burst of requests is prefilled in one step (0: step at once).
-    arrival_window_ms: float = 20.0
-    # While sequences decode, one model call a step: the prefill chunk and the last prompt
-    # token of joining sequences ride in the decode step's forward pass (actors/mixed.py;
-    # llama-shaped models). False: mlx-lm's separate calls.
-    mixed_step: bool = True
-    # Requests waiting for a batch slot beyond this get 429 with Retry-After.
-    max_queue: int = 256
+    # The engine's settings (actors/engine/config.py holds each one's default and meaning).
+    max_batch_size: int = ENGINE.max_batch_size
+    prefill_batch_size: int = ENGINE.prefill_batch_size
+    prefill_step_size: int = ENGINE.prefill_step_size
+    prefill_interleave: float = ENGINE.prefill_interleave
+    arrival_window_ms: float = ENGINE.arrival_window_ms
+    mixed_step: bool = ENGINE.mixed_step
+    max_queue: int = ENGINE.max_queue
     default_max_tokens: int = 2048
     # Prefix cache: blocks of block_size tokens in RAM (up to cache_ram_max bytes) and on disk
     # under cache_dir (up to cache_disk_max bytes). block_size 0 turns the cache off.
-    block_size: int = 64
+    block_size: int = ENGINE.block_size
     cache_dir: str | None = None  # None: $TROUPE_HOME/kv-cache
     cache_ram_max: int = 1 << 30
     cache_disk_max: int = 8 << 30
@@ -52,7 +47,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     allowed_origins: list[str] = []
     shutdown_grace: float = 30.0
     log_level: str = "info"
-    # "native": faster CPU kernels with the same results (actors/cpu_kernels.py); "mlx":
+    # "native": faster CPU kernels with the same results (actors/engine/cpu_kernels.py); "mlx":
     # MLX's own.
     cpu_kernels: str = "native"
     # Memory (docs/memory.md): bytes of MLX memory to stay under (None: 75% of the RAM
@@ -66,6 +61,11 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     models_memory: int | None = None
     pin: list[str] = []
     idle_ttl: float | None = None
+
+
+    def engine(self) -> EngineConfig:
+        """The engine's part of this configuration, whole."""
+        return EngineConfig(**{f: getattr(self, f) for f in EngineConfig.__struct_fields__})
 
 
 def model_specs(config: ServeConfig) -> list[str | None]:

@@ -22,7 +22,7 @@ class MemoryLimits(Message, frozen=True, kw_only=True):
     has been since the monitor started: what stays in use whatever the load (the weights, and
     whatever else the process holds). A prompt needing more than ``limit - floor`` can never
     fit (413); one that does not fit now only waits for memory (503). ``pressure`` is ``ok``,
-    ``soft`` or ``hard`` (``actors.memory_estimate.pressure_level`` of the usage). ``guard``
+    ``soft`` or ``hard`` (``actors.engine.memory_estimate.pressure_level`` of the usage). ``guard``
     False turns the prefill guard off (``--no-prefill-guard``).
     """
 

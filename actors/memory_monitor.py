@@ -25,7 +25,7 @@ from typing import Any
 import mlx.core as mx
 
 from actors.cache_messages import SpillRam
-from actors.memory_estimate import (
+from actors.engine.memory_estimate import (
     HARD,
     OK,
     SOFT,
@@ -79,7 +79,7 @@ class MemoryMonitor(Actor):
     """Polls memory every ``poll_s`` and publishes ``MemoryLimits``.
 
     ``limit``: bytes of MLX memory (active + cache) to stay under; None picks the default
-    (``actors.memory_estimate.default_memory_limit``). ``schedulers`` and ``indexes``: the
+    (``actors.engine.memory_estimate.default_memory_limit``). ``schedulers`` and ``indexes``: the
     names of every scheduler and cache index that may run (looked up at each poll).
     """
 

@@ -10,7 +10,7 @@ Commands are named in the imperative (``AddRequest``), events in the past tense
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -63,7 +63,7 @@ class OutputFormat(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class OutputSpec(msgspec.Struct, frozen=True, kw_only=True):
-    """How the engine reads one chat answer's text (``actors.agent_output.OutputParser``).
+    """How the engine reads one chat answer's text (``actors.engine.agent_output.OutputParser``).
 
     ``tool_format``: the parser of the model's tool-call markup (an ``mlx_lm.tool_parsers``
     module name, or one of troupe's own formats), None when no tools were offered.
@@ -145,26 +145,32 @@ class Admitted(msgspec.Struct, frozen=True, kw_only=True):
     prompt_tokens: int
 
 
-class AdmissionError(Exception):
-    """A request refused before any response header: carries the HTTP status to answer with.
+# What went wrong, in the core's words: a request that is malformed or cannot be served as
+# asked, a model not served here, a request id already running, a prompt that can never fit,
+# a full queue, memory or a model that is busy now, a failure of the server itself.
+# api/errors.py alone turns each into an HTTP status.
+ErrorKind = Literal["invalid", "unknown_model", "conflict", "too_large", "overloaded",
+                    "unavailable", "internal"]
 
-    ``param`` names the field at fault; ``retry_after`` (seconds) goes into Retry-After.
+
+class AdmissionError(Exception):
+    """A request refused before any response header, with the kind of refusal.
+
+    ``param`` names the field at fault; ``retry_after`` (seconds): when it is worth retrying.
     """
 
     def __init__(
         self,
-        status: int,
+        kind: ErrorKind,
         message: str,
         *,
-        type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
         retry_after: float | None = None,
     ) -> None:
         super().__init__(message)
-        self.status = status
+        self.kind = kind
         self.message = message
-        self.type = type
         self.param = param
         self.code = code
         self.retry_after = retry_after
@@ -172,14 +178,12 @@ class AdmissionError(Exception):
     def __reduce__(self):  # keeps the error intact if it is ever copied or pickled
         return (
             _rebuild_admission_error,
-            (self.status, self.message, self.type, self.param, self.code, self.retry_after),
+            (self.kind, self.message, self.param, self.code, self.retry_after),
         )
 
 
-def _rebuild_admission_error(status, message, type_, param, code, retry_after):
-    return AdmissionError(
-        status, message, type=type_, param=param, code=code, retry_after=retry_after
-    )
+def _rebuild_admission_error(kind, message, param, code, retry_after):
+    return AdmissionError(kind, message, param=param, code=code, retry_after=retry_after)
 
 
 # --- admission -> scheduler ---------------------------------------------------------------
@@ -189,7 +193,7 @@ class AddRequest(Message, frozen=True, kw_only=True):
     """Join the running batch. Sent with ``stream()``: the scheduler answers with events.
 
     ``output``: how to read the answer (tool calls, reasoning); None for plain text.
-    ``constraint``: a compiled grammar (``actors.grammar.Constraint``, made in admission, off
+    ``constraint``: a compiled grammar (``actors.engine.grammar.Constraint``, made in admission, off
     the MLX thread) that masks every sampled token; None when unconstrained."""
 
     request_id: str
@@ -271,7 +275,7 @@ class RequestFinished(Message, frozen=True, kw_only=True):
     finish_reason: str
     usage: Usage
     error: str | None = None
-    error_status: int | None = None
+    error_kind: ErrorKind | None = None
     ttft_s: float | None = None
     stop_sequence: str | None = None  # the stop string that ended the text, if one did
     retry_after: float | None = None  # a refusal's Retry-After (seconds), when it estimated one

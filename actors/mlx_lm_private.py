@@ -4,9 +4,9 @@ of mlx-lm they were checked on.
 mlx-lm's public API gives models, caches, samplers, logits processors, tokenizers, chat
 templates and ``BatchGenerator``'s ``insert``/``next``/``remove``. Continuous batching with
 one forward pass a step, a per-chunk memory gate and a prefix cache needs to see and steer
-what ``BatchGenerator`` keeps inside (``actors/mixed.py``, ``actors/engine.py``); those names
-are listed here. ``check_mlx_lm`` refuses to serve on a version they were not checked on, and
-``tests/test_mlx_lm_private.py`` checks that every name listed still exists.
+what ``BatchGenerator`` keeps inside (``actors/engine/batch.py``, ``actors/engine/core.py``);
+those names are listed here. ``check_mlx_lm`` refuses to serve on a version they were not
+checked on, and ``tests/test_mlx_lm_private.py`` checks that every name listed still exists.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ TESTED_MLX_LM = ("0.32.2",)
 FUNCTIONS: tuple[tuple[str, str, str], ...] = (
     ("mlx_lm.generate", "_right_pad_prompts",
      "a prefill chunk riding in the decode step is padded exactly as mlx-lm's own prompt "
-     "batch pads it (actors/mixed.py)"),
+     "batch pads it (actors/engine/batch.py)"),
     ("mlx_lm.utils", "_download",
      "a Hugging Face repo named on the command line is fetched as mlx-lm's load fetches it "
-     "(actors/model_store.py)"),
+     "(actors/models/store.py)"),
 )
 
 # Private attributes troupe reads or sets: (class, attribute, why). Attributes an instance
@@ -52,7 +52,8 @@ ATTRIBUTES: tuple[tuple[str, str, str], ...] = (
      "the positions in use: joins and rolls copy only those, not the room to grow"),
     ("BatchKVCache", "_right_padding", "a prefill chunk's right padding, rolled only once"),
     ("TokenizerWrapper", "_tokenizer",
-     "the Hugging Face tokenizer llguidance builds its token table from (actors/grammar.py)"),
+     "the Hugging Face tokenizer llguidance builds its token table from "
+     "(actors/engine/grammar.py)"),
 )
 
 

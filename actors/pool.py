@@ -28,7 +28,9 @@ from typing import Any
 import mlx.core as mx
 
 from actors.cache_index import CACHE_INDEX_THREAD, CacheIndex
-from actors.memory_estimate import ModelMemory, model_memory_of
+from actors.engine.config import EngineConfig
+from actors.engine.memory_estimate import ModelMemory, model_memory_of
+from actors.engine.prefix import model_fingerprint
 from actors.memory_messages import (
     CheckIdle,
     DescribeLoad,
@@ -38,8 +40,7 @@ from actors.memory_messages import (
     UnloadIdle,
 )
 from actors.messages import AdmissionError, ListModels, ModelCard
-from actors.model_store import resolve_model
-from actors.prefix import model_fingerprint
+from actors.models.store import resolve_model
 from actors.scheduler import MLX_THREAD, Scheduler, context_length
 from actors.ssd_writer import SsdWriter
 from runtime import Actor, ActorDead, ActorRef, AskTimeout, MailboxFull, Restart
@@ -96,14 +97,15 @@ class EnginePool(Actor):
     ``UnloadIdle``, and its own ``CheckIdle``.
 
     ``specs``: the models as given to ``--model`` (None: the bundled default). ``engine``:
-    the Scheduler's keyword arguments. ``cache``: the prefix cache's settings, or None.
+    each model's engine settings. ``cache``: the prefix cache's settings, or None.
     """
 
     def __init__(
         self,
         *,
         specs: list[str | None],
-        engine: dict[str, Any],
+        engine: EngineConfig,
+        memory_monitor: str = "memory_monitor",
         cache: dict[str, Any] | None = None,
         models_memory: int | None = None,
         pin: list[str] | None = None,
@@ -112,7 +114,8 @@ class EnginePool(Actor):
         preload: int = 1,
     ) -> None:
         self.specs = specs or [None]
-        self.engine_kwargs = engine
+        self.engine_config = engine
+        self.memory_monitor = memory_monitor
         self.cache = cache
         self.models_memory = models_memory
         self.pin = set(pin or [])
@@ -182,7 +185,7 @@ class EnginePool(Actor):
             case LoadModel(model=model):
                 slot = self.slots.get(model)
                 if slot is None:
-                    raise AdmissionError(404, f"model {model!r} is not served here",
+                    raise AdmissionError("unknown_model", f"model {model!r} is not served here",
                                          param="model", code="model_not_found")
                 return await self._load(slot)
             case UnloadIdle():
@@ -231,7 +234,8 @@ class EnginePool(Actor):
             model_id=slot.card.id,
             index=names.cache_index,
             writer=names.ssd_writer,
-            **self.engine_kwargs,
+            config=self.engine_config,
+            memory_monitor=self.memory_monitor,
         )
         slot.loaded_at = time.monotonic()
         self.loads += 1
@@ -255,7 +259,7 @@ class EnginePool(Actor):
             ram_max_bytes=cache["ram_max_bytes"],
             disk_max_bytes=cache["disk_max_bytes"],
             scheduler=names.scheduler,
-            block_size=self.engine_kwargs.get("block_size", 0),
+            block_size=self.engine_config.block_size,
         )
         # The writer's mailbox is the bounded write queue the scheduler waits on (~250 ms).
         await self.system.spawn(
@@ -299,10 +303,10 @@ class EnginePool(Actor):
         self.refused += 1
         busy = ", ".join(s.card.id for s in self._loaded())
         raise AdmissionError(
-            503,
+            "unavailable",
             f"model {slot.card.id!r} cannot be loaded now: the models memory budget "
             f"({budget} bytes) is held by models in use or pinned ({busy}); retry shortly",
-            type="server_error", code="models_busy", retry_after=RETRY_AFTER_S,
+            code="models_busy", retry_after=RETRY_AFTER_S,
         )
 
     # -- unloading -----------------------------------------------------------------------------

@@ -39,9 +39,11 @@ from actors.cache_messages import (
     ReadBlocks,
     WriteBlock,
 )
-from actors.engine import Engine, RequestError
-from actors.kv_blocks import KVBlock, from_numpy, to_numpy
-from actors.memory_estimate import OK, model_memory
+from actors.engine.config import DEFAULTS, EngineConfig
+from actors.engine.core import Engine, RequestError
+from actors.engine.kv_blocks import KVBlock, from_numpy, to_numpy
+from actors.engine.memory_estimate import OK, model_memory
+from actors.engine.prefix import model_fingerprint
 from actors.memory_messages import (
     DescribeLoad,
     EngineLoad,
@@ -53,14 +55,14 @@ from actors.messages import (
     AbortRequest,
     AddRequest,
     DescribeEngine,
+    ErrorKind,
     ModelCard,
     RequestFinished,
     RequestStarted,
     Step,
     Usage,
 )
-from actors.model_store import DEFAULT_MODEL, resolve_model
-from actors.prefix import model_fingerprint
+from actors.models.store import DEFAULT_MODEL, resolve_model
 from actors.retry import FinishPace
 from runtime import Actor, ActorDead, AskTimeout, MailboxFull, Reply
 from runtime.threads import at_thread_exit
@@ -123,39 +125,25 @@ class Scheduler(Actor):
         self,
         *,
         model: str | None = None,
-        max_batch_size: int = 32,
-        prefill_batch_size: int = 8,
-        prefill_step_size: int = 512,
-        prefill_interleave: float = 0.0,
-        max_queue: int = 256,
-        block_size: int = 0,
+        config: EngineConfig = DEFAULTS,
         index: str = "cache_index",
         writer: str = "ssd_writer",
         model_id: str | None = None,
         memory_monitor: str = "memory_monitor",
-        arrival_window_ms: float = 0.0,
-        mixed_step: bool = True,
     ) -> None:
         self.model_spec = model
+        self.config = config
         # An idle engine steps once no request has arrived for this long (at most
         # ARRIVAL_WINDOWS_MAX windows after the first), so a burst of requests is prefilled
         # together rather than in one step per arrival.
-        self.arrival_window_s = max(0.0, arrival_window_ms) / 1000
+        self.arrival_window_s = max(0.0, config.arrival_window_ms) / 1000
         self._window_opened: float | None = None  # when an idle engine's window opened
         self._last_arrival = 0.0
         # The pool resolves models itself and passes the name the model is served as.
         self.model_id = model_id
         self.model_name = model_id or model or DEFAULT_MODEL
-        self.max_queue = max_queue
+        self.max_queue = config.max_queue
         self.pace = FinishPace()  # how fast requests finish: a full queue's Retry-After
-        self._engine_kwargs = dict(
-            max_batch_size=max_batch_size,
-            prefill_batch_size=prefill_batch_size,
-            prefill_step_size=prefill_step_size,
-            prefill_interleave=prefill_interleave,
-            block_size=block_size,
-            mixed=mixed_step,
-        )
         self.index_name = index
         self.writer_name = writer
         self.monitor_name = memory_monitor
@@ -187,8 +175,8 @@ class Scheduler(Actor):
         fingerprint = model_fingerprint(resolved.path)
         weights, dtype_bytes = weights_profile(model)
         memory = model_memory(config, dtype_bytes=dtype_bytes, weights_bytes=weights)
-        self.engine = Engine(model, tokenizer, stream=stream, fingerprint=fingerprint,
-                             memory=memory, **self._engine_kwargs)
+        self.engine = Engine(model, tokenizer, self.config, stream=stream,
+                             fingerprint=fingerprint, memory=memory)
         self.card = ModelCard(
             id=self.model_name,
             context_length=context_length(config),
@@ -202,7 +190,7 @@ class Scheduler(Actor):
         # thread_local destructor, which runs after the thread was joined, it needed the GIL
         # while the interpreter finalized and aborted `troupe serve` at exit now and then.
         at_thread_exit(mx.clear_streams)
-        if self._engine_kwargs["block_size"] and not self.engine.caching:
+        if self.config.block_size and not self.engine.caching:
             log.warning("%s: its cache layers cannot be cut into blocks; prefix cache off",
                         resolved.name)
         log.info(
@@ -289,12 +277,12 @@ class Scheduler(Actor):
         if self.retired:
             # The pool is unloading this model: the request raced the unload. 503 with
             # Retry-After: a retry loads the model again.
-            reply.send(_refused(msg, 503, f"model {self.model_name!r} is being unloaded; "
+            reply.send(_refused(msg, "unavailable", f"model {self.model_name!r} is being unloaded; "
                                 "retry shortly"))
             reply.close()
             return
         if engine.waiting + len(self._loading) >= self.max_queue:
-            refused = _refused(msg, 429, "the scheduler's queue is full; retry shortly")
+            refused = _refused(msg, "overloaded", "the scheduler's queue is full; retry shortly")
             ahead = len(engine.requests) + len(self._loading)
             reply.send(msgspec.structs.replace(refused, retry_after=self.pace.retry_after(ahead)))
             reply.close()
@@ -375,7 +363,7 @@ class Scheduler(Actor):
             req = self.engine.add(msg.request_id, msg.prompt_tokens, msg.sampling,
                                   cached=cached, output=msg.output, constraint=msg.constraint)
         except RequestError as exc:
-            reply.send(_refused(msg, exc.status, str(exc)))
+            reply.send(_refused(msg, exc.kind, str(exc)))
             reply.close()
             return
         self.counters["hit_tokens"] += req.cached_tokens
@@ -568,12 +556,12 @@ class Scheduler(Actor):
 
 
 def _refused(
-    msg: AddRequest, status: int | None, message: str, reason: str = "error"
+    msg: AddRequest, kind: ErrorKind | None, message: str, reason: str = "error"
 ) -> RequestFinished:
     return RequestFinished(
         request_id=msg.request_id,
         finish_reason=reason,
         usage=Usage(prompt_tokens=len(msg.prompt_tokens), completion_tokens=0),
         error=message,
-        error_status=status,
+        error_kind=kind,
     )

@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from actors import cpu_kernels
 from actors.admission import ADMISSION_THREAD, Admission
 from actors.config import ServeConfig, model_specs
+from actors.engine import cpu_kernels
 from actors.memory_monitor import MEMORY_THREAD, MONITOR_NAME, MemoryMonitor
 from actors.messages import ListModels, ModelCard
 from actors.mlx_lm_private import check_mlx_lm
-from actors.model_store import troupe_home
+from actors.models.store import troupe_home
 from actors.pool import POOL_NAME, EnginePool, engine_names
 from actors.scheduler import MLX_THREAD
 from runtime import ActorRef, ActorSystem, Restart
@@ -57,17 +57,8 @@ async def start_serving(system: ActorSystem, config: ServeConfig) -> ServingHand
         restart=Restart.PERMANENT,
         mailbox_size=256,
         specs=model_specs(config),
-        engine=dict(
-            max_batch_size=config.max_batch_size,
-            prefill_batch_size=config.prefill_batch_size,
-            prefill_step_size=config.prefill_step_size,
-            prefill_interleave=config.prefill_interleave,
-            arrival_window_ms=config.arrival_window_ms,
-            mixed_step=config.mixed_step,
-            max_queue=config.max_queue,
-            block_size=config.block_size,
-            memory_monitor=MONITOR_NAME,
-        ),
+        engine=config.engine(),
+        memory_monitor=MONITOR_NAME,
         cache=cache,
         models_memory=config.models_memory,
         pin=config.pin,

@@ -6,7 +6,7 @@ conversation is rewritten before the template sees it, in the Hermes convention 
 Qwen2.5's template writes and mlx-lm's ``json_tools`` parser reads): the tools as JSON in the
 system message, each call as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` in
 the assistant's text, each result inside ``<tool_response>`` in a user turn. The answer is
-then read with the same format (``actors.agent_output.FALLBACK_TOOL_FORMAT``).
+then read with the same format (``actors.engine.agent_output.FALLBACK_TOOL_FORMAT``).
 """
 
 from __future__ import annotations

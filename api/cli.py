@@ -69,8 +69,8 @@ async def serve(config: ServeConfig) -> None:
         loop.add_signal_handler(sig, on_signal)
     try:
         # Lazy: the serving actors import MLX, which the rest of this module must not.
-        from actors import cpu_kernels
-        from actors.blas import loaded_blas
+        from actors.engine import cpu_kernels
+        from actors.models.blas import loaded_blas
         from actors.serving import start_serving
 
         async with ActorSystem() as system:
@@ -94,7 +94,7 @@ def _maybe_preload_openblas(choice: str) -> None:
     """Re-execute this command with OpenBLAS preloaded when MLX would otherwise run on the
     reference BLAS of the mlx-cpu wheel (prefill about 25x slower). Before MLX is imported:
     a preload only works at process start."""
-    from actors import blas  # lazy, and MLX-free: it only looks at files
+    from actors.models import blas  # lazy, and MLX-free: it only looks at files
 
     os.environ[blas.CHOICE_ENV] = choice
     plan = blas.preload_command(["-m", "api.cli", *sys.argv[1:]])
@@ -133,7 +133,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _pull(args: argparse.Namespace) -> int:
     _setup_logging("info")
     # Lazy: resolving may convert weights with MLX.
-    from actors.model_store import resolve_model
+    from actors.models.store import resolve_model
 
     print(f"resolving {args.model or 'the default model'} ...", file=sys.stderr)
     try:

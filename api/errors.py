@@ -16,7 +16,7 @@ import msgspec
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from actors.messages import AdmissionError
+from actors.messages import AdmissionError, ErrorKind
 from runtime import ActorDead, ActorRef, AskTimeout, MailboxFull, Message
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,18 @@ class AnthropicErrorBody(msgspec.Struct, kw_only=True):
 
 
 _encoder = msgspec.json.Encoder()
+
+
+# The HTTP status of each kind of error the core raises (actors.messages.ErrorKind).
+STATUS_OF: dict[ErrorKind, int] = {
+    "invalid": 400,
+    "unknown_model": 404,
+    "conflict": 409,
+    "too_large": 413,
+    "overloaded": 429,
+    "unavailable": 503,
+    "internal": 500,
+}
 
 
 def error_type_for(status: int) -> str:
@@ -128,11 +140,10 @@ class ApiError(Exception):
 
     @classmethod
     def from_admission(cls, err: AdmissionError) -> ApiError:
-        """Relay admission's refusal as it is: status, message, type, param, code, retry."""
+        """Admission's refusal with the status of its kind: message, param, code, retry."""
         return cls(
-            err.status,
+            STATUS_OF[err.kind],
             err.message,
-            type=err.type,
             param=err.param,
             code=err.code,
             retry_after=err.retry_after,

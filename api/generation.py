@@ -22,7 +22,7 @@ from actors.messages import (
     TokensGenerated,
     Usage,
 )
-from api.errors import DEFAULT_RETRY_AFTER_S, ApiError
+from api.errors import DEFAULT_RETRY_AFTER_S, STATUS_OF, ApiError
 from api.shutdown import INFLIGHT, SHUTTING_DOWN
 from api.sse import EventStream, Frame
 from api.telemetry import RECORD, ObservedEvents, RequestRecord
@@ -65,7 +65,7 @@ def failure_of(finished: RequestFinished) -> ApiError | None:
     """The error a finished request carries, or None when it ended normally."""
     if finished.error is None and finished.finish_reason not in ("error", "abort"):
         return None
-    status = finished.error_status or 500
+    status = STATUS_OF[finished.error_kind or "internal"]
     message = finished.error or f"The request ended with finish_reason '{finished.finish_reason}'."
     # 429 (a full queue) and 503 (memory short, a model being unloaded) pass with time.
     retry_after = finished.retry_after

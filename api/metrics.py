@@ -21,6 +21,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from api.errors import STATUS_OF
 from runtime import ActorSystem
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -143,7 +144,11 @@ class ActorCollector(Collector):
                 in_flight.add_metric([name], snap.report["running"])
             if _is_admission(snap.report):
                 admitted.add_metric([name], snap.report["admitted"])
-                for status, count in snap.report["refused"].items():
+                by_status: dict[int, int] = {}
+                for kind, count in snap.report["refused"].items():
+                    status = STATUS_OF.get(kind, 500)
+                    by_status[status] = by_status.get(status, 0) + count
+                for status, count in sorted(by_status.items()):
                     refusals.add_metric([name, str(status)], count)
         yield from (depth, capacity, running, handled, restarts, report, queue, batch, in_flight,
                     admitted, refusals)

@@ -2,7 +2,7 @@
 
 mlx-lm's ``GenerationBatch`` answers, in each step, the tokens the previous step sampled: it
 queues the next forward pass with ``mx.async_eval`` first, so that Python's work overlaps
-the model's. troupe's ``JoiningGenerationBatch`` (``actors/mixed.py``) answers the tokens
+the model's. troupe's ``JoiningGenerationBatch`` (``actors/engine/batch.py``) answers the tokens
 the step sampled. This script measures, on the default model (troupe's CPU kernels,
 OpenBLAS preloaded as ``troupe serve`` does):
 
@@ -55,14 +55,10 @@ def served_engine(model: Any, tok: Any, sampling: Any) -> Any:
     import mlx.core as mx
 
     from actors.config import ServeConfig
-    from actors.engine import Engine
+    from actors.engine.core import Engine
 
     cfg = ServeConfig()
-    engine = Engine(model, tok, max_batch_size=cfg.max_batch_size,
-                    prefill_batch_size=cfg.prefill_batch_size,
-                    prefill_step_size=cfg.prefill_step_size, block_size=cfg.block_size,
-                    prefill_interleave=cfg.prefill_interleave, mixed=cfg.mixed_step,
-                    stream=mx.default_stream(mx.cpu))
+    engine = Engine(model, tok, cfg.engine(), stream=mx.default_stream(mx.cpu))
     engine.add("warm-up", prompts(tok, 1, f"warm-{time.time()}")[0], sampling)
     while engine.has_work:
         engine.step()
@@ -107,8 +103,8 @@ def main() -> None:
     from mlx_lm.generate import GenerationBatch
     from mlx_lm.models.cache import make_prompt_cache
 
+    from actors.engine.batch import JoiningGenerationBatch, MixedBatchGenerator
     from actors.messages import SamplingParams
-    from actors.mixed import JoiningGenerationBatch, MixedBatchGenerator
 
     model, tok = load_ceiling(args.model or resolve_default_model())  # troupe's CPU kernels
     troupe_step = JoiningGenerationBatch._step

@@ -19,7 +19,7 @@ import json, sys, time
 import mlx.core as mx
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
-from actors.blas import loaded_blas
+from actors.models.blas import loaded_blas
 model, _ = load(sys.argv[1])
 n = int(sys.argv[2])
 x = mx.array([list(range(100, 100 + n))])
@@ -44,7 +44,7 @@ def measure(model_dir: str, tokens: int, preload: str | None) -> dict:
 
 
 def main() -> None:
-    from actors.blas import find_openblas
+    from actors.models.blas import find_openblas
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model")

@@ -20,11 +20,12 @@ from pathlib import Path
 
 from mlx_lm import load
 
-from actors.blas import preload_command
-from actors.engine import Engine
-from actors.kv_blocks import to_numpy
+from actors.engine.config import EngineConfig
+from actors.engine.core import Engine
+from actors.engine.kv_blocks import to_numpy
+from actors.engine.prefix import model_fingerprint
 from actors.messages import SamplingParams, TokensGenerated
-from actors.prefix import model_fingerprint
+from actors.models.blas import preload_command
 
 TEXT = ("In a quiet valley a river carved its way through layers of ancient stone, and every "
         "season it carried a little more of the mountain to the sea. ")
@@ -64,7 +65,8 @@ def main() -> None:
     for size in args.sizes:
         colds, warms, snaps = [], [], []
         for r in range(args.reps):
-            engine = Engine(model, tok, block_size=size, fingerprint=fp, prefill_step_size=512)
+            engine = Engine(model, tok, EngineConfig(block_size=size, prefill_step_size=512,
+                                                      prefill_interleave=0.0), fingerprint=fp)
             prompt = tok.encode(f"Run {size}-{r}. ") + base[: args.prompt_tokens]
             colds.append(first_token_s(engine, "cold", prompt))
             if size:

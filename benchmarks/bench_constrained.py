@@ -87,18 +87,18 @@ def main() -> None:
     same_blas_as_troupe_serve()
 
     import mlx.core as mx
+    import msgspec
 
     from actors.config import ServeConfig
-    from actors.engine import Engine
-    from actors.grammar import Grammars
+    from actors.engine.core import Engine
+    from actors.engine.grammar import Grammars
 
     model, tok = load_ceiling(str(resolve_default_model()))
     grammars = Grammars(tok)
     cfg = ServeConfig()
-    engine = Engine(model, tok, max_batch_size=cfg.max_batch_size,
-                    prefill_batch_size=16, prefill_step_size=cfg.prefill_step_size,
-                    block_size=0, prefill_interleave=cfg.prefill_interleave,
-                    mixed=cfg.mixed_step, stream=mx.default_stream(mx.cpu))
+    engine = Engine(model, tok, msgspec.structs.replace(cfg.engine(), prefill_batch_size=16,
+                                                        block_size=0),
+                    stream=mx.default_stream(mx.cpu))
     engine.warm_up()
     round_steps(engine, tok, grammars, True, 4, "warm")  # builds the llguidance tokenizer
     free: list[float] = []

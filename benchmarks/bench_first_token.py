@@ -1,7 +1,7 @@
 """A prompt's first token: sampled from the prefill chunk that runs its last prompt token, or
 from a decode step after it (mlx-lm keeps the last prompt token back for that step).
 
-troupe's ``MixedBatchGenerator`` (``actors/mixed.py``, mixed steps) samples the first token
+troupe's ``MixedBatchGenerator`` (``actors/engine/batch.py``, mixed steps) samples the first token
 from the chunk's logits at the last prompt token, in the step that prefills it; this script
 puts mlx-lm's way back (``first_token_in_chunk = False``) for the comparison. On the default
 model (troupe's CPU kernels, OpenBLAS preloaded as ``troupe serve`` does), through troupe's
@@ -49,8 +49,8 @@ def main() -> None:
     args = p.parse_args()
     same_blas_as_troupe_serve()
 
+    from actors.engine.batch import MixedBatchGenerator
     from actors.messages import SamplingParams
-    from actors.mixed import MixedBatchGenerator
 
     model, tok = load_ceiling(args.model or resolve_default_model())  # troupe's CPU kernels
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -177,8 +177,8 @@ async def time_to_413(model: str, args: argparse.Namespace, tokens: list[int]) -
 async def swap(model: str, args: argparse.Namespace) -> dict:
     import aiohttp
 
-    from actors.memory_estimate import model_memory_of
-    from actors.model_store import resolve_model
+    from actors.engine.memory_estimate import model_memory_of
+    from actors.models.store import resolve_model
 
     path = resolve_model(model).path
     with tempfile.TemporaryDirectory(prefix="bench-swap-") as tmp:
@@ -219,8 +219,8 @@ async def swap(model: str, args: argparse.Namespace) -> dict:
 async def run(args: argparse.Namespace) -> dict:
     from mlx_lm.utils import load_tokenizer
 
-    from actors.blas import loaded_blas
-    from actors.model_store import resolve_model
+    from actors.models.blas import loaded_blas
+    from actors.models.store import resolve_model
 
     if args.tiny:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -296,7 +296,7 @@ def main() -> None:
     parser.add_argument("--skip-unguarded", action="store_true")
     args = parser.parse_args()
 
-    from actors import blas
+    from actors.models import blas
 
     plan = blas.preload_command([str(Path(__file__).resolve()), *sys.argv[1:]])
     if plan is not None:

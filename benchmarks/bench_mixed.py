@@ -7,7 +7,7 @@ repetition:
 
 - the decode step alone (one call);
 - two calls, as mlx-lm's ``BatchGenerator`` makes them: the decode step, then the chunk;
-- one ``mixed_forward`` call carrying both (``actors/mixed.py``);
+- one ``mixed_forward`` call carrying both (``actors/engine/forward.py``);
 
 and, for one layer's attention of the chunk over the long context, MLX's scaled dot product
 attention (troupe's kernel when enabled) against ``chunk_attention``. Reports medians. On
@@ -57,9 +57,9 @@ def main() -> None:
     from mlx_lm.models.base import create_attention_mask
     from mlx_lm.models.cache import BatchKVCache
 
-    from actors import cpu_kernels
-    from actors.mixed import chunk_attention, mixed_forward, supports_mixed
-    from actors.model_store import troupe_home
+    from actors.engine import cpu_kernels
+    from actors.engine.forward import chunk_attention, mixed_forward, supports_mixed
+    from actors.models.store import troupe_home
 
     cpu_kernels.enable(args.kernels, troupe_home())
     model_dir = args.model or resolve_default_model()

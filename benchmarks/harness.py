@@ -53,7 +53,7 @@ import aiohttp
 REPO = Path(__file__).resolve().parents[1]
 START_ENV = dict(os.environ)
 tempfile.gettempdir()  # cached now: the ceiling's CPU kernels later point TMPDIR at their JIT
-sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]  # actors.blas, and plot.py beside this
+sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]  # actors.models.blas, and plot.py beside this
 
 TROUPE = "mlx-troupe"
 PEER = "mlx_lm.server"
@@ -550,8 +550,8 @@ def load_ceiling(model_dir: str, kernels: str = "native") -> tuple[Any, Any]:
     both), so the ceiling measures what serving costs, not the kernels."""
     from mlx_lm import load  # lazy: the harness drives servers without MLX loaded
 
-    from actors import cpu_kernels
-    from actors.model_store import troupe_home
+    from actors.engine import cpu_kernels
+    from actors.models.store import troupe_home
 
     cpu_kernels.enable(kernels, troupe_home())
     return load(model_dir)
@@ -561,10 +561,10 @@ def ceiling_level(model: Any, tok: Any, messages: list[Messages], concurrency: i
                   max_tokens: int, *, mixed: bool = True) -> dict[str, Any]:
     """One serving level through ``BatchGenerator`` directly, batched as troupe batches, in
     a closed loop like the HTTP clients: the most any server could do on this machine. The
-    generator is troupe's subclass (``actors.mixed``), with mixed steps as troupe runs them,
+    generator is troupe's subclass (``actors.engine.batch``), with mixed steps as troupe runs them,
     so that the ceiling measures what serving costs, not the step."""
     from actors.config import ServeConfig
-    from actors.mixed import MixedBatchGenerator
+    from actors.engine.batch import MixedBatchGenerator
 
     cfg = ServeConfig()
     gen = MixedBatchGenerator(model, mixed=mixed, completion_batch_size=cfg.max_batch_size,
@@ -720,7 +720,7 @@ def markdown(report: dict[str, Any]) -> str:
 def same_blas_as_troupe_serve() -> None:
     """Re-execute with OpenBLAS preloaded when ``troupe serve`` would preload it, so both
     servers (which inherit the environment) and the in-process ceiling use the same BLAS."""
-    from actors.blas import preload_command
+    from actors.models.blas import preload_command
 
     # The script being run (sys.argv[0]): other benchmarks call this too.
     plan = preload_command([str(Path(sys.argv[0]).resolve()), *sys.argv[1:]])

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
-from actors.engine import Engine
+from actors.engine.config import EngineConfig
+from actors.engine.core import Engine
 from actors.messages import RequestFinished, SamplingParams, TokensGenerated
+
+
+def engine_config(**settings) -> EngineConfig:
+    """The engine tests' settings: no prefix cache and whole prefill chunks unless the test
+    names them, so each test sees exactly the steps it sets up."""
+    return EngineConfig(**{"block_size": 0, "prefill_interleave": 0.0, **settings})
 
 
 def greedy(max_tokens: int = 16, **kw) -> SamplingParams:

@@ -32,6 +32,7 @@ from actors.messages import (
     AdmitCompletion,
     Admitted,
     CountTokens,
+    ErrorKind,
     ListModels,
     ModelCard,
     RequestFinished,
@@ -88,8 +89,8 @@ def _finished(
     )
 
 
-def _failed(rid: str, completion: int, error: str, status: int) -> RequestFinished:
-    return _finished(rid, "error", completion, cached=0, error=error, error_status=status)
+def _failed(rid: str, completion: int, error: str, kind: ErrorKind) -> RequestFinished:
+    return _finished(rid, "error", completion, cached=0, error=error, error_kind=kind)
 
 
 def _matched_stop() -> dict[str, Any]:
@@ -111,7 +112,7 @@ def _logprob(token: str, token_id: int) -> TokenLogprob:
 
 async def _play(reply: Reply, rid: str, script: str, logprobs: bool, record: Record) -> None:
     if script == "refuse-before-start":
-        reply.send(_failed(rid, 0, "The scheduler queue is full.", 429))
+        reply.send(_failed(rid, 0, "The scheduler queue is full.", "overloaded"))
         reply.close()
         return
     reply.send(RequestStarted(request_id=rid, prompt_tokens=5, cached_tokens=2))
@@ -127,7 +128,7 @@ async def _play(reply: Reply, rid: str, script: str, logprobs: bool, record: Rec
         return
     if script == "fail-mid-stream":
         reply.send(TokensGenerated(request_id=rid, text="partial", token_ids=[1]))
-        reply.send(_failed(rid, 1, "Out of memory during decode.", 503))
+        reply.send(_failed(rid, 1, "Out of memory during decode.", "unavailable"))
         reply.close()
         return
     if script == "tool-call":
@@ -203,14 +204,14 @@ class ScriptedAdmission(Actor):
 
     def _check_model(self, model: str) -> None:
         if model == BUSY_MODEL:
-            raise AdmissionError(429, "Too many requests queued.", type="rate_limit_error",
-                                 retry_after=2.5)
+            raise AdmissionError("overloaded", "Too many requests queued.", retry_after=2.5)
         if model != MODEL:
-            raise AdmissionError(404, f"The model '{model}' does not exist.", param="model",
+            raise AdmissionError("unknown_model", f"The model '{model}' does not exist.",
+                                 param="model",
                                  code="model_not_found")
 
     def report(self) -> dict[str, Any]:
-        return {"admitted": len(self.record.seen), "refused": {"404": 1}}
+        return {"admitted": len(self.record.seen), "refused": {"unknown_model": 1}}
 
 
 @dataclass

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.agent_output import (
+from actors.engine.agent_output import (
     FALLBACK_TOOL_FORMAT,
     OutputParser,
     Parsed,
@@ -400,10 +400,10 @@ def test_malformed_unknown_or_cut_calls_come_back_as_text_with_a_warning(
 ) -> None:
     for pieces in splits(output):
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="actors.agent_output"):
+        with caplog.at_level(logging.WARNING, logger="actors.engine.agent_output"):
             got = run(spec(fmt), pieces)
         assert (got.text, got.calls) == (output, [])
-        assert [r.name for r in caplog.records] == ["actors.agent_output"]
+        assert [r.name for r in caplog.records] == ["actors.engine.agent_output"]
         assert why in caplog.records[0].getMessage()
 
 
@@ -454,7 +454,7 @@ def test_random_markup_in_any_format_never_raises() -> None:
 
     formats = [p.stem for p in Path(parsers.__file__).parent.glob("*.py") if p.stem != "__init__"]
     rng = random.Random(0)
-    logging.getLogger("actors.agent_output").disabled = True
+    logging.getLogger("actors.engine.agent_output").disabled = True
     try:
         for fmt in [*formats, "llama3_json", "harmony"]:
             for _ in range(30):
@@ -466,7 +466,7 @@ def test_random_markup_in_any_format_never_raises() -> None:
                 think = rng.random() < 0.5
                 run(spec(fmt, think=think, open_=think and rng.random() < 0.5), pieces)
     finally:
-        logging.getLogger("actors.agent_output").disabled = False
+        logging.getLogger("actors.engine.agent_output").disabled = False
 
 
 def test_every_mlx_lm_tool_parser_module_loads_by_name() -> None:

@@ -729,7 +729,7 @@ async def test_logs_never_hold_the_api_key_or_a_prompt(
 async def test_the_model_field_never_loads_a_path_or_a_repo(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import actors.model_store
+    import actors.models.store
     import actors.pool
 
     async with real_stack(tiny_model_dir) as stack:
@@ -740,7 +740,7 @@ async def test_the_model_field_never_loads_a_path_or_a_repo(
             raise AssertionError("a model was resolved at request time")
 
         monkeypatch.setattr(actors.pool, "resolve_model", resolve)
-        monkeypatch.setattr(actors.model_store, "resolve_model", resolve)
+        monkeypatch.setattr(actors.models.store, "resolve_model", resolve)
         url = stack.server.url
         async with aiohttp.ClientSession() as session:
             before = await (await session.get(f"{url}/actors/engine_pool")).json()

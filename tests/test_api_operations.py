@@ -88,7 +88,7 @@ async def test_actor_by_name_shows_its_report_and_unknown_name_is_404(
     assert resp.status == 200
     admission = await resp.json()
     assert admission["name"] == "admission"
-    assert admission["report"]["refused"] == {"404": 1}
+    assert admission["report"]["refused"] == {"unknown_model": 1}
     resp = await client.get("/actors/nobody")
     assert resp.status == 404
     error = (await resp.json())["error"]

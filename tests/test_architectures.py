@@ -16,16 +16,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_helpers import greedy, run, run_arriving
+from engine_helpers import engine_config, greedy, run, run_arriving
 from mlx_lm import load
 from reference import PROMPTS, reference_tokens
 from tiny_model import make_tiny_model
 
 from actors import block_store
-from actors.engine import Engine
-from actors.kv_blocks import KVBlock, from_numpy, to_numpy
+from actors.engine.core import Engine
+from actors.engine.kv_blocks import KVBlock, from_numpy, to_numpy
+from actors.engine.prefix import model_fingerprint, usable_blocks
 from actors.messages import TokensGenerated
-from actors.prefix import model_fingerprint, usable_blocks
 
 BLOCK = 16
 # Crosses several blocks and every sliding window (8 tokens) many times over.
@@ -72,12 +72,13 @@ class Tiny:
             self._refs[key] = reference_tokens(self.model, self.tok, prompt, max_tokens)
         return self._refs[key]
 
-    def engine(self, **kw: Any) -> Engine:
-        return Engine(self.model, self.tok, **kw)
+    def engine(self, **settings: Any) -> Engine:
+        return Engine(self.model, self.tok, engine_config(**settings))
 
     def caching_engine(self, model: Any = None, tok: Any = None) -> Engine:
-        return Engine(model or self.model, tok or self.tok, block_size=BLOCK,
-                      fingerprint=model_fingerprint(self.model_dir), prefill_step_size=24)
+        return Engine(model or self.model, tok or self.tok,
+                      engine_config(block_size=BLOCK, prefill_step_size=24),
+                      fingerprint=model_fingerprint(self.model_dir))
 
 
 @pytest.fixture(scope="module", params=ARCHS, ids=[a.name for a in ARCHS])
@@ -127,7 +128,7 @@ def test_four_requests_joining_mid_way_each_give_their_tokens_alone(tiny: Tiny,
     texts = [PROMPTS[0], PROMPTS[5], PROMPTS[6], " ".join(PROMPTS[1:5])]
     prompts = [tiny.tok.encode(t) for t in texts]
     assert len({len(p) for p in prompts}) == 4
-    engine = tiny.engine(prefill_step_size=4, mixed=mixed)
+    engine = tiny.engine(prefill_step_size=4, mixed_step=mixed)
     results = run_arriving(engine, prompts, 16)
     for i, p in enumerate(prompts):
         assert results[f"r{i}"] == tiny.reference(p, 16), f"r{i} ({len(p)} prompt tokens)"

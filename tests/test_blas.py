@@ -10,14 +10,14 @@ import sys
 
 import pytest
 
-from actors import blas
+from actors.models import blas
 
 GREEDY = """
 import json, sys
 from mlx_lm import load
 from mlx_lm.generate import stream_generate
-from actors.blas import loaded_blas
-from actors.model_store import resolve_model
+from actors.models.blas import loaded_blas
+from actors.models.store import resolve_model
 model, tok = load(str(resolve_model(None).path))
 prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                  add_generation_prompt=True)

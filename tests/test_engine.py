@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import pytest
-from engine_helpers import encode, fix_budget, greedy, run, run_arriving
+from engine_helpers import encode, engine_config, fix_budget, greedy, run, run_arriving
 from mlx_lm import load
 from reference import PROMPTS, detokenize, reference_tokens
 
-from actors.engine import MIN_MIXED_CHUNK, MIN_PREFILL_CHUNK, Engine, StopStringFilter
+from actors.engine.core import Engine
+from actors.engine.output import StopStringFilter
+from actors.engine.schedule import MIN_MIXED_CHUNK, MIN_PREFILL_CHUNK
 from actors.messages import SamplingParams, TokensGenerated
 
 
 def test_single_request_greedy_matches_mlx_lm(loaded):
     model, tok = loaded
     prompt = encode(tok, PROMPTS[0])
-    engine = Engine(model, tok)
+    engine = Engine(model, tok, engine_config())
     engine.add("a", prompt, greedy(24))
     res = run(engine)["a"]
     assert res["tokens"] == reference_tokens(model, tok, prompt, 24)
@@ -24,7 +26,7 @@ def test_single_request_greedy_matches_mlx_lm(loaded):
 
 def test_eight_requests_in_flight_match_each_alone(loaded):
     model, tok = loaded
-    engine = Engine(model, tok, prefill_step_size=8)
+    engine = Engine(model, tok, engine_config(prefill_step_size=8))
     prompts = {f"r{i}": encode(tok, p) for i, p in enumerate(PROMPTS)}
     lengths = {rid: 8 + 3 * i for i, rid in enumerate(prompts)}
     for rid, p in prompts.items():
@@ -37,7 +39,7 @@ def test_eight_requests_in_flight_match_each_alone(loaded):
 @pytest.mark.parametrize("mixed", [True, False], ids=["mixed", "separate-calls"])
 def test_requests_joining_a_running_batch_match_each_alone(loaded, mixed):
     model, tok = loaded
-    engine = Engine(model, tok, prefill_step_size=4, mixed=mixed)
+    engine = Engine(model, tok, engine_config(prefill_step_size=4, mixed_step=mixed))
     prompts = [encode(tok, p) for p in PROMPTS[:4]]
     results = run_arriving(engine, prompts, 20)
     for i, p in enumerate(prompts):
@@ -46,7 +48,7 @@ def test_requests_joining_a_running_batch_match_each_alone(loaded, mixed):
 
 def test_max_tokens_finishes_with_length(loaded):
     model, tok = loaded
-    engine = Engine(model, tok)
+    engine = Engine(model, tok, engine_config())
     engine.add("a", encode(tok, PROMPTS[1]), greedy(5, ignore_eos=True))
     res = run(engine)["a"]
     assert res["finish"].finish_reason == "length"
@@ -60,7 +62,7 @@ def test_stop_string_ends_request_and_never_leaks(loaded):
     full = detokenize(tok, reference_tokens(model, tok, prompt, 24))
     assert len(full) > 6
     stop = full[3:6]
-    engine = Engine(model, tok)
+    engine = Engine(model, tok, engine_config())
     engine.add("a", prompt, greedy(24, stop=[stop]))
     res = run(engine)["a"]
     assert res["finish"].finish_reason == "stop"
@@ -81,7 +83,7 @@ def test_stop_string_filter_holds_back_partial_matches():
 
 def test_abort_removes_request_and_frees_its_cache(loaded):
     model, tok = loaded
-    engine = Engine(model, tok)
+    engine = Engine(model, tok, engine_config())
     engine.add("keep", encode(tok, PROMPTS[0]), greedy(40, ignore_eos=True))
     engine.add("gone", encode(tok, PROMPTS[5]), greedy(40, ignore_eos=True))
     for _ in range(4):
@@ -100,11 +102,11 @@ def test_seeded_sampling_does_not_depend_on_batch_companions(loaded):
     prompt = encode(tok, PROMPTS[2])
     params = SamplingParams(max_tokens=12, temperature=1.0, seed=1234, ignore_eos=True)
 
-    alone = Engine(model, tok)
+    alone = Engine(model, tok, engine_config())
     alone.add("s", prompt, params)
     a = run(alone)["s"]["tokens"]
 
-    crowd = Engine(model, tok)
+    crowd = Engine(model, tok, engine_config())
     crowd.add("x", encode(tok, PROMPTS[0]), SamplingParams(max_tokens=12, temperature=1.0))
     crowd.add("s", prompt, params)
     b = run(crowd)["s"]["tokens"]
@@ -113,7 +115,7 @@ def test_seeded_sampling_does_not_depend_on_batch_companions(loaded):
 
 def test_logprobs_report_chosen_token_and_sorted_top_alternatives(loaded):
     model, tok = loaded
-    engine = Engine(model, tok)
+    engine = Engine(model, tok, engine_config())
     engine.add("a", encode(tok, PROMPTS[0]), greedy(4, logprobs=True, top_logprobs=3,
                                                       ignore_eos=True))
     seen = []
@@ -134,7 +136,7 @@ def test_logprobs_report_chosen_token_and_sorted_top_alternatives(loaded):
 
 def test_a_failing_request_fails_alone(loaded):
     model, tok = loaded
-    engine = Engine(model, tok)
+    engine = Engine(model, tok, engine_config())
     good = encode(tok, PROMPTS[0])
     engine.add("good", good, greedy(16))
     bad = engine.add("bad", encode(tok, PROMPTS[1]), greedy(16))
@@ -152,7 +154,7 @@ def test_a_failing_request_fails_alone(loaded):
 
 def test_hybrid_model_batches_like_mlx_lm(tiny_hybrid_dir):
     model, tok = load(str(tiny_hybrid_dir))
-    engine = Engine(model, tok, prefill_step_size=8)
+    engine = Engine(model, tok, engine_config(prefill_step_size=8))
     prompts = {f"r{i}": encode(tok, p) for i, p in enumerate(PROMPTS[:3])}
     for rid, p in prompts.items():
         engine.add(rid, p, greedy(10))
@@ -165,7 +167,7 @@ def test_hybrid_requests_joining_a_running_batch_match_each_alone(tiny_hybrid_di
     """Recurrent and attention layers: sequences join while others decode (their last
     prompt token a row of the decode step), each as mlx-lm generates it alone."""
     model, tok = load(str(tiny_hybrid_dir))
-    engine = Engine(model, tok, prefill_step_size=4)
+    engine = Engine(model, tok, engine_config(prefill_step_size=4))
     assert not engine.gen.mixed
     prompts = [encode(tok, p) for p in PROMPTS[:3]]
     results = run_arriving(engine, prompts, 12)
@@ -181,7 +183,7 @@ def test_the_first_token_comes_in_the_step_that_samples_it(loaded, tiny_hybrid_d
     token. (mlx-lm's generator answers a step's tokens one step later, after the next
     forward pass has run: a third step.)"""
     model, tok = load(str(tiny_hybrid_dir)) if kind == "hybrid" else loaded
-    engine = Engine(model, tok, mixed=kind == "mixed")
+    engine = Engine(model, tok, engine_config(mixed_step=kind == "mixed"))
     prompt = encode(tok, PROMPTS[0])
     engine.add("a", prompt, greedy(8, ignore_eos=True))
     answered: list[tuple[int, int]] = []  # (step, token)
@@ -195,7 +197,7 @@ def test_the_first_token_comes_in_the_step_that_samples_it(loaded, tiny_hybrid_d
 
 def test_warm_up_leaves_the_engine_as_it_was(loaded, tiny_hybrid_dir):
     for model, tok in (loaded, load(str(tiny_hybrid_dir))):
-        engine = Engine(model, tok, block_size=16)
+        engine = Engine(model, tok, engine_config(block_size=16))
         assert engine.warm_up() > 0
         assert not engine.has_work and engine.steps == 0 and not engine.blocks
         assert engine.prefill_tokens == 0 and engine.generated_tokens == 0
@@ -217,7 +219,8 @@ def test_a_long_prompt_is_prefilled_in_budgeted_chunks_while_streams_decode(load
     assert len(long_prompt) > 150
     short = {f"s{i}": encode(tok, p) for i, p in enumerate(PROMPTS[:4])}
 
-    engine = Engine(model, tok, prefill_step_size=512, prefill_interleave=1.0, mixed=mixed)
+    engine = Engine(model, tok, engine_config(prefill_step_size=512, prefill_interleave=1.0,
+                                              mixed_step=mixed))
     assert engine.gen.mixed is mixed
     floor = MIN_MIXED_CHUNK if mixed else MIN_PREFILL_CHUNK
     # Fixed timings so the budget is known: 8 tokens a step (mixed: the floor is 8 too),
@@ -255,10 +258,10 @@ def test_a_long_prompt_is_prefilled_in_budgeted_chunks_while_streams_decode(load
 def test_a_short_prompt_is_never_split_even_beside_a_long_one(loaded):
     """Under the budget, a chat-sized prompt (its rest within SHORT_PROMPT budgets) is
     prefilled in one step: the budget holds back long prompts, not short ones."""
-    from actors.engine import SHORT_PROMPT
+    from actors.engine.schedule import SHORT_PROMPT
 
     model, tok = loaded
-    engine = Engine(model, tok, prefill_step_size=512, prefill_interleave=1.0)
+    engine = Engine(model, tok, engine_config(prefill_step_size=512, prefill_interleave=1.0))
     fix_budget(engine, 32)
     engine.add("decoder", encode(tok, PROMPTS[0]), greedy(400, ignore_eos=True))
     while not len(engine.gen._generation_batch):
@@ -284,20 +287,26 @@ def test_a_short_prompt_is_never_split_even_beside_a_long_one(loaded):
 
 def test_prefill_runs_whole_chunks_when_nothing_decodes_or_interleave_is_off(loaded):
     model, tok = loaded
-    engine = Engine(model, tok, prefill_step_size=32, prefill_interleave=1.0)
+    engine = Engine(model, tok, engine_config(prefill_step_size=32, prefill_interleave=1.0))
     engine._decode_s, engine._token_s = 0.08, 0.01
     engine.add("a", encode(tok, " ".join(PROMPTS)), greedy(4))
     engine.step()
     assert engine.last_prefill_budget is None  # nothing was decoding
     assert engine.prefill_tokens == 32
 
-    off = Engine(model, tok, prefill_step_size=64, prefill_interleave=0.0)
-    off._decode_s, off._token_s = 0.08, 0.01
-    assert off._prefill_budget() is None
+    off = Engine(model, tok, engine_config(prefill_step_size=64, prefill_interleave=0.0))
+    fix_budget(off, 8)
+    off.add("a", encode(tok, PROMPTS[0]), greedy(8))
+    off.step()
+    off.add("b", encode(tok, " ".join(PROMPTS) * 3), greedy(4))
+    counted = off.prefill_tokens
+    off.step()  # "a" decodes while "b" prefills a whole chunk
+    assert off.last_prefill_budget is None
+    assert off.prefill_tokens - counted == 64
 
 
 def test_step_times_are_learned_from_whole_steps():
-    from actors.engine import EMA
+    from actors.engine.core import EMA
 
     engine = Engine.__new__(Engine)
     engine._decode_s = engine._token_s = None
@@ -311,7 +320,7 @@ def test_step_times_are_learned_from_whole_steps():
 
 def test_progress_tells_waiting_prefilling_n_of_m_then_decoding(loaded):
     model, tok = loaded
-    engine = Engine(model, tok, prefill_step_size=8, prefill_batch_size=1)
+    engine = Engine(model, tok, engine_config(prefill_step_size=8, prefill_batch_size=1))
     long = encode(tok, " ".join(PROMPTS))
     engine.add("long", long, greedy(4, ignore_eos=True))
     engine.add("next", encode(tok, PROMPTS[0]), greedy(4, ignore_eos=True))

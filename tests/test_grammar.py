@@ -1,4 +1,5 @@
-"""Grammar-constrained decoding (actors/grammar.py): masks from llguidance, driven as mlx-lm does.
+"""Grammar-constrained decoding (actors/engine/grammar.py): masks from llguidance, driven as
+mlx-lm does.
 
 Most tests drive a Constraint's processor by hand with random logits through a greedy loop on
 the default model's real tokenizer: whatever the "model" prefers, the text must follow the
@@ -18,14 +19,14 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.tool_parsers import json_tools, mistral, qwen3_coder
 from reference import PROMPTS, reference_tokens
 
-from actors.grammar import (
+from actors.engine.batch import MixedBatchGenerator
+from actors.engine.grammar import (
     Constraint,
     GrammarError,
     Grammars,
     thinking_budget_processor,
 )
 from actors.messages import OutputFormat, ToolChoice
-from actors.mixed import MixedBatchGenerator
 
 PET = {
     "type": "object",
@@ -97,7 +98,7 @@ def tokenizer():
     """The default model's tokenizer (SmolLM2's 49k vocabulary)."""
     from mlx_lm.utils import load_tokenizer
 
-    from actors.model_store import resolve_model
+    from actors.models.store import resolve_model
 
     return load_tokenizer(resolve_model(None).path)
 

@@ -18,7 +18,7 @@ from mlx_lm.utils import load_tokenizer
 from tiny_model import make_tiny_model
 
 from actors.config import ServeConfig
-from actors.memory_estimate import model_memory_of, prompt_need
+from actors.engine.memory_estimate import model_memory_of, prompt_need
 from actors.memory_messages import SetMemoryLimit
 from actors.serving import ServingHandles
 from runtime import ActorSystem
@@ -118,7 +118,7 @@ async def test_long_prompt_gets_413_before_any_header_and_a_short_one_is_served(
 
     # No prefill started for any of them.
     assert report(system, "scheduler")["prefill_tokens"] == before
-    assert report(system, "admission")["refused"]["413"] == 4
+    assert report(system, "admission")["refused"]["too_large"] == 4
 
     resp = await client.post("/v1/completions", json={
         "model": model, "prompt": prompt_of(tok, 40), "max_tokens": 8})
@@ -256,7 +256,7 @@ async def test_limits_reach_an_engine_loaded_after_the_monitor_started_within_on
 async def test_two_models_swap_under_a_budget_that_fits_one(
     aiohttp_client, tiny_model_dir, second_model_dir
 ):
-    from actors.memory_estimate import model_memory_of
+    from actors.engine.memory_estimate import model_memory_of
 
     one = model_memory_of(tiny_model_dir).weights_bytes
     client, system, handles = await serve(

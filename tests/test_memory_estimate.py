@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from actors.memory_estimate import (
+from actors.engine.memory_estimate import (
     HARD,
     KV_STEP,
     NATIVE_SCORE_FACTOR,
@@ -102,7 +102,7 @@ def test_transient_matches_what_mlx_measured_on_the_default_model():
 
 
 def test_transient_with_troupes_cpu_attention_matches_what_mlx_measured():
-    # The same measurement with actors/cpu_kernels.py's attention: 47.5, 103.1 and 161.4 MB,
+    # The same measurement with actors/engine/cpu_kernels.py's attention: 47.5, 103.1 and 161.4 MB,
     # and 182.6 MB for four sequences.
     m = model_memory(LLAMA, dtype_bytes=4)
     for context, batch, measured in ((512, 1, 47.5), (1536, 1, 103.1), (2560, 1, 161.4),
@@ -113,7 +113,7 @@ def test_transient_with_troupes_cpu_attention_matches_what_mlx_measured():
 
 
 def test_the_factor_follows_the_attention_in_use():
-    from actors import cpu_kernels
+    from actors.engine import cpu_kernels
 
     was = cpu_kernels.enabled()
     try:

@@ -6,21 +6,22 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from engine_helpers import engine_config
 from mlx_lm import load
 
-from actors.engine import Engine
-from actors.memory_estimate import model_memory, model_memory_of, prompt_need
+from actors.engine.core import Engine
+from actors.engine.memory_estimate import model_memory, model_memory_of, prompt_need
 from actors.messages import RequestFinished, SamplingParams, TokensGenerated
 from actors.scheduler import weights_profile
 
 SENTENCE = "The quick brown fox jumps over the lazy dog. "
 
 
-def make_engine(model_dir: Path, **kw) -> Engine:
+def make_engine(model_dir: Path, fingerprint: str = "", **settings) -> Engine:
     model, tok, config = load(str(model_dir), return_config=True)
     weights, dtype_bytes = weights_profile(model)
     memory = model_memory(config, dtype_bytes=dtype_bytes, weights_bytes=weights)
-    return Engine(model, tok, memory=memory, **kw)
+    return Engine(model, tok, engine_config(**settings), fingerprint=fingerprint, memory=memory)
 
 
 def run(engine: Engine, prompts: dict[str, list[int]], limit: int | None,
@@ -89,7 +90,7 @@ def test_a_prompt_that_cannot_fit_an_idle_engine_fails_with_413_and_frees_its_sl
     prompts = {"long": tok.encode(SENTENCE * 160)[:1500], "short": tok.encode("Paris")}
     tokens, finished, _ = run(engine, prompts, limit=limit)
     assert finished["long"].finish_reason == "error"
-    assert finished["long"].error_status == 413
+    assert finished["long"].error_kind == "too_large"
     assert "out of memory" in finished["long"].error
     assert finished["short"].finish_reason == "length" and len(tokens["short"]) == 6
     assert engine.gate_failures == 1

@@ -1,25 +1,22 @@
-"""Mixed steps (actors/mixed.py): decode and prefill in one forward pass, ragged decode caches."""
+"""Mixed steps (actors/engine/forward.py, batch.py): decode and prefill in one forward pass,
+ragged decode caches."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from engine_helpers import encode, fix_budget, greedy, run
+from engine_helpers import encode, engine_config, fix_budget, greedy, run
 from mlx_lm import load
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 from reference import PROMPTS, reference_tokens
 from tiny_model import make_tiny_model
 
-from actors.engine import Engine
+from actors.engine.batch import MixedBatchGenerator
+from actors.engine.core import Engine
+from actors.engine.forward import mixed_forward, supports_mixed
+from actors.engine.ragged_cache import MERGE_SLACK, RaggedKVCache
 from actors.messages import TokensGenerated
-from actors.mixed import (
-    MERGE_SLACK,
-    MixedBatchGenerator,
-    RaggedKVCache,
-    mixed_forward,
-    supports_mixed,
-)
 
 
 def batch_cache(model, prompts: list[list[int]]) -> list[BatchKVCache]:
@@ -108,7 +105,8 @@ def test_one_set_of_rope_angles_per_group_gives_the_same_bits(loaded, monkeypatc
     the first layer's offsets copied before any layer moves them, and every layer reuses
     them: the logits and the caches are bit for bit those of angles made layer by layer
     from each layer's own cache (two decode groups and a prefill chunk at three positions)."""
-    from actors import cpu_kernels, mixed
+    from actors.engine import cpu_kernels
+    from actors.engine import forward as forward_pass
 
     model, tok = loaded
     short = [encode(tok, PROMPTS[0]), encode(tok, PROMPTS[1])]
@@ -142,7 +140,7 @@ def test_one_set_of_rope_angles_per_group_gives_the_same_bits(loaded, monkeypatc
         shared_logits, shared_state = run_once()
         offsets = {id(o) for o in calls}
         calls.clear()
-        monkeypatch.setattr(mixed, "_frozen", lambda offset: None)  # each layer's own
+        monkeypatch.setattr(forward_pass, "_frozen", lambda offset: None)  # each layer's own
         own_logits, own_state = run_once()
         per_layer = {id(o) for o in calls}
     finally:
@@ -183,7 +181,7 @@ def test_a_long_prompt_joining_short_decoders_gets_its_own_group(loaded):
     """Greedy tokens match mlx-lm alone for every request; the long one decodes in a group of
     its own instead of padding the short ones to its length."""
     model, tok = loaded
-    engine = Engine(model, tok, prefill_step_size=64, prefill_interleave=1.0)
+    engine = Engine(model, tok, engine_config(prefill_step_size=64, prefill_interleave=1.0))
     fix_budget(engine, 8)
     short = {f"s{i}": encode(tok, p) for i, p in enumerate(PROMPTS[:3])}
     for rid, p in short.items():
@@ -227,7 +225,8 @@ def test_one_forward_pass_a_step_while_a_prompt_is_prefilled(loaded, monkeypatch
             return self.inner(x)
 
     monkeypatch.setitem(model.model, "norm", Counting(model.model.norm))
-    engine = Engine(model, tok, prefill_step_size=16, prefill_interleave=1.0, mixed=mixed)
+    engine = Engine(model, tok, engine_config(prefill_step_size=16, prefill_interleave=1.0,
+                                              mixed_step=mixed))
     fix_budget(engine, 16)
     for i, p in enumerate(PROMPTS[:2]):
         engine.add(f"d{i}", encode(tok, p), greedy(200, ignore_eos=True))
@@ -251,7 +250,7 @@ def test_one_forward_pass_a_step_while_a_prompt_is_prefilled(loaded, monkeypatch
 
 def test_a_request_aborted_before_its_first_token_leaves_the_batch_clean(loaded):
     model, tok = loaded
-    engine = Engine(model, tok)
+    engine = Engine(model, tok, engine_config())
     engine.add("a", encode(tok, PROMPTS[0]), greedy(30, ignore_eos=True))
     engine.step()
     engine.step()
@@ -271,7 +270,7 @@ def test_prompts_finishing_at_different_steps_beside_decoders_match_mlx_lm(reque
     """A short and a long prompt prefilled together while a stream decodes: the short one
     joins the decode batch first (split out of the prompt batch), the long one goes on."""
     model, tok = request.getfixturevalue("loaded" if arch == "llama" else "loaded_qwen3")
-    engine = Engine(model, tok, prefill_step_size=64, prefill_interleave=1.0)
+    engine = Engine(model, tok, engine_config(prefill_step_size=64, prefill_interleave=1.0))
     fix_budget(engine, 16)
     engine.add("d", encode(tok, PROMPTS[0]), greedy(80, ignore_eos=True))
     early: list[int] = []  # what "d" answered before the others came

@@ -10,13 +10,14 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from engine_helpers import engine_config
 from mlx_lm import load
 from tiny_model import make_tiny_model
 
-from actors.engine import Engine
-from actors.kv_blocks import common_prefix, from_numpy, to_numpy
+from actors.engine.core import Engine
+from actors.engine.kv_blocks import common_prefix, from_numpy, to_numpy
+from actors.engine.prefix import block_hashes, model_fingerprint, usable_blocks
 from actors.messages import RequestFinished, SamplingParams, TokensGenerated
-from actors.prefix import block_hashes, model_fingerprint, usable_blocks
 
 BLOCK = 16
 LONG = ("The quick brown fox jumps over the lazy dog. " * 6
@@ -39,10 +40,10 @@ def run(engine: Engine, rid: str, prompt: list[int], cached=()) -> tuple[list[in
     return tokens, cached_tokens
 
 
-def make_engine(model_dir: Path, **kw) -> Engine:
+def make_engine(model_dir: Path, **settings) -> Engine:
     model, tok = load(str(model_dir))
-    return Engine(model, tok, block_size=BLOCK, fingerprint=model_fingerprint(model_dir),
-                  prefill_step_size=24, **kw)
+    return Engine(model, tok, engine_config(block_size=BLOCK, prefill_step_size=24, **settings),
+                  fingerprint=model_fingerprint(model_dir))
 
 
 def cached_for(engine: Engine, prompt: list[int]) -> list:
@@ -307,7 +308,7 @@ def test_tails_are_ram_only_and_named_by_what_precedes_them(tiny_model_dir):
 
 
 def test_ram_tier_tracks_children_and_prefers_the_longest_run():
-    from actors.kv_blocks import KVBlock, RamTier
+    from actors.engine.kv_blocks import KVBlock, RamTier
 
     def blk(h, parent, tokens):
         return KVBlock(block_hash=h, parent_hash=parent, n_tokens=len(tokens), layers=[],

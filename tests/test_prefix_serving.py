@@ -109,7 +109,7 @@ async def test_a_block_corrupted_on_disk_between_runs_is_dropped_and_the_answer_
     from test_block_integrity import overwrite_data
 
     from actors import block_store
-    from actors.prefix import model_fingerprint
+    from actors.engine.prefix import model_fingerprint
 
     cache_dir = tmp_path / "c"
     client, system, model = await serve(aiohttp_client, tiny_model_dir, cache_dir)
@@ -170,6 +170,7 @@ async def test_a_stuck_writer_costs_the_scheduler_at_most_a_bounded_wait(tiny_mo
     # A writer that never finishes a write, with a one-message queue: the scheduler waits at
     # most ~250 ms per step for room, then drops the block and counts it; requests go on.
     from actors.cache_messages import WriteBlock
+    from actors.engine.config import EngineConfig
     from actors.messages import AddRequest, DescribeEngine, RequestFinished, SamplingParams
     from actors.scheduler import MLX_THREAD, WRITE_WAIT_S, Scheduler
     from runtime import Actor
@@ -185,7 +186,9 @@ async def test_a_stuck_writer_costs_the_scheduler_at_most_a_bounded_wait(tiny_mo
         try:
             await system.spawn(StuckWriter, name="ssd_writer", mailbox_size=1)
             scheduler = await system.spawn(Scheduler, name="scheduler", thread=MLX_THREAD,
-                                           model=str(tiny_model_dir), block_size=BLOCK)
+                                           model=str(tiny_model_dir), config=EngineConfig(
+                                               block_size=BLOCK, prefill_interleave=0.0,
+                                               arrival_window_ms=0.0))
             await scheduler.ask(DescribeEngine())
             from mlx_lm.utils import load_tokenizer
 
@@ -210,7 +213,7 @@ def test_while_streams_decode_new_blocks_go_to_disk_a_few_megabytes_a_step():
     each step takes about PERSIST_BYTES_PER_STEP (at least one block); at shutdown, all."""
     import mlx.core as mx
 
-    from actors.kv_blocks import KVBlock
+    from actors.engine.kv_blocks import KVBlock
     from actors.scheduler import PERSIST_BYTES_PER_STEP, Scheduler
 
     layer = (mx.zeros((1, 3, 64, 64)), mx.zeros((1, 3, 64, 64)))  # 98 KB a layer

@@ -8,7 +8,7 @@ Three layers, each driven without a model:
 
 - ``BlockTable`` (actors/cache_index.py), the policy: which blocks are in RAM and on disk,
   within two byte budgets. Pure code against a set-and-dict model, many steps.
-- ``RamTier`` (actors/kv_blocks.py), the scheduler's RAM blocks and partial hits.
+- ``RamTier`` (actors/engine/kv_blocks.py), the scheduler's RAM blocks and partial hits.
 - The cache index and SSD writer actors on a real ``ActorSystem`` with a fake scheduler and
   a real directory: blocks written and read back through ``actors.block_store``'s files,
   files corrupted, truncated and deleted underfoot, the whole stack restarted on the
@@ -46,7 +46,7 @@ from actors.cache_messages import (
     SpillRam,
     WriteBlock,
 )
-from actors.kv_blocks import KVBlock, RamTier
+from actors.engine.kv_blocks import KVBlock, RamTier
 from actors.ssd_writer import SSD_THREAD, SsdWriter
 from runtime import Actor, ActorSystem, Message
 

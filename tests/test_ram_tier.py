@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from actors.kv_blocks import KVBlock, RamTier
+from actors.engine.kv_blocks import KVBlock, RamTier
 
 
 def _block(h: str, n: int, parent: str | None = None) -> KVBlock:

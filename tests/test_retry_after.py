@@ -188,6 +188,6 @@ def test_failure_of_relays_the_schedulers_retry_after() -> None:
     from api.generation import failure_of
 
     full = RequestFinished(request_id="r", finish_reason="error", error="queue full",
-                           error_status=429, retry_after=12.5,
+                           error_kind="overloaded", retry_after=12.5,
                            usage=Usage(prompt_tokens=1, completion_tokens=0))
     assert failure_of(full).retry_after == 12.5

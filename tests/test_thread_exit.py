@@ -65,6 +65,7 @@ async def test_exit_hooks_run_once_on_the_actor_thread_after_its_actors_stopped(
 SCRIPT = r"""
 import asyncio, ctypes, sys, time
 
+from actors.engine.config import EngineConfig
 from actors.messages import AddRequest, RequestFinished, SamplingParams
 from actors.scheduler import MLX_THREAD, Scheduler
 from runtime import Actor, ActorSystem
@@ -91,7 +92,7 @@ class SlowFinalization:
 async def main():
     async with ActorSystem() as system:
         scheduler = await system.spawn(Scheduler, name="scheduler", thread=MLX_THREAD,
-                                       model=sys.argv[1])
+                                       model=sys.argv[1], config=EngineConfig(block_size=0))
         events = await scheduler.stream(AddRequest(
             request_id="r", prompt_tokens=[1, 2, 3, 4],
             sampling=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)))

@@ -21,7 +21,7 @@ from typing import Any
 
 from actors.messages import OutputSpec, ToolCall
 
-log = logging.getLogger("actors.agent_output")
+log = logging.getLogger("actors.engine.agent_output")
 
 # The format admission uses for a model whose template names none: Hermes-style JSON in
 # <tool_call> tags, which most instruction-tuned models follow when the prompt describes it.

@@ -36,9 +36,9 @@ KV_STEP = 256
 # Attention scores are materialised once (on CPU MLX's SDPA is not fused) and the softmax
 # makes a partial second copy: measured 1.11x the scores on the default model; 1.15 for margin.
 SCORE_FACTOR = 1.15
-# troupe's CPU attention (actors/cpu_kernels.py) keeps the scores whole for MLX's products and
-# adds its softmax's blocks and their concatenation: measured about 3.0x the scores on the
-# default model (chunks over 512 to 2,560 tokens); 3.2 for margin.
+# troupe's CPU attention (actors/engine/cpu_kernels.py) keeps the scores whole for MLX's
+# products and adds its softmax's blocks and their concatenation: measured about 3.0x the
+# scores on the default model (chunks over 512 to 2,560 tokens); 3.2 for margin.
 NATIVE_SCORE_FACTOR = 3.2
 # One layer's live activations per prompt token of a chunk, in units of (hidden, intermediate)
 # widths: q/k/v/o projections, residuals and norms ~8 x hidden; gate, up, their product and
@@ -215,7 +215,7 @@ def kv_bytes(m: ModelMemory, tokens: int, batch: int = 1) -> int:
 def score_factor() -> float:
     """How many copies of the attention scores a prefill chunk holds with this process's
     attention: troupe's CPU kernels, or MLX's."""
-    from actors import cpu_kernels  # MLX-free until it is enabled
+    from actors.engine import cpu_kernels  # MLX-free until it is enabled
 
     return NATIVE_SCORE_FACTOR if cpu_kernels.enabled() else SCORE_FACTOR
 
@@ -287,7 +287,7 @@ class Member(NamedTuple):
     blocks_left: int = 0  # tokens of prefix-cache blocks it will cut until its prompt ends
 
 
-class StepPlan(NamedTuple):
+class GatePlan(NamedTuple):
     """What the next step may do: ``fail`` (indices into the prefilling list, which no longer
     fit), how many waiting sequences may ``admit``, and whether the first waiting one can
     never fit while nothing else runs (``reject_waiting``)."""
@@ -386,7 +386,7 @@ def plan_step(
     prefilling: list[Member],
     waiting: list[Member],
     step: int,
-) -> StepPlan:
+) -> GatePlan:
     """The per-chunk gate. ``prefilling`` oldest first; ``waiting`` in arrival order, only as
     many as may join the prefill batch this step.
 
@@ -420,7 +420,7 @@ def plan_step(
         reserve = candidate
     idle = decoding == 0 and not keep
     reject = bool(waiting) and not admitted and idle
-    return StepPlan(
+    return GatePlan(
         fail=fail,
         admit=len(admitted),
         reject_waiting=reject,

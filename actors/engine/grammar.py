@@ -31,7 +31,7 @@ from llguidance import LLMatcher, LLTokenizer
 from actors.messages import OutputFormat, ToolChoice
 from actors.mlx_lm_private import hf_tokenizer
 
-log = logging.getLogger("actors.grammar")
+log = logging.getLogger("actors.engine.grammar")
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 

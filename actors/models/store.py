@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from actors.gguf import CONVERTER_VERSION, DTYPES, convert_gguf, default_dtype
 from actors.mlx_lm_private import download
+from actors.models.gguf import CONVERTER_VERSION, DTYPES, convert_gguf, default_dtype
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ def resolve_model(spec: str | None, *, dtype: str | None = None) -> ResolvedMode
 
     ``spec`` is None/"default"/DEFAULT_MODEL (the bundled SmolLM2), a directory with a
     config.json, a path to a ``.gguf`` file, or a Hugging Face repo id. ``dtype`` picks the
-    GGUF conversion dtype (see ``actors.gguf.DTYPES``), default ``default_dtype(file)``.
+    GGUF conversion dtype (see ``actors.models.gguf.DTYPES``), default ``default_dtype(file)``.
     """
     if dtype is not None and dtype not in DTYPES:
         raise ModelResolutionError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")

@@ -9,25 +9,21 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import StopSequences
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import (
-    apply_min_p,
-    apply_top_k,
-    apply_top_p,
-    greedy_sampler,
     make_logits_processors,
-    make_sampler,
 )
 
-from actors.agent_output import OutputParser, Parsed
-from actors.grammar import thinking_budget_processor
-from actors.kv_blocks import (
+from actors.engine.agent_output import OutputParser, Parsed
+from actors.engine.batch import MixedBatchGenerator
+from actors.engine.config import DEFAULTS, EngineConfig
+from actors.engine.grammar import thinking_budget_processor
+from actors.engine.kv_blocks import (
     ARRAYS,
     KVBlock,
     RamTier,
@@ -37,8 +33,13 @@ from actors.kv_blocks import (
     head,
     layer_kinds,
 )
-from actors.memory_estimate import Member, ModelMemory, StepPlan, plan_step, prompt_need
+from actors.engine.memory_estimate import Member, ModelMemory, prompt_need
+from actors.engine.output import StopStringFilter
+from actors.engine.prefix import block_hashes, chain_hash, usable_blocks
+from actors.engine.request import Request, make_request_sampler
+from actors.engine.schedule import Memory, Pending, StepPlan, StepState, schedule
 from actors.messages import (
+    ErrorKind,
     OutputSpec,
     RequestFinished,
     SamplingParams,
@@ -47,20 +48,11 @@ from actors.messages import (
     TopLogprob,
     Usage,
 )
-from actors.mixed import MixedBatchGenerator
-from actors.prefix import block_hashes, chain_hash, usable_blocks
 
-log = logging.getLogger("actors.engine")
+log = logging.getLogger("actors.engine.core")
 
-# Interleaving prefill with decode: the fewest prompt tokens a prefilling sequence gets per
-# step, and how fast the step-time estimates follow new measurements.
-MIN_PREFILL_CHUNK = 32
-# With the chunk in the decode step's forward pass (actors/mixed.py) a prefill token costs
-# no call of its own, and a small chunk is no dearer per token than a large one.
-MIN_MIXED_CHUNK = 8
+# How fast the step-time estimates (a decode step, a prompt token) follow new measurements.
 EMA = 0.3
-# A prompt whose whole rest is within this many step budgets is prefilled in one piece.
-SHORT_PROMPT = 4
 
 # Penalties look back over this many tokens (mlx-lm's default of 20 forgets too quickly for
 # OpenAI's presence/frequency semantics, which cover the whole completion).
@@ -68,102 +60,11 @@ PENALTY_CONTEXT = 256
 
 
 class RequestError(Exception):
-    """A request that cannot run; ``status`` is the HTTP status the client should see."""
+    """A request that cannot run, with the kind of error (``actors.messages.ErrorKind``)."""
 
-    def __init__(self, message: str, status: int = 400) -> None:
+    def __init__(self, message: str, kind: ErrorKind = "invalid") -> None:
         super().__init__(message)
-        self.status = status
-
-
-def make_request_sampler(sampling: SamplingParams) -> Callable[[mx.array], mx.array]:
-    """The sampler for one request. Greedy requests share one function so the batch samples
-    in one call; a seeded request carries its own PRNG key so its draws do not depend on the
-    other requests in the batch."""
-    if sampling.temperature == 0:
-        return greedy_sampler
-    if sampling.seed is None:
-        return make_sampler(
-            temp=sampling.temperature,
-            top_p=sampling.top_p,
-            min_p=sampling.min_p,
-            top_k=sampling.top_k,
-        )
-    key = mx.random.key(sampling.seed)
-    inv_temp = 1.0 / sampling.temperature
-
-    def seeded(logprobs: mx.array) -> mx.array:
-        nonlocal key
-        if 0.0 < sampling.top_p < 1.0:
-            logprobs = apply_top_p(logprobs, sampling.top_p)
-        if sampling.min_p > 0.0:
-            logprobs = apply_min_p(logprobs, sampling.min_p)
-        if sampling.top_k > 0:
-            logprobs = apply_top_k(logprobs, sampling.top_k)
-        key, sub = mx.random.split(key)
-        return mx.random.categorical(logprobs * inv_temp, key=sub)
-
-    return seeded
-
-
-class StopStringFilter:
-    """Holds back text that may be the start of a stop string, and cuts at the first match.
-
-    Matching is on decoded text, not token ids: a stop string can be spelled by many token
-    sequences, and it must never leak into the output.
-    """
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = [s for s in stops if s]
-        self.pending = ""
-        self.matched: str | None = None
-
-    def feed(self, text: str) -> tuple[str, bool]:
-        """Add decoded text; return (text safe to emit, whether a stop string matched).
-        The stop string that matched first in the text is kept in ``matched``."""
-        if not self.stops:
-            return text, False
-        buf = self.pending + text
-        hits = [(i, s) for s, i in ((s, buf.find(s)) for s in self.stops) if i >= 0]
-        if hits:
-            self.pending = ""
-            at, self.matched = min(hits)
-            return buf[:at], True
-        hold = 0
-        for s in self.stops:
-            for n in range(min(len(s) - 1, len(buf)), 0, -1):
-                if buf.endswith(s[:n]):
-                    hold = max(hold, n)
-                    break
-        self.pending = buf[len(buf) - hold :] if hold else ""
-        return buf[: len(buf) - hold], False
-
-    def flush(self) -> str:
-        text, self.pending = self.pending, ""
-        return text
-
-
-@dataclass
-class Request:
-    """One request's state on the MLX thread."""
-
-    request_id: str
-    uid: int
-    prompt_len: int
-    sampling: SamplingParams
-    detokenizer: Any
-    stops: StopStringFilter
-    stop_ids: frozenset[int]
-    added_at: float = field(default_factory=time.perf_counter)
-    first_token_at: float | None = None
-    generated: int = 0
-    cached_tokens: int = 0
-    # Prefix cache: the chain hashes of the prompt's full blocks, and how many leading blocks
-    # are already stored (from cache, or cut at a boundary this request crossed).
-    hashes: list[str] = field(default_factory=list)
-    stored: int = 0
-    # Reads tool calls and reasoning out of a chat answer (None: the text is all content).
-    parser: OutputParser | None = None
-    reasoning_tokens: int = 0
+        self.kind = kind
 
 
 Event = TokensGenerated | RequestFinished
@@ -180,35 +81,28 @@ class Engine:
         self,
         model: Any,
         tokenizer: Any,
+        config: EngineConfig = DEFAULTS,
         *,
-        max_batch_size: int = 32,
-        prefill_batch_size: int = 8,
-        prefill_step_size: int = 512,
         stream: mx.Stream | None = None,
-        block_size: int = 0,
         fingerprint: str = "",
         memory: ModelMemory | None = None,
-        prefill_interleave: float = 0.0,
-        mixed: bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
+        self.config = config
         # The model's memory shape, for the per-chunk gate (None: no gate).
         self.memory = memory
-        self.prefill_step_size = prefill_step_size
-        # While sequences decode, a step's prefill may take about this many times a decode
-        # step (0: whole prefill_step_size chunks regardless), so running streams keep flowing
-        # while a long prompt is prefilled.
-        self.prefill_interleave = prefill_interleave
+        self.prefill_step_size = config.prefill_step_size
+        self.prefill_interleave = config.prefill_interleave
         self._decode_s: float | None = None  # a decode step's time, smoothed
         self._token_s: float | None = None  # one prompt token's prefill time, smoothed
         self.last_prefill_budget: int | None = None
         self.gate_failures = 0
         self.eos_ids = frozenset(tokenizer.eos_token_ids)
         # Prefix cache (block_size 0 turns it off; so does a model whose caches cannot be cut).
-        self.block_size = block_size
+        self.block_size = config.block_size
         self.fingerprint = fingerprint
-        self.kinds = layer_kinds(model) if block_size else None
+        self.kinds = layer_kinds(model) if config.block_size else None
         self.hybrid = bool(self.kinds) and ARRAYS in self.kinds
         self.state_sizes = (
             [len(c.cache) if k == ARRAYS else 0 for c, k in
@@ -220,11 +114,11 @@ class Engine:
         # The last step's prompt responses whose blocks are still to cut (``cut_pending``).
         self._to_cut: list[Any] = []
         self._gen_kwargs = dict(
-            completion_batch_size=max_batch_size,
-            prefill_batch_size=prefill_batch_size,
-            prefill_step_size=prefill_step_size,
+            completion_batch_size=config.max_batch_size,
+            prefill_batch_size=config.prefill_batch_size,
+            prefill_step_size=config.prefill_step_size,
             stream=stream,
-            mixed=mixed,
+            mixed=config.mixed_step,
         )
         self.gen = MixedBatchGenerator(model, **self._gen_kwargs)
         self.requests: dict[str, Request] = {}
@@ -261,11 +155,11 @@ class Engine:
 
         ``cached``: leading blocks of the prompt already computed (a prefix-cache hit); only
         the rest of the prompt is prefilled. ``output``: how to read tool calls and reasoning
-        out of the answer. ``constraint``: a compiled grammar (``actors.grammar.Constraint``)
+        out of the answer. ``constraint``: a compiled grammar (``actors.engine.grammar.Constraint``)
         whose mask every sampled token obeys.
         """
         if request_id in self.requests:
-            raise RequestError(f"request id {request_id!r} is already running", 409)
+            raise RequestError(f"request id {request_id!r} is already running", "conflict")
         if not prompt:
             raise RequestError("the prompt is empty")
         if sampling.max_tokens <= 0:
@@ -416,47 +310,21 @@ class Engine:
         ``limit``: bytes of MLX memory the step must stay under (the per-chunk gate; None:
         no gate). Prefilling requests that no longer fit fail alone, and waiting ones join
         the prefill only while the whole prefill fits. ``floor``: memory in use at idle, to
-        tell a request that can never fit (413) from one that came at a bad time (503)."""
+        tell a request that can never fit (too large) from one that came at a bad time
+        (memory unavailable now)."""
         self.cut_pending()
         if not self.requests:
             return []
-        events: list[Event] = []
-        admit: int | None = None
-        if limit is not None and self.memory is not None:
-            admit = self._gate(limit, max(floor, self.memory.weights_bytes), events)
-            if not self.requests:
-                return events
-        gen = self.gen
-        configured = gen.prefill_batch_size
-        prefilling = len(gen._prompt_batch)
-        if admit is not None:
-            # BatchGenerator takes min(prefill_batch_size - prefilling, ...) new sequences.
-            gen.prefill_batch_size = prefilling + admit
-        budget = self._prefill_budget()
-        self.last_prefill_budget = budget
-        if budget is not None:
-            self._set_chunk(self._chunk_for(budget))
-        counted = gen._counters.prompt_tokens
-        decoding = len(gen._generation_batch)
-        began = time.perf_counter()
+        plan, usage = self._plan(limit)
+        self.last_prefill_budget = plan.budget
+        events = self._fail_for_memory(plan, limit, floor, usage)
+        if not self.requests:
+            return events
         try:
-            prompt_responses, responses = gen.next()
+            prompt_responses, responses = self._run(plan)
         except Exception as exc:  # the model step failed: no request in it can go on
             log.exception("batch step failed; failing %d requests", len(self.requests))
             return events + self._fail_all(f"engine step failed: {exc}")
-        finally:
-            gen.prefill_batch_size = configured
-            if budget is not None:
-                self._set_chunk(self.prefill_step_size)
-        prefilled = gen._counters.prompt_tokens - counted
-        self.prefill_tokens += prefilled
-        wall = time.perf_counter() - began
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("step %d: %.0f ms, %d decoding, %d prompt tokens, budget %s, "
-                      "decode step %.0f ms, prompt token %.1f ms", self.steps, wall * 1e3,
-                      decoding, prefilled, budget, (self._decode_s or 0) * 1e3,
-                      (self._token_s or 0) * 1e3)
-        self._measure(prefilled, decoding, wall)
         self.steps += 1
         # The blocks this step's prefill completed are cut after its tokens are answered
         # (``cut_pending``).
@@ -471,44 +339,67 @@ class Engine:
             except Exception as exc:  # one request's post-processing failed: only it fails
                 log.exception("request %s failed", req.request_id)
                 self.gen.remove([req.uid])
-                events.append(self._finish(req, "error", error=str(exc), status=500))
+                events.append(self._finish(req, "error", error=str(exc), kind="internal"))
         return events
 
-    def _prefill_budget(self) -> int | None:
-        """Prompt tokens this step may prefill (None: no limit beyond the chunk size).
+    def _plan(self, limit: int | None) -> tuple[StepPlan, int]:
+        """The step's plan from ``schedule``, and the memory in use it was made with. When the
+        gate held something back, MLX's allocator cache (memory it can give back) is given
+        back first and the step planned again."""
+        if limit is None or self.memory is None:
+            return schedule(self._state(None)), 0
+        active, cached = mx.get_active_memory(), mx.get_cache_memory()
+        plan = schedule(self._state(Memory(self.memory, active + cached, limit)))
+        if cached and plan.held:
+            mx.clear_cache()
+            cached = mx.get_cache_memory()
+            plan = schedule(self._state(Memory(self.memory, active + cached, limit)))
+        return plan, active + cached
 
-        While sequences decode, the step's prefill is held to ``prefill_interleave`` times a
-        decode step, from the measured time of a decode step and of one prompt token (which
-        grows with the context, so it is re-measured every step): a 2,000-token prompt then
-        arrives without stalling the streams. With nothing decoding, prefill runs flat out."""
-        if (self.prefill_interleave <= 0 or not len(self.gen._generation_batch)
-                or self._decode_s is None or self._token_s is None):
-            return None
-        tokens = int(self.prefill_interleave * self._decode_s / self._token_s)
-        return max(self._min_chunk, min(tokens, self.prefill_step_size))
-
-    def _chunk_for(self, budget: int) -> int:
-        """The chunk each prefilling sequence gets this step under ``budget`` tokens: the
-        budget shared out, except that a short prompt (all of it to prefill within
-        SHORT_PROMPT budgets) is never split: a chat message stalls the streams once, briefly,
-        and gets its first token without waiting for the long prompt beside it. (The end of
-        a long prompt is not short.)"""
+    def _state(self, memory: Memory | None) -> StepState:
+        """Where the batch stands, in the plain numbers ``schedule`` takes."""
         gen = self.gen
-        joining = max(0, min(gen.prefill_batch_size - len(gen._prompt_batch),
-                             gen.completion_batch_size - len(gen._generation_batch),
-                             len(gen._unprocessed_sequences)))
-        # (rest to prefill, whole uncached prompt) of each sequence prefilling this step
-        work = [(sum(map(len, seq[0])), seq[2]) for seq in gen._currently_processing]
-        work += [(n, n) for n in (sum(map(len, seq[1])) for seq in
-                                  list(gen._unprocessed_sequences)[:joining])]
-        short = max((rest for rest, whole in work if whole <= SHORT_PROMPT * budget), default=0)
-        chunk = max(budget // max(1, len(work)), short, self._min_chunk)
-        return min(chunk, self.prefill_step_size)
+        prefilling = [
+            Pending(uid, self._member(uid, seq[0], len(tokens)), seq[2])
+            for uid, seq, tokens in zip(gen._prompt_batch.uids, gen._currently_processing,
+                                        gen._prompt_batch.tokens, strict=True)
+        ]
+        # An unprocessed sequence: (uid, segments, max_tokens, cache, cached tokens, ...).
+        waiting = []
+        for seq in list(gen._unprocessed_sequences)[:self.config.prefill_batch_size]:
+            member = self._member(seq[0], seq[1], len(seq[4]))
+            waiting.append(Pending(seq[0], member, member.remaining))
+        return StepState(
+            config=self.config, mixed=gen.mixed, decoding=len(gen._generation_batch),
+            decode_len=max((len(t) for t in gen._generation_batch.tokens), default=0),
+            prefilling=prefilling, waiting=waiting, decode_s=self._decode_s,
+            token_s=self._token_s, memory=memory)
 
-    @property
-    def _min_chunk(self) -> int:
-        floor = MIN_MIXED_CHUNK if self.gen.mixed else MIN_PREFILL_CHUNK
-        return min(floor, self.prefill_step_size)
+    def _run(self, plan: StepPlan) -> tuple[list[Any], list[Any]]:
+        """One step of the generator under the plan: at most ``admit`` sequences start
+        prefilling, each prefilling sequence runs ``chunk`` prompt tokens."""
+        gen = self.gen
+        counted = gen._counters.prompt_tokens
+        decoding = len(gen._generation_batch)
+        # BatchGenerator takes min(prefill_batch_size - prefilling, ...) new sequences.
+        gen.prefill_batch_size = len(gen._prompt_batch) + plan.admit
+        self._set_chunk(plan.chunk)
+        began = time.perf_counter()
+        try:
+            out = gen.next()
+        finally:
+            gen.prefill_batch_size = self.config.prefill_batch_size
+            self._set_chunk(self.prefill_step_size)
+        prefilled = gen._counters.prompt_tokens - counted
+        self.prefill_tokens += prefilled
+        wall = time.perf_counter() - began
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("step %d: %.0f ms, %d decoding, %d prompt tokens, budget %s, "
+                      "decode step %.0f ms, prompt token %.1f ms", self.steps, wall * 1e3,
+                      decoding, prefilled, plan.budget, (self._decode_s or 0) * 1e3,
+                      (self._token_s or 0) * 1e3)
+        self._measure(prefilled, decoding, wall)
+        return out
 
     def _set_chunk(self, n: int) -> None:
         self.gen.prefill_step_size = n
@@ -672,7 +563,7 @@ class Engine:
         reason: str,
         *,
         error: str | None = None,
-        status: int | None = None,
+        kind: ErrorKind | None = None,
         stop_sequence: str | None = None,
     ) -> RequestFinished:
         self.requests.pop(req.request_id, None)
@@ -690,14 +581,14 @@ class Engine:
                 reasoning_tokens=req.reasoning_tokens,
             ),
             error=error,
-            error_status=status,
+            error_kind=kind,
             ttft_s=ttft,
             stop_sequence=stop_sequence,
         )
 
     def _fail_all(self, message: str) -> list[Event]:
         events: list[Event] = [
-            self._finish(req, "error", error=message, status=500)
+            self._finish(req, "error", error=message, kind="internal")
             for req in list(self.requests.values())
         ]
         # A fresh generator: the old one's batch state is not trustworthy after a failed step.
@@ -706,43 +597,6 @@ class Engine:
         return events
 
     # -- the per-chunk memory gate -------------------------------------------------------------
-
-    def _gate(self, limit: int, floor: int, events: list[Event]) -> int:
-        """Fail the prefilling requests the next step cannot fit, and return how many waiting
-        ones may start prefilling (``actors.memory_estimate.plan_step``)."""
-        gen = self.gen
-        prefilling = [
-            self._member(uid, seq[0], len(tokens))
-            for uid, seq, tokens in zip(gen._prompt_batch.uids, gen._currently_processing,
-                                        gen._prompt_batch.tokens, strict=True)
-        ]
-        free = max(0, gen.prefill_batch_size - len(prefilling))
-        queued = list(gen._unprocessed_sequences)[:free]
-        # An unprocessed sequence: (uid, segments, max_tokens, cache, cached tokens, ...).
-        waiting = [self._member(seq[0], seq[1], len(seq[4])) for seq in queued]
-        decode_len = max((len(t) for t in gen._generation_batch.tokens), default=0)
-
-        def plan(usage: int) -> StepPlan:
-            return plan_step(self.memory, usage=usage, limit=limit,
-                             decoding=len(gen._generation_batch), decode_len=decode_len,
-                             prefilling=prefilling, waiting=waiting,
-                             step=self.prefill_step_size)
-
-        active, cached = mx.get_active_memory(), mx.get_cache_memory()
-        p = plan(active + cached)
-        if cached and (p.fail or p.reject_waiting or p.admit < len(waiting)):
-            # The allocator's cache is memory MLX can give back: give it back, then decide.
-            mx.clear_cache()
-            cached = mx.get_cache_memory()
-            p = plan(active + cached)
-        doomed = [gen._prompt_batch.uids[i] for i in p.fail]
-        if p.reject_waiting:
-            doomed.append(queued[0][0])
-        for uid in doomed:
-            req = self._by_uid.get(uid)
-            if req is not None:
-                events.append(self._fail_for_memory(req, limit, floor, active + cached))
-        return p.admit
 
     def _member(self, uid: int, segments: list[list[int]], in_cache: int) -> Member:
         """Where one sequence stands, for the gate: its cache, what is left of its prompt,
@@ -763,23 +617,32 @@ class Engine:
         return Member(in_cache=in_cache, remaining=remaining, chunk=chunk, cut_now=cut_now,
                       blocks_left=blocks_left)
 
-    def _fail_for_memory(self, req: Request, limit: int, floor: int, usage: int
-                         ) -> RequestFinished:
-        """Take one request out of the batch for want of memory, freeing its cache."""
-        self.gen.remove([req.uid])
-        self.gate_failures += 1
-        need = prompt_need(self.memory, prompt_tokens=req.prompt_len,
-                           step=self.prefill_step_size,
-                           block_size=self.block_size if self.caching else 0)
-        mb = 1e6
-        # 413: it could never fit, even at idle; 503: memory held by other work.
-        status = 413 if need > limit - floor else 503
-        message = (
-            f"out of memory for this prompt's prefill: it needs about {need / mb:.0f} MB more; "
-            f"{usage / mb:.0f} MB of the {limit / mb:.0f} MB memory limit are in use"
-        )
-        log.warning("request %s failed by the memory gate: %s", req.request_id, message)
-        return self._finish(req, "error", error=message, status=status)
+    def _fail_for_memory(self, plan: StepPlan, limit: int | None, floor: int, usage: int
+                         ) -> list[Event]:
+        """Take the requests the plan fails or rejects for want of memory out of the batch,
+        freeing their caches."""
+        uids = [*plan.fail, *([plan.reject] if plan.reject is not None else [])]
+        reqs = [r for r in (self._by_uid.get(uid) for uid in uids) if r is not None]
+        if not reqs or limit is None or self.memory is None:
+            return []
+        floor = max(floor, self.memory.weights_bytes)
+        events: list[Event] = []
+        for req in reqs:
+            self.gen.remove([req.uid])
+            self.gate_failures += 1
+            need = prompt_need(self.memory, prompt_tokens=req.prompt_len,
+                               step=self.prefill_step_size,
+                               block_size=self.block_size if self.caching else 0)
+            mb = 1e6
+            # It could never fit, even at idle; or memory is held by other work now.
+            kind: ErrorKind = "too_large" if need > limit - floor else "unavailable"
+            message = (
+                f"out of memory for this prompt's prefill: it needs about {need / mb:.0f} MB "
+                f"more; {usage / mb:.0f} MB of the {limit / mb:.0f} MB memory limit are in use"
+            )
+            log.warning("request %s failed by the memory gate: %s", req.request_id, message)
+            events.append(self._finish(req, "error", error=message, kind=kind))
+        return events
 
     def progress(self) -> list[dict[str, Any]]:
         """Where each request stands (waiting, prefilling n of its prompt, decoding), for a

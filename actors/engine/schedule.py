@@ -1,0 +1,127 @@
+"""The step policy as a pure function: ``schedule(state) -> StepPlan``.
+
+Each step the engine describes where its sequences stand in plain numbers (``StepState``) and
+this module decides what the step does: which prefilling sequences fail for want of memory,
+how many waiting ones start, and how many prompt tokens each prefilling sequence runs. No MLX,
+no clock: the timings it needs are measured by the engine and passed in, so every rule here is
+unit tested with numbers alone (tests/test_schedule.py).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from actors.engine.config import EngineConfig
+from actors.engine.memory_estimate import Member, ModelMemory, plan_step
+
+# The fewest prompt tokens a prefilling sequence gets per step while sequences decode: a
+# prefill call of its own costs about a decode step, so tiny chunks waste it.
+MIN_PREFILL_CHUNK = 32
+# With the chunk in the decode step's forward pass (actors/engine/forward.py) a prefill token
+# costs no call of its own, and a small chunk is no dearer per token than a large one.
+MIN_MIXED_CHUNK = 8
+# A prompt whose whole rest is within this many step budgets is prefilled in one piece.
+SHORT_PROMPT = 4
+
+
+class Pending(NamedTuple):
+    """A sequence prefilling, or waiting to start: the gate's view of it (``member``) and
+    ``whole``, its whole uncached prompt (a short prompt is never split)."""
+
+    uid: int
+    member: Member
+    whole: int
+
+
+class Memory(NamedTuple):
+    """The gate's inputs: the model's memory shape, bytes in use, and the limit to stay under."""
+
+    model: ModelMemory
+    usage: int
+    limit: int
+
+
+class StepState(NamedTuple):
+    """Where the engine stands before a step."""
+
+    config: EngineConfig
+    mixed: bool  # the prefill chunk rides in the decode step's forward pass
+    decoding: int  # sequences generating
+    decode_len: int  # the longest of their contexts
+    prefilling: list[Pending]  # oldest first
+    waiting: list[Pending]  # in arrival order, at most prefill_batch_size of them
+    decode_s: float | None  # a decode step's time, smoothed (None: not measured yet)
+    token_s: float | None  # one prompt token's prefill time, smoothed
+    memory: Memory | None = None  # None: no memory gate
+
+
+class StepPlan(NamedTuple):
+    """What the next step does."""
+
+    fail: list[int]  # uids of prefilling sequences that no longer fit in memory
+    reject: int | None  # uid of a waiting sequence that can never fit, even alone
+    admit: int  # waiting sequences that may start prefilling
+    budget: int | None  # prompt tokens the step may prefill (None: whole chunks)
+    chunk: int  # prompt tokens each prefilling sequence runs
+    held: bool  # the gate held something back (failed, rejected or kept waiting)
+
+
+def schedule(state: StepState) -> StepPlan:
+    """Decide the next step: the memory gate first, then the prefill budget and the chunk."""
+    cfg = state.config
+    free = max(0, cfg.prefill_batch_size - len(state.prefilling))
+    fail: list[int] = []
+    reject: int | None = None
+    admit = free
+    held = False
+    if state.memory is not None:
+        mem = state.memory
+        candidates = state.waiting[:free]
+        gate = plan_step(mem.model, usage=mem.usage, limit=mem.limit, decoding=state.decoding,
+                         decode_len=state.decode_len,
+                         prefilling=[p.member for p in state.prefilling],
+                         waiting=[p.member for p in candidates], step=cfg.prefill_step_size)
+        fail = [state.prefilling[i].uid for i in gate.fail]
+        if gate.reject_waiting:
+            reject = candidates[0].uid
+        admit = gate.admit
+        held = bool(fail) or gate.reject_waiting or gate.admit < len(candidates)
+    prefilling = [p for p in state.prefilling if p.uid not in fail]
+    waiting = [p for p in state.waiting if p.uid != reject]
+    budget = prefill_budget(state)
+    chunk = cfg.prefill_step_size
+    if budget is not None:
+        joining = max(0, min(admit, cfg.max_batch_size - state.decoding, len(waiting)))
+        chunk = chunk_for(budget, [*prefilling, *waiting[:joining]], state)
+    return StepPlan(fail=fail, reject=reject, admit=admit, budget=budget, chunk=chunk, held=held)
+
+
+def min_chunk(config: EngineConfig, mixed: bool) -> int:
+    return min(MIN_MIXED_CHUNK if mixed else MIN_PREFILL_CHUNK, config.prefill_step_size)
+
+
+def prefill_budget(state: StepState) -> int | None:
+    """Prompt tokens this step may prefill (None: no limit beyond the chunk size).
+
+    While sequences decode, the step's prefill is held to ``prefill_interleave`` times a
+    decode step, from the measured time of a decode step and of one prompt token (which grows
+    with the context, so it is re-measured every step): a 2,000-token prompt then arrives
+    without stalling the streams. With nothing decoding, prefill runs flat out."""
+    cfg = state.config
+    if (cfg.prefill_interleave <= 0 or not state.decoding
+            or state.decode_s is None or state.token_s is None):
+        return None
+    tokens = int(cfg.prefill_interleave * state.decode_s / state.token_s)
+    return max(min_chunk(cfg, state.mixed), min(tokens, cfg.prefill_step_size))
+
+
+def chunk_for(budget: int, work: list[Pending], state: StepState) -> int:
+    """The chunk each prefilling sequence gets this step under ``budget`` tokens: the budget
+    shared out, except that a short prompt (all of it to prefill within SHORT_PROMPT budgets)
+    is never split: a chat message stalls the streams once, briefly, and gets its first token
+    without waiting for the long prompt beside it. (The end of a long prompt is not short.)"""
+    short = max((p.member.remaining for p in work if p.whole <= SHORT_PROMPT * budget),
+                default=0)
+    floor = min_chunk(state.config, state.mixed)
+    chunk = max(budget // max(1, len(work)), short, floor)
+    return min(chunk, state.config.prefill_step_size)

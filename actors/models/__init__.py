@@ -1,0 +1,1 @@
+"""Model resolution, GGUF conversion and BLAS set-up."""
