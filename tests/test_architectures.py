@@ -4,9 +4,11 @@ mlx-lm's own generation of each prompt alone (tests/reference.py).
 
 Per architecture: one request; four joining a running batch at different steps; a long prompt
 prefilled in chunks beside a decoding stream; a repeated prompt served from the RAM prefix cache;
-blocks written to disk serving a restarted engine. Architectures whose caches cannot be cut into
-blocks (sliding windows keep a RotatingKVCache) run without a prefix cache: for them the cache
-tests check that caching is off and that repeats are still right.
+blocks written to disk serving a restarted engine. The generation tests also check which step
+serves it: one forward pass a step (actors/engine/forward.py) or mlx-lm's own model call.
+Architectures whose caches cannot be cut into blocks (sliding windows keep a RotatingKVCache)
+run without a prefix cache: for them the cache tests check that caching is off and that repeats
+are still right.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from actors.engine.prefix import model_fingerprint, usable_blocks
 from actors.messages import TokensGenerated
 
 BLOCK = 16
-# Crosses several blocks and every sliding window (8 tokens) many times over.
+# Crosses several blocks and every sliding window (8 or 18 tokens) many times over.
 LONG = ("The quick brown fox jumps over the lazy dog. " * 6
         + "What is the capital of France? The capital of France is Paris. " * 2)
 CHUNK = 16  # prefill_step_size of the long-prompt test
@@ -40,20 +42,23 @@ class Arch:
     layers: int
     # Whether the engine keeps a prefix cache for it (False: a layer's cache cannot be cut).
     caching: bool
+    # Whether the engine serves it with one forward pass a step (mixed steps: decode rows and
+    # the prefill chunk together), not mlx-lm's own model call.
+    mixed: bool
     why: str  # what the architecture adds to the matrix
 
 
 ARCHS = [
-    Arch("llama", 2, True, "the reference shape"),
-    Arch("qwen2", 2, True, "q/k/v biases"),
-    Arch("qwen3", 2, True, "q/k norms"),
-    Arch("gemma3_text", 4, False, "sliding-window and global layers"),
-    Arch("mistral", 2, False, "a sliding window (as llama with layer_types)"),
-    Arch("phi3", 2, True, "fused qkv and gate/up projections"),
-    Arch("qwen3_moe", 2, True, "a mixture of experts"),
-    Arch("gpt_oss", 2, False, "attention sinks, sliding window, experts"),
-    Arch("lfm2", 4, True, "hybrid: convolution and attention layers"),
-    Arch("qwen3_next", 4, True, "hybrid: gated delta-net and attention layers, experts"),
+    Arch("llama", 2, True, True, "the reference shape"),
+    Arch("qwen2", 2, True, True, "q/k/v biases"),
+    Arch("qwen3", 2, True, True, "q/k norms"),
+    Arch("gemma3_text", 4, False, True, "sliding-window and global layers, four norms a layer"),
+    Arch("mistral", 2, False, False, "a sliding window (as llama with layer_types)"),
+    Arch("phi3", 2, True, False, "fused qkv and gate/up projections"),
+    Arch("qwen3_moe", 2, True, False, "a mixture of experts"),
+    Arch("gpt_oss", 2, False, False, "attention sinks, sliding window, experts"),
+    Arch("lfm2", 4, True, False, "hybrid: convolution and attention layers"),
+    Arch("qwen3_next", 4, True, False, "hybrid: gated delta-net and attention layers, experts"),
 ]
 
 
@@ -114,6 +119,7 @@ def ram_hit(engine: Engine, prompt: list[int]) -> list[KVBlock]:
 def test_one_request_gives_mlx_lm_greedy_tokens(tiny: Tiny) -> None:
     prompt = tiny.tok.encode(PROMPTS[0])
     engine = tiny.engine()
+    assert engine.gen.mixed is tiny.arch.mixed
     tokens, _ = serve(engine, "a", prompt, 24)
     assert tokens == tiny.reference(prompt, 24)
     assert len(tokens) > 1, "the model must generate something to compare"
@@ -129,6 +135,7 @@ def test_four_requests_joining_mid_way_each_give_their_tokens_alone(tiny: Tiny,
     prompts = [tiny.tok.encode(t) for t in texts]
     assert len({len(p) for p in prompts}) == 4
     engine = tiny.engine(prefill_step_size=4, mixed_step=mixed)
+    assert engine.gen.mixed is (mixed and tiny.arch.mixed)
     results = run_arriving(engine, prompts, 16)
     for i, p in enumerate(prompts):
         assert results[f"r{i}"] == tiny.reference(p, 16), f"r{i} ({len(p)} prompt tokens)"
@@ -142,6 +149,7 @@ def test_a_long_prompt_prefilled_in_chunks_beside_a_decoding_stream_gives_mlx_lm
     long_prompt = tiny.tok.encode(" ".join(PROMPTS) * 2)
     assert len(long_prompt) > 6 * CHUNK
     engine = tiny.engine(prefill_step_size=CHUNK)
+    assert engine.gen.mixed is tiny.arch.mixed
     engine.add("short", short, greedy(64, ignore_eos=True))
     got: dict[str, list[int]] = {"short": [], "long": []}
 

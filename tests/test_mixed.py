@@ -286,3 +286,136 @@ def test_prompts_finishing_at_different_steps_beside_decoders_match_mlx_lm(reque
     # mlx-lm's reference stops at the end-of-sequence token that "d" (ignore_eos) goes past.
     want = reference_tokens(model, tok, encode(tok, PROMPTS[0]), 80)
     assert (early + got["d"])[: len(want)] == want
+
+
+# -- gemma3_text: sliding-window layers (RotatingKVCache) between global ones ----------------
+
+
+@pytest.fixture(scope="module")
+def loaded_gemma3(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny gemma3_text: layers 0 and 2 attend over a window of 18 tokens (RotatingKVCache),
+    1 and 3 over everything; four norms a layer, scaled embeddings, q/k norms."""
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("tiny-gemma3") / "m",
+                                arch="gemma3_text", layers=4)
+    return load(str(model_dir))
+
+
+def batch_caches(model, prompts: list[list[int]]) -> list:
+    """``batch_cache`` for any layer kind: each prompt run alone into the model's own caches,
+    merged by their own batch class (``BatchRotatingKVCache`` for a rotating layer)."""
+    per = []
+    for p in prompts:
+        cache = make_prompt_cache(model)
+        if p:
+            model(mx.array([p]), cache=cache)
+        mx.eval([c.state for c in cache])
+        per.append(cache)
+    return [type(layer[0]).merge(list(layer)) for layer in zip(*per, strict=True)]
+
+
+def test_gemma3_takes_the_one_pass_step(loaded_gemma3):
+    model, _ = loaded_gemma3
+    assert supports_mixed(model)
+    assert MixedBatchGenerator(model).mixed
+
+
+@pytest.mark.parametrize(("decoding", "prior", "chunk", "steps"), [
+    ([4, 25], 10, 12, 0),  # a row inside the window and one past it; the chunk crosses it
+    ([4, 25], 0, 30, 16),  # both rows decoded past the window; a chunk longer than it
+    ([30], 40, 1, 3),  # a one-token chunk, written in place, wrapping round a full window
+])
+def test_a_gemma3_mixed_forward_computes_what_two_calls_do_across_the_window(
+        loaded_gemma3, decoding, prior, chunk, steps):
+    """Decode rows and a prefill chunk at positions on both sides of the sliding window: the
+    logits, and every layer's cache (rotating ones as mlx-lm writes them: same order, same
+    padding), are those of the model's own two calls."""
+    model, tok = loaded_gemma3
+    window = model.args.sliding_window
+    text = tok.encode(" ".join(PROMPTS) * 2)
+    rows = [text[i * 7:i * 7 + n] for i, n in enumerate(decoding)]
+    prompt, piece = text[:prior], text[prior:prior + chunk]
+    nxt = mx.array([[t] for t in text[-len(decoding):]])
+
+    def caches():
+        d, p = batch_caches(model, rows), batch_caches(model, [prompt])
+        for s in range(steps):  # past the window: the rotating caches wrap around
+            model(mx.array([[text[s]]] * len(rows)), cache=d)
+        return d, p
+
+    d_sep, p_sep = caches()
+    want = model(nxt, cache=d_sep)
+    model(mx.array([piece]), cache=p_sep)
+    d_mix, p_mix = caches()
+    got = mixed_forward(model, nxt, d_mix, mx.array([piece]), p_mix)
+    mx.eval(want, got)
+    assert max(decoding) + steps > window or prior + chunk > window
+    assert mx.allclose(got, want, atol=1e-4).item()
+    assert mx.array_equal(got.argmax(-1), want.argmax(-1)).item()
+    for a, b in zip(d_sep + p_sep, d_mix + p_mix, strict=True):
+        assert type(a) is type(b)
+        ka, va = a.keys_and_values()
+        kb, vb = b.keys_and_values()
+        assert ka.shape == kb.shape and mx.allclose(ka, kb, atol=1e-5).item()
+        assert mx.allclose(va, vb, atol=1e-5).item()
+        assert a.offset.tolist() == b.offset.tolist()
+        assert a.left_padding.tolist() == b.left_padding.tolist()
+
+
+@pytest.mark.parametrize("mixed", [True, False], ids=["mixed", "separate-calls"])
+def test_gemma3_takes_one_forward_pass_a_step_while_a_prompt_is_prefilled(
+        loaded_gemma3, monkeypatch, mixed):
+    """Two streams decode past the sliding window while a prompt of six windows is prefilled
+    in chunks of 16 tokens (straddling the window's edges): a mixed step is one forward pass
+    (mlx-lm's: two), every request gets mlx-lm's tokens alone, and the decode batch stays one
+    group (mlx-lm's batch caches: in a RaggedKVCache, the rotating layers, whose sizes stop at
+    the window, would group the rows unlike the global ones)."""
+    model, tok = loaded_gemma3
+    window = model.args.sliding_window
+    passes = []
+
+    class Counting(nn.Module):  # the final norm runs once per forward pass, of either kind
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def __call__(self, x):
+            passes.append(1)
+            return self.inner(x)
+
+    monkeypatch.setitem(model.model, "norm", Counting(model.model.norm))
+    engine = Engine(model, tok, engine_config(prefill_step_size=16, prefill_interleave=1.0,
+                                              mixed_step=mixed))
+    assert engine.gen.mixed is mixed
+    fix_budget(engine, 16)
+    decoders = {f"d{i}": encode(tok, p) for i, p in enumerate(PROMPTS[:2])}
+    for rid, p in decoders.items():
+        engine.add(rid, p, greedy(48, ignore_eos=True))
+    got: dict[str, list[int]] = {}
+
+    def step() -> None:
+        for ev in engine.step():
+            if isinstance(ev, TokensGenerated):
+                got.setdefault(ev.request_id, []).extend(ev.token_ids)
+
+    while len(engine.gen._generation_batch) < 2:
+        step()
+    long_prompt = encode(tok, " ".join(PROMPTS) * 2)
+    assert len(long_prompt) > 6 * window
+    engine.add("long", long_prompt, greedy(8, ignore_eos=True))
+    per_step = []
+    while engine.requests["long"].first_token_at is None:
+        passes.clear()
+        step()
+        per_step.append(len(passes))
+    assert len(per_step) >= len(long_prompt) // 16
+    if mixed:
+        assert set(per_step) == {1}
+    else:
+        assert per_step.count(2) >= len(long_prompt) // 16 - 1
+    assert not any(isinstance(c, RaggedKVCache) for c in engine.gen._generation_batch.prompt_cache)
+    while engine.requests:
+        step()
+    for rid, p in {**decoders, "long": long_prompt}.items():
+        assert len(p) + len(got[rid]) > window
+        want = reference_tokens(model, tok, p, len(got[rid]))  # ignore_eos: up to mlx-lm's EOS
+        assert got[rid][: len(want)] == want, rid

@@ -61,8 +61,9 @@ def _sliding_and_full(layers: int) -> list[str]:
 
 
 # Per architecture, what its ModelArgs needs on top of the llama settings (``hidden``, ``layers``
-# given). Windows are 8 tokens, so any test prompt runs past them; MoE models have 4 experts,
-# 2 a token.
+# given). Windows are 8 tokens, so any test prompt runs past them (gemma3's 18: some prompts
+# fit in it and cross it as they decode, and chunks of 4, 16 or 24 tokens straddle its edge);
+# MoE models have 4 experts, 2 a token.
 ARCH_CONFIGS: dict[str, Callable[[int, int], dict[str, Any]]] = {
     "qwen2": lambda hidden, layers: {},
     # q_norm / k_norm on each head.
@@ -72,7 +73,7 @@ ARCH_CONFIGS: dict[str, Callable[[int, int], dict[str, Any]]] = {
     "gemma3_text": lambda hidden, layers: {
         "head_dim": 16,
         "query_pre_attn_scalar": 16,
-        "sliding_window": 8,
+        "sliding_window": 18,
         "sliding_window_pattern": 2,
     },
     # mlx-lm runs "mistral" as llama; a window takes layer_types naming the sliding layers.

@@ -147,8 +147,12 @@ class JoiningGenerationBatch(GenerationBatch):
         for c in batch.prompt_cache:
             if type(c) is BatchKVCache and "step" in vars(c):
                 del c.step
-        # Mixed steps (``mixed_forward`` reads them) keep the decode batch's caches ragged.
-        if batch.prompt_cache and isinstance(self.model, _Forward):
+        # Mixed steps (``mixed_forward`` reads them) keep the decode batch's caches ragged,
+        # unless a layer's is a rotating (sliding-window) one: each RaggedKVCache groups rows
+        # by its own layer's sizes, and a rotating cache's stop at its window, so the layers
+        # would group the rows differently. Those batches stay one group (mlx-lm's caches).
+        if batch.prompt_cache and isinstance(self.model, _Forward) and all(
+                type(c) is BatchKVCache for c in batch.prompt_cache):
             if not self.prompt_cache:
                 self.prompt_cache = [RaggedKVCache() for _ in batch.prompt_cache]
             else:

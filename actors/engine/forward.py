@@ -8,11 +8,20 @@ through each layer at once: the token-wise parts of a layer (norms, the q/k/v an
 projections, the MLP) take the decode tokens and the prefill tokens as the rows of one matrix,
 and only attention, which needs each sequence's own cache and mask, runs per group.
 
-Only decoder layers of the llama shape are taken (llama, mistral, qwen2 and the like: one
-``self_attn`` with q/k/v/o projections and a rope, one ``mlp``, two RMS norms, plain KV caches,
-no sliding window), and qwen3's, which is that shape with a norm of each head's queries and
-keys before the rope; ``supports_mixed`` says whether a model is one, and anything else keeps
-mlx-lm's two calls.
+``supports_mixed`` says which models it takes (anything else keeps mlx-lm's two calls):
+
+- decoder layers of the llama shape (llama, mistral without a sliding window, qwen2: one
+  ``self_attn`` with q/k/v/o projections and a rope, one ``mlp``, two RMS norms, plain KV
+  caches), and qwen3's, which is that shape with a norm of each head's queries and keys
+  before the rope;
+- gemma3_text's: embeddings scaled by sqrt(hidden size), per-head q/k norms, four norms a
+  layer (after attention, and before and after the MLP), and local layers that attend over a
+  sliding window (their own rope base, a ``RotatingKVCache``) between global ones every
+  ``sliding_window_pattern`` layers. Each group's masks are made as the model's own call
+  makes them, once per kind of layer (global, windowed) from the group's cache at the first
+  layer of that kind, and the caches are written by their own ``update_and_fetch``, as in
+  mlx-lm. The decode batch of such a model is one group (mlx-lm's batch caches, not
+  ``RaggedKVCache``: see ``actors/engine/batch.py``).
 """
 
 from __future__ import annotations
@@ -21,14 +30,18 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
+from mlx_lm.models.gemma3_text import clip_residual
 
 from actors.engine import cpu_kernels
 from actors.engine.ragged_cache import RaggedKVCache
 
-# Model types whose decoder layer is exactly: x + attn(norm(x)), then h + mlp(norm(h)).
-MIXED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+# Model types whose decoder layer is exactly: x + attn(norm(x)), then h + mlp(norm(h)), or
+# (SANDWICH_MODEL_TYPES) gemma3's x + norm(attn(norm(x))), then h + norm(mlp(norm(h))).
+MIXED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma3_text"})
 # Those whose attention norms each head's queries and keys (q_norm, k_norm) before the rope.
-QK_NORM_MODEL_TYPES = frozenset({"qwen3"})
+QK_NORM_MODEL_TYPES = frozenset({"qwen3", "gemma3_text"})
+# Gemma 3's layer: four norms, embeddings scaled by sqrt(hidden size), sliding-window layers.
+SANDWICH_MODEL_TYPES = frozenset({"gemma3_text"})
 
 
 def supports_mixed(model: Any) -> bool:
@@ -41,15 +54,53 @@ def supports_mixed(model: Any) -> bool:
         return False
     if getattr(args, "sliding_window", None) and getattr(args, "model_type", "") == "mistral":
         return False
+    sandwich = args.model_type in SANDWICH_MODEL_TYPES
+    if sandwich and not all(hasattr(inner, n) for n in ("window_size", "sliding_window_pattern")):
+        return False
     needed = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
+    if sandwich:
+        needed += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
     attn = ("q_proj", "k_proj", "v_proj", "o_proj", "rope", "n_heads", "n_kv_heads", "scale")
     qk_norm = args.model_type in QK_NORM_MODEL_TYPES
     return all(
         all(hasattr(layer, n) for n in needed) and all(hasattr(layer.self_attn, n) for n in attn)
         and hasattr(layer.self_attn, "q_norm") == qk_norm
         and hasattr(layer.self_attn, "k_norm") == qk_norm
+        and hasattr(layer, "pre_feedforward_layernorm") == sandwich
         for layer in inner.layers
     )
+
+
+def _windows(model: Any) -> list[int | None]:
+    """Each layer's attention window as the model's own call masks it (None: global)."""
+    inner = model.model
+    if model.args.model_type not in SANDWICH_MODEL_TYPES:
+        return [None] * len(inner.layers)
+    # gemma3_text: every pattern-th layer global, the others local.
+    pattern = inner.sliding_window_pattern
+    return [None if i % pattern == pattern - 1 else inner.window_size
+            for i in range(len(inner.layers))]
+
+
+def _embed(model: Any, inputs: mx.array) -> mx.array:
+    h = model.model.embed_tokens(inputs)
+    if model.args.model_type in SANDWICH_MODEL_TYPES:
+        # As gemma3_text's own call rounds it: sqrt(hidden size) in bfloat16.
+        h = h * mx.array(model.args.hidden_size**0.5, mx.bfloat16).astype(h.dtype)
+    return h
+
+
+def _group_views(h: mx.array, caches: list[Any], windows: list[int | None]
+                 ) -> tuple[dict[int | None, Any], dict[int | None, Any]]:
+    """One group's masks and rope offsets per kind of layer (its window), made from the
+    group's cache at the first layer of that kind before any layer writes: what the model's
+    own call gives each layer of that kind (every layer's cache holds the same positions)."""
+    masks, offsets = {}, {}
+    for w in dict.fromkeys(windows):
+        cache = caches[windows.index(w)]
+        masks[w] = create_attention_mask(h, cache, window_size=w)
+        offsets[w] = _frozen(cache.offset)
+    return masks, offsets
 
 
 def _attend(attn: Any, q: mx.array, k: mx.array, v: mx.array, batch: int, length: int,
@@ -137,35 +188,36 @@ def forward(model: Any, decode_inputs: mx.array | None, decode_cache: list[Any] 
     whose next-token logits come back as the second result ([len(ends), vocab]). Every other
     prefill row leaves the pass after the last layer's attention, as in ``mixed_forward``."""
     inner = model.model
-    parts, spans, masks, offsets = [], [], [], []
+    windows = _windows(model)
+    parts, spans, views = [], [], []
     nd = B = Ld = 0
     if decode_inputs is not None:
-        hd = inner.embed_tokens(decode_inputs)
+        hd = _embed(model, decode_inputs)
         B, Ld, D = hd.shape
         nd = B * Ld
-        first = decode_cache[0]
-        if isinstance(first, RaggedKVCache):
-            spans = [(a, b) for a, b, _ in first.spans()]
-            masks = [create_attention_mask(hd[a:b], g) for a, b, g in first.spans()]
-            offsets = [_frozen(g.offset) for g in first.groups]
+        if isinstance(decode_cache[0], RaggedKVCache):
+            spans = [(a, b) for a, b, _ in decode_cache[0].spans()]
+            per_layer = [c.groups for c in decode_cache]
         else:
-            spans, masks = [(0, B)], [create_attention_mask(hd, first)]
-            offsets = [_frozen(first.offset)]
+            spans, per_layer = [(0, B)], [[c] for c in decode_cache]
+        views = [_group_views(hd[a:b], [groups[j] for groups in per_layer], windows)
+                 for j, (a, b) in enumerate(spans)]
         parts.append(hd.reshape(nd, D))
     if prefill_inputs is not None:
-        hp = inner.embed_tokens(prefill_inputs)
+        hp = _embed(model, prefill_inputs)
         P, Lp, D = hp.shape
-        mask_p = create_attention_mask(hp, prefill_cache[0])
-        offset_p = _frozen(prefill_cache[0].offset)
+        masks_p, offsets_p = _group_views(hp, prefill_cache, windows)
         parts.append(hp.reshape(P * Lp, D))
     x = mx.concatenate(parts) if len(parts) > 1 else parts[0]
     last = len(inner.layers) - 1
     layer_caches = decode_cache if decode_cache is not None else [None] * len(inner.layers)
-    # Every layer's cache of a group is at the same positions: the first layer's offsets,
-    # copied before its update moves them, serve all layers, so rope makes each group's
-    # angles once a step instead of once a layer.
+    sandwich = model.args.model_type in SANDWICH_MODEL_TYPES
+    # Every layer's cache of a group is at the same positions: the offsets of the first layer
+    # of each kind, copied before its update moves them, serve all layers of that kind, so
+    # rope makes each group's angles once a step instead of once a layer.
     with cpu_kernels.shared_angles():
-        for i, (layer, cd) in enumerate(zip(inner.layers, layer_caches, strict=True)):
+        for i, (layer, cd, w) in enumerate(zip(inner.layers, layer_caches, windows,
+                                               strict=True)):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
             q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
@@ -174,13 +226,14 @@ def forward(model: Any, decode_inputs: mx.array | None, decode_cache: list[Any] 
                 groups = cd.groups if isinstance(cd, RaggedKVCache) else [cd]
                 out = [
                     _attend(attn, q[a * Ld:b * Ld], k[a * Ld:b * Ld], v[a * Ld:b * Ld], b - a,
-                            Ld, g, m, off)
-                    for (a, b), g, m, off in zip(spans, groups, masks, offsets, strict=True)
+                            Ld, g, masks[w], offsets[w])
+                    for (a, b), g, (masks, offsets) in zip(spans, groups, views, strict=True)
                 ]
             if prefill_inputs is not None:
                 out.append(_attend(attn, q[nd:], k[nd:], v[nd:], P, Lp, prefill_cache[i],
-                                   mask_p, offset_p))
-            x = x + attn.o_proj(mx.concatenate(out) if len(out) > 1 else out[0])
+                                   masks_p[w], offsets_p[w]))
+            r = attn.o_proj(mx.concatenate(out) if len(out) > 1 else out[0])
+            x = clip_residual(x, layer.post_attention_layernorm(r)) if sandwich else x + r
             if i == last and prefill_inputs is not None:
                 # The prefill rows are done (their keys and values are in the cache), except
                 # the prompts' last tokens, whose logits give those prompts their first tokens.
@@ -191,7 +244,11 @@ def forward(model: Any, decode_inputs: mx.array | None, decode_cache: list[Any] 
                 if kept is None:
                     return None, None
                 x = kept
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if sandwich:
+                r = layer.mlp(layer.pre_feedforward_layernorm(x))
+                x = clip_residual(x, layer.post_feedforward_layernorm(r))
+            else:
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
     x = inner.norm(x)
     if getattr(model.args, "tie_word_embeddings", False) or not hasattr(model, "lm_head"):
         logits = inner.embed_tokens.as_linear(x)
