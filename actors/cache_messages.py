@@ -1,4 +1,4 @@
-"""Messages of the paged prefix cache: scheduler <-> cache index <-> SSD writer.
+"""Messages of the paged prefix cache: scheduler -> cache index <-> SSD writer.
 
 KV data crosses actors only as numpy arrays (``BlockData.tensors``): the scheduler snapshots
 its ``mx.array``s to numpy on its own thread, and turns numpy back into MLX there. bfloat16
@@ -100,49 +100,7 @@ class BlockWriteFailed(Message, frozen=True, kw_only=True):
 
 class ForgetBlocks(Message, frozen=True, kw_only=True):
     """Writer -> index: these blocks' files are gone (a cancelled request's, or found missing or
-    corrupt on read): drop their disk entries. RAM entries are left alone."""
-
-    hashes: list[str]
-
-
-# --- scheduler <-> cache index ---------------------------------------------------------------
-
-
-class LookupPrefix(Message, frozen=True, kw_only=True):
-    """Which leading blocks of this chain are cached? Answered (ask) with ``PrefixHit``."""
-
-    hashes: list[str]
-
-
-class PrefixHit(msgspec.Struct, frozen=True, kw_only=True):
-    """The longest leading chain present: for each block, "ram" or "disk"."""
-
-    tiers: list[str]
-
-
-class BlocksStored(Message, frozen=True, kw_only=True):
-    """The scheduler now holds these blocks in RAM (hash, parent, tokens, bytes in RAM)."""
-
-    blocks: list[tuple[str, str | None, int, int]]
-
-
-class DropRamBlocks(Message, frozen=True, kw_only=True):
-    """Index -> scheduler: free these RAM blocks (the RAM budget is exceeded)."""
-
-    hashes: list[str]
-
-
-class SpillRam(Message, frozen=True, kw_only=True):
-    """Memory monitor -> index: memory is short, free RAM blocks (one bounded burst).
-
-    Blocks already on disk lose only their RAM copy; with ``unpersisted`` (hard pressure)
-    blocks not on disk yet are dropped too, and lost to the cache."""
-
-    unpersisted: bool = False
-
-
-class RamBlocksDropped(Message, frozen=True, kw_only=True):
-    """Scheduler -> index: these RAM blocks are gone (evicted, or the scheduler restarted)."""
+    corrupt on read): drop their entries."""
 
     hashes: list[str]
 
@@ -152,3 +110,33 @@ class MakeRoom(Message, frozen=True, kw_only=True):
     recently used files (at most a bounded burst per call). Answered with bool: room made."""
 
     nbytes: int
+
+
+# --- scheduler -> cache index ----------------------------------------------------------------
+
+
+class LookupDisk(Message, frozen=True, kw_only=True):
+    """How many leading blocks of this chain have files? Answered (ask) with an int. The
+    scheduler asks only for what follows the blocks it holds in RAM; the hits become the
+    most recently used on disk."""
+
+    hashes: list[str]
+
+
+class OnDisk(Message, frozen=True, kw_only=True):
+    """Which of these blocks have files? Answered (ask) with their hashes, in the order asked:
+    the RAM blocks a spill may drop without losing them."""
+
+    hashes: list[str]
+
+
+# --- memory monitor -> scheduler -------------------------------------------------------------
+
+
+class SpillRam(Message, frozen=True, kw_only=True):
+    """Memory is short: free RAM blocks of the prefix cache (one bounded burst).
+
+    Blocks already on disk lose only their RAM copy; with ``unpersisted`` (hard pressure)
+    blocks not on disk are dropped too, and lost to the cache."""
+
+    unpersisted: bool = False

@@ -29,7 +29,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     # under cache_dir (up to cache_disk_max bytes). block_size 0 turns the cache off.
     block_size: int = ENGINE.block_size
     cache_dir: str | None = None  # None: $TROUPE_HOME/kv-cache
-    cache_ram_max: int = 1 << 30
+    cache_ram_max: int = ENGINE.cache_ram_max
     cache_disk_max: int = 8 << 30
     max_body_bytes: int = 8 * 1024 * 1024
     api_key: str | None = None
@@ -61,6 +61,9 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     models_memory: int | None = None
     pin: list[str] = []
     idle_ttl: float | None = None
+    # One model sharded over several processes (actors/engine/config.py says how).
+    distributed: str | None = ENGINE.distributed
+    distributed_port: int = ENGINE.distributed_port
 
 
     def engine(self) -> EngineConfig:

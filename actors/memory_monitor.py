@@ -8,9 +8,9 @@ still reach the high-water mark.
 
 Every poll it tells admission and every running scheduler the limits (``MemoryLimits``),
 looking the schedulers up by name in the actor system each time, so an engine loaded after
-start gets them within one poll. Under soft pressure it asks each cache index to spill its RAM
-blocks; under hard pressure also the engine pool to unload idle models (and admission then
-answers new requests with 503).
+start gets them within one poll. Under soft pressure it asks every running scheduler to spill
+prefix-cache blocks from RAM; under hard pressure also the engine pool to unload idle models (and
+admission then answers new requests with 503).
 """
 
 from __future__ import annotations
@@ -79,8 +79,8 @@ class MemoryMonitor(Actor):
     """Polls memory every ``poll_s`` and publishes ``MemoryLimits``.
 
     ``limit``: bytes of MLX memory (active + cache) to stay under; None picks the default
-    (``actors.engine.memory_estimate.default_memory_limit``). ``schedulers`` and ``indexes``: the
-    names of every scheduler and cache index that may run (looked up at each poll).
+    (``actors.engine.memory_estimate.default_memory_limit``). ``schedulers``: the names of every
+    scheduler that may run (looked up at each poll).
     """
 
     def __init__(
@@ -92,14 +92,12 @@ class MemoryMonitor(Actor):
         admission: str = "admission",
         pool: str = "engine_pool",
         schedulers: list[str] | tuple[str, ...] = ("scheduler",),
-        indexes: list[str] | tuple[str, ...] = ("cache_index",),
     ) -> None:
         self.poll_s = poll_s
         self.guard = guard
         self.admission_name = admission
         self.pool_name = pool
         self.scheduler_names = list(schedulers)
-        self.index_names = list(indexes)
         self.configured_limit = limit
         self.limit = limit or 0
         self.limit_source = "flag" if limit else "default"
@@ -199,9 +197,9 @@ class MemoryMonitor(Actor):
                 self.published += 1
 
     def _relieve(self, pressure: str, now: float) -> None:
-        """Soft: cache indexes drop RAM copies of blocks already on disk. Hard: also blocks not
-        on disk yet, and the pool unloads idle models."""
-        for name in self.index_names:
+        """Soft: schedulers drop RAM copies of prefix-cache blocks already on disk. Hard: also
+        blocks not on disk, and the pool unloads idle models."""
+        for name in self.scheduler_names:
             if self._tell(name, SpillRam(unpersisted=pressure == HARD)):
                 self.spills += 1
         if pressure == HARD and now - self._last_unload >= UNLOAD_EVERY_S:

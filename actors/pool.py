@@ -62,16 +62,15 @@ class EngineNames:
     scheduler: str
     cache_index: str
     ssd_writer: str
-    group: str
 
 
 def engine_names(position: int, model_id: str) -> EngineNames:
     """The first model keeps the plain names ("scheduler", "cache_index", "ssd_writer"), which
     one-model setups, docs and dashboards use; the others are named after their model."""
     if position == 0:
-        return EngineNames("scheduler", "cache_index", "ssd_writer", "kv")
+        return EngineNames("scheduler", "cache_index", "ssd_writer")
     key = model_id.replace("/", "--")  # names appear in URLs (GET /actors/<name>)
-    return EngineNames(f"scheduler:{key}", f"cache_index:{key}", f"ssd_writer:{key}", f"kv:{key}")
+    return EngineNames(f"scheduler:{key}", f"cache_index:{key}", f"ssd_writer:{key}")
 
 
 @dataclass
@@ -97,7 +96,8 @@ class EnginePool(Actor):
     ``UnloadIdle``, and its own ``CheckIdle``.
 
     ``specs``: the models as given to ``--model`` (None: the bundled default). ``engine``:
-    each model's engine settings. ``cache``: the prefix cache's settings, or None.
+    each model's engine settings. ``cache``: the prefix cache's disk settings (``cache_dir``,
+    ``disk_max_bytes``), or None.
     """
 
     def __init__(
@@ -228,7 +228,6 @@ class EnginePool(Actor):
             name=names.scheduler,
             thread=MLX_THREAD,
             restart=Restart.PERMANENT,
-            group=names.group,
             mailbox_size=self.scheduler_mailbox,
             model=slot.card.path,
             model_id=slot.card.id,
@@ -252,13 +251,10 @@ class EnginePool(Actor):
             name=names.cache_index,
             thread=CACHE_INDEX_THREAD,
             restart=Restart.PERMANENT,
-            group=names.group,
             mailbox_size=4096,
             cache_dir=cache["cache_dir"],
             fingerprint=slot.card.fingerprint,
-            ram_max_bytes=cache["ram_max_bytes"],
             disk_max_bytes=cache["disk_max_bytes"],
-            scheduler=names.scheduler,
             block_size=self.engine_config.block_size,
         )
         # The writer's mailbox is the bounded write queue the scheduler waits on (~250 ms).

@@ -9,10 +9,13 @@ The step loop is message driven: after handling any message, if requests are in 
 requests, aborts, blocks read from disk) sits ahead of that ``Step`` in the mailbox, so the
 mailbox is drained between every two model steps.
 
-Prefix cache: the scheduler keeps the RAM tier (blocks as MLX arrays) and cuts new blocks as
-requests cross block boundaries. It asks the cache index which leading blocks of a prompt are
-cached, has the SSD writer read the ones only on disk (the request waits, the batch does not),
-and sends every new block to the writer as a numpy snapshot.
+Prefix cache: the engine holds the RAM tier (``Engine.blocks``, blocks as MLX arrays, within
+its byte budget) and cuts new blocks as requests cross block boundaries. The scheduler looks a
+prompt's leading blocks up there with a plain call; only when RAM stops short of the prompt's
+usable blocks does it ask the cache index how many of the next ones are on disk, and has the SSD
+writer read them (the request waits, the batch does not). It sends every new block to the
+writer as a numpy snapshot, and under memory pressure (``SpillRam``) frees RAM blocks, those
+the index says are on disk first.
 """
 
 from __future__ import annotations
@@ -31,12 +34,11 @@ from mlx_lm import load as mlx_load
 
 from actors.cache_messages import (
     BlocksRead,
-    BlocksStored,
     CancelWrites,
-    DropRamBlocks,
-    LookupPrefix,
-    RamBlocksDropped,
+    LookupDisk,
+    OnDisk,
     ReadBlocks,
+    SpillRam,
     WriteBlock,
 )
 from actors.engine.config import DEFAULTS, EngineConfig
@@ -77,6 +79,7 @@ WRITE_WAIT_S = 0.25
 # snapshotting them at once stalled every stream for a third of a second, and a request
 # arriving just after the prompt's answer waited for them).
 PERSIST_BYTES_PER_STEP = 8 << 20
+# The longest a request (or a spill) waits for the cache index to say what is on disk.
 LOOKUP_TIMEOUT_S = 1.0
 # An idle engine's arrival window stays open while requests keep arriving, up to this many
 # windows after the first arrival.
@@ -118,8 +121,9 @@ def weights_profile(model: Any) -> tuple[int, int | None]:
 
 class Scheduler(Actor):
     """Continuous batching for one model. Messages: AddRequest (via ``stream``), AbortRequest,
-    DescribeEngine (via ``ask``), BlocksRead, DropRamBlocks, MemoryLimits (from the memory
-    monitor), DescribeLoad and Retire (from the engine pool), and its own Step."""
+    DescribeEngine (via ``ask``), BlocksRead (from the SSD writer), MemoryLimits and SpillRam
+    (from the memory monitor), DescribeLoad and Retire (from the engine pool), and its own
+    Step."""
 
     def __init__(
         self,
@@ -212,14 +216,6 @@ class Scheduler(Actor):
             for rid in list(self.engine.requests):
                 self._deliver([self.engine.abort(rid)])
             self.engine.close()
-            index = self.system.find(self.index_name)
-            if error is None and self.engine.blocks and index is not None:
-                # Unloaded: the RAM tier goes with the model. (A restart restarts the index
-                # with it, which forgets RAM blocks by itself.)
-                try:
-                    index.try_tell(RamBlocksDropped(hashes=list(self.engine.blocks)))
-                except (MailboxFull, ActorDead):
-                    pass
         for reply in self._replies.values():
             reply.close()
         for loading in self._loading.values():
@@ -244,9 +240,8 @@ class Scheduler(Actor):
                 self._loaded(msg)
             case AbortRequest(request_id=rid):
                 self._abort(rid)
-            case DropRamBlocks(hashes=hashes):
-                for h in hashes:
-                    self.engine.blocks.pop(h, None)
+            case SpillRam(unpersisted=unpersisted):
+                await self._spill(unpersisted)
             case DescribeEngine():
                 return self.card
             case MemoryLimits():
@@ -305,38 +300,41 @@ class Scheduler(Actor):
         self._start(msg, reply, ram)
 
     async def _find_prefix(self, prompt: list[int]) -> tuple[list[KVBlock], list[str]]:
-        """The prompt's leading cached blocks: those in RAM here, then hashes only on disk."""
+        """The prompt's leading cached blocks: those in RAM (a plain call), then the hashes of
+        the next ones that are on disk. A prompt whose usable blocks are all in RAM asks the
+        index nothing."""
         hashes = self.engine.prompt_hashes(prompt)
-        if not hashes:
-            return [], []
-        tiers = ["ram"] * len(hashes)
+        ram = self.engine.blocks.lookup(hashes)
+        rest = hashes[len(ram):]
         index = self.system.find(self.index_name)
-        if index is not None:
+        if not rest or index is None:
+            return ram, []
+        try:
+            n = await index.ask(LookupDisk(hashes=rest), timeout=LOOKUP_TIMEOUT_S)
+        except (AskTimeout, ActorDead):
+            return ram, []  # the index is gone or slow: RAM alone still serves
+        return ram, rest[:n]
+
+    async def _spill(self, unpersisted: bool) -> None:
+        """Memory is short: free a burst of the least recently used RAM blocks that are on
+        disk (the index says which), and with ``unpersisted`` (hard pressure) the others too."""
+        blocks = self.engine.blocks
+        candidates = [h for h in blocks if not blocks[h].tail]  # tails are never written
+        on_disk: list[str] = []
+        index = self.system.find(self.index_name)
+        if candidates and index is not None:
             try:
-                tiers = (await index.ask(LookupPrefix(hashes=hashes),
-                                         timeout=LOOKUP_TIMEOUT_S)).tiers
+                on_disk = await index.ask(OnDisk(hashes=candidates), timeout=LOOKUP_TIMEOUT_S)
             except (AskTimeout, ActorDead):
-                pass  # the index is gone or slow: RAM alone still serves
-        ram: list[KVBlock] = []
-        disk: list[str] = []
-        # The index lists the longest leading chain it knows; what is past it is a miss.
-        for h in hashes[: len(tiers)]:
-            block = self.engine.blocks.get(h)
-            if block is not None and not disk:
-                ram.append(block)
-            elif index is not None:
-                # Listed by the index but not in RAM here: it can only come from disk.
-                disk.append(h)
-            else:
-                break
-        return ram, disk
+                if not unpersisted:
+                    return  # which are on disk is unknown: dropping one could lose it
+        blocks.spill(blocks.spill_victims(set(on_disk), unpersisted=unpersisted))
 
     def _loaded(self, msg: BlocksRead) -> None:
         loading = self._loading.pop(msg.request_id, None)
         if loading is None:
             return  # aborted while reading
         cached = list(loading.ram)
-        stored = []
         size = self.engine.block_size
         prompt = loading.msg.prompt_tokens
         for data in msg.blocks:
@@ -348,11 +346,8 @@ class Scheduler(Actor):
             # Its tokens are the prompt's at its place in the chain: partial hits compare them.
             block.tokens = tuple(prompt[len(cached) * size : (len(cached) + 1) * size])
             cached.append(block)
-            if block.block_hash not in self.engine.blocks:
-                # Promoted to RAM: the next request with this prefix skips the disk.
-                self.engine.blocks[block.block_hash] = block
-                stored.append(block)
-        self._announce(stored)
+            # Promoted to RAM: the next request with this prefix skips the disk.
+            self.engine.blocks.store(block)
         self._start(loading.msg, loading.reply, cached)
 
     def _start(self, msg: AddRequest, reply: Reply, cached: list[KVBlock]) -> None:
@@ -412,7 +407,6 @@ class Scheduler(Actor):
             del self._tps_window[:-64]
         new = engine.take_new_blocks()
         if new:
-            self._announce([blk for _, blk in new])
             self._unsaved.extend((rid, self._epochs.get(rid, 0), blk) for rid, blk in new)
         if self._unsaved:
             await self._persist(self._take_unsaved())
@@ -432,17 +426,6 @@ class Scheduler(Actor):
             out.append(self._unsaved.popleft())
             size += out[-1][2].nbytes
         return out
-
-    def _announce(self, blocks: list[KVBlock]) -> None:
-        """Tell the index which blocks RAM now holds (it evicts past the RAM budget)."""
-        index = self.system.find(self.index_name)
-        if not blocks or index is None:
-            return
-        try:
-            index.try_tell(BlocksStored(blocks=[
-                (b.block_hash, b.parent_hash, b.n_tokens, b.nbytes) for b in blocks]))
-        except (MailboxFull, ActorDead):
-            log.warning("cache index unreachable; %d blocks not indexed", len(blocks))
 
     async def _persist(self, new: list[tuple[str, int, KVBlock]]) -> None:
         """Snapshot new blocks to numpy here, on the MLX thread, and queue them for disk.
@@ -547,8 +530,7 @@ class Scheduler(Actor):
             "memory_limit_bytes": self.limits.limit if self.limits else 0,
             "retired": self.retired,
             "tokens_per_s": round(tps, 2),
-            "ram_blocks": len(engine.blocks),
-            "ram_block_bytes": engine.blocks.nbytes,
+            **engine.blocks.stats(),
             "write_wait_s": round(self.write_wait_s, 3),
             **self.counters,
             "requests": engine.progress(),

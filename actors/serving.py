@@ -48,8 +48,7 @@ async def start_serving(system: ActorSystem, config: ServeConfig) -> ServingHand
     if config.block_size > 0:
         directory = cache_dir(config)
         directory.mkdir(parents=True, exist_ok=True)
-        cache = {"cache_dir": str(directory), "ram_max_bytes": config.cache_ram_max,
-                 "disk_max_bytes": config.cache_disk_max}
+        cache = {"cache_dir": str(directory), "disk_max_bytes": config.cache_disk_max}
     pool = await system.spawn(
         EnginePool,
         name=POOL_NAME,
@@ -79,7 +78,6 @@ async def start_serving(system: ActorSystem, config: ServeConfig) -> ServingHand
         guard=config.prefill_guard,
         pool=POOL_NAME,
         schedulers=[n.scheduler for n in names],
-        indexes=[n.cache_index for n in names] if cache else [],
     )
     loaded = {card.id: system.find(n.scheduler) for card, n in zip(cards, names, strict=True)}
     admission = await system.spawn(

@@ -215,7 +215,7 @@ def _is_scheduler(report: dict[str, Any]) -> bool:
 
 
 def _is_cache_index(report: dict[str, Any]) -> bool:
-    return "hit_rate" in report and "ram_max_bytes" in report
+    return "disk_max_bytes" in report and "skipped" in report
 
 
 def _is_ssd_writer(report: dict[str, Any]) -> bool:
@@ -246,7 +246,10 @@ def _scheduler_progress(snaps: list[ActorSnapshot]) -> dict[str, dict[str, Any]]
 
 
 def cache_view(snaps: list[ActorSnapshot]) -> list[dict[str, Any]]:
-    """The prefix cache of each engine: blocks and bytes against quotas, hits, disk writes."""
+    """The prefix cache of each engine: blocks and bytes against quotas, hits, disk writes.
+
+    The RAM tier and the hits are the scheduler's (nothing while its model is unloaded), the
+    disk the cache index's, the writes the SSD writer's."""
     writers = {_key(name): (name, r) for name, r in _reports(snaps, _is_ssd_writer)}
     depth = {s.name: s.mailbox_depth for s in snaps}
     schedulers = {_key(name): r for name, r in _reports(snaps, _is_scheduler)}
@@ -255,19 +258,20 @@ def cache_view(snaps: list[ActorSnapshot]) -> list[dict[str, Any]]:
         key = _key(name)
         writer_name, writer = writers.get(key, (None, {}))
         scheduler = schedulers.get(key, {})
-        blocks = index.get("blocks") or {}
+        # Prompt tokens served from the cache (RAM, disk, partial hits), and prefilled.
+        hit, miss = scheduler.get("hit_tokens", 0), scheduler.get("miss_tokens", 0)
         engines.append({
             "name": name,
             "model": scheduler.get("model") or key or None,
-            "ram_blocks": blocks.get("ram", 0),
-            "disk_blocks": blocks.get("disk", 0),
-            "ram_bytes": index.get("ram_bytes", 0),
-            "ram_max_bytes": index.get("ram_max_bytes", 0),
+            "ram_blocks": scheduler.get("ram_blocks", 0),
+            "disk_blocks": index.get("blocks", 0),
+            "ram_bytes": scheduler.get("ram_block_bytes", 0),
+            "ram_max_bytes": scheduler.get("ram_max_bytes", 0),
             "disk_bytes": index.get("disk_bytes", 0),
             "disk_max_bytes": index.get("disk_max_bytes", 0),
-            "hit_rate": index.get("hit_rate", 0.0),
-            "hit_tokens": index.get("hit_tokens", 0),
-            "miss_tokens": index.get("miss_tokens", 0),
+            "hit_rate": hit / (hit + miss) if hit + miss else 0.0,
+            "hit_tokens": hit,
+            "miss_tokens": miss,
             # Queued: in the writer's own queue and still in its mailbox. Dropped: by the
             # writer, and by the scheduler when the writer's mailbox was full.
             "writes_queued": writer.get("pending", 0) + depth.get(writer_name or "", 0),

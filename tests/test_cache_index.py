@@ -1,13 +1,12 @@
-"""The cache index: its policy (``BlockTable``, no event loop) and the actor around it, with a
-fake scheduler on a real ActorSystem. Block files are made with ``actors.block_store``."""
+"""The cache index, the disk catalogue: its policy (``DiskTable``, no event loop) and the actor
+around it on a real ActorSystem. Block files are made with ``actors.block_store``."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -16,18 +15,17 @@ import numpy as np
 import pytest
 
 from actors import block_store
-from actors.cache_index import CACHE_INDEX_THREAD, BlockTable, CacheIndex
+from actors.cache_index import CACHE_INDEX_THREAD, CacheIndex, DiskTable
 from actors.cache_messages import (
     BlockData,
     BlockPersisted,
-    BlocksStored,
-    DropRamBlocks,
+    BlockWriteFailed,
     ForgetBlocks,
-    LookupPrefix,
+    LookupDisk,
     MakeRoom,
-    RamBlocksDropped,
+    OnDisk,
 )
-from runtime import Actor, ActorRef, ActorSystem, Message
+from runtime import ActorRef, ActorSystem
 
 FP = "test-model@0123abcd"
 KB = 1024
@@ -37,45 +35,40 @@ def hashes(n: int) -> list[str]:
     return [secrets.token_hex(16) for _ in range(n)]
 
 
-def table(**kwargs: Any) -> BlockTable:
-    return BlockTable(**{"ram_max_bytes": 1 << 30, "disk_max_bytes": 1 << 30, **kwargs})
+def table(**kwargs: Any) -> DiskTable:
+    return DiskTable(**{"disk_max_bytes": 1 << 30, **kwargs})
 
 
-def add_chain(t: BlockTable, chain: list[str], *, tier: str, nbytes: int = KB) -> None:
+def add_chain(t: DiskTable, chain: list[str], *, nbytes: int = KB) -> None:
     for parent, h in zip([None, *chain], chain, strict=False):
-        if tier == "ram":
-            t.store_ram([(h, parent, 16, nbytes)])
-        else:
-            t.add_disk(h, parent, 16, nbytes)
+        t.add(h, parent, 16, nbytes)
 
 
-def save(t: BlockTable, h: str, parent: str | None, nbytes: int = KB) -> bool:
+def save(t: DiskTable, h: str, parent: str | None, nbytes: int = KB) -> bool:
     """What the writer and the index do for one block: make room, then write if it fits."""
-    t.drop_disk(t.disk_victims(nbytes), evicted=True)
+    t.drop(t.victims(nbytes), evicted=True)
     if not t.has_room(nbytes):
         return False
-    t.add_disk(h, parent, 16, nbytes)
+    t.add(h, parent, 16, nbytes)
     return True
 
 
 # -- the policy -------------------------------------------------------------------------------
 
 
-def test_lookup_returns_the_longest_leading_chain_and_a_block_in_both_tiers_counts_as_ram() -> None:
+def test_lookup_counts_the_longest_leading_chain_on_disk() -> None:
     t = table()
     a, b, c, d = hashes(4)
-    t.store_ram([(a, None, 16, KB), (b, a, 16, KB)])
-    t.add_disk(b, a, 16, KB)
-    t.add_disk(c, b, 16, KB)
-    assert t.lookup([a, b, c, d]) == ["ram", "ram", "disk"]
-    assert t.lookup([d, a]) == []  # only a leading chain is usable
-    assert t.both == 1 and t.ram_only() == [a]
+    add_chain(t, [a, b, c])
+    assert t.lookup([a, b, c, d]) == 3
+    assert t.lookup([d, a]) == 0  # only a leading chain is usable
+    assert t.on_disk([d, c, a]) == [c, a]
 
 
 def test_lookup_counts_hit_and_missed_blocks_and_tokens() -> None:
     t = table()
     a, b, unknown = hashes(3)
-    add_chain(t, [a, b], tier="disk")
+    add_chain(t, [a, b])
     t.lookup([a, b, unknown])
     t.lookup([unknown])
     assert (t.hit_blocks, t.miss_blocks) == (2, 2)
@@ -89,93 +82,64 @@ def test_a_chain_that_outgrows_the_quota_keeps_its_beginning() -> None:
         save(t, h, parent)
     assert t.disk.nbytes <= 3 * KB
     # Leaves went first: the first blocks are still a usable prefix.
-    assert t.lookup(chain) == ["disk", "disk"]
+    assert t.lookup(chain) == 2
 
 
 def test_lookup_hits_become_most_recently_used() -> None:
     t = table(disk_max_bytes=4 * KB)
     first, second = hashes(2), hashes(2)
-    add_chain(t, first, tier="disk")
-    add_chain(t, second, tier="disk")
+    add_chain(t, first)
+    add_chain(t, second)
     t.lookup(first)
-    assert set(t.disk_victims(2 * KB)) == set(second)
+    assert set(t.victims(2 * KB)) == set(second)
 
 
 def test_a_block_whose_parent_is_gone_is_evicted_first() -> None:
     t = table(disk_max_bytes=4 * KB)
     a, b = hashes(2)
-    add_chain(t, [a, b], tier="disk")
+    add_chain(t, [a, b])
     other = hashes(2)
-    add_chain(t, other, tier="disk")
+    add_chain(t, other)
     t.lookup([a, b])
-    t.drop_disk([a])  # b can never be hit again
-    assert t.disk_victims(2 * KB) == [b]
+    t.drop([a])  # b can never be read after it
+    assert t.victims(2 * KB) == [b]
 
 
 def test_files_found_at_start_keep_their_lru_order_even_a_child_older_than_its_parent() -> None:
     t = table(disk_max_bytes=3 * KB)
     root, child, parent = hashes(3)
     # Oldest file first: an unrelated root, then a child whose parent's file is newer.
-    t.load_disk([(root, None, 16, KB), (child, parent, 16, KB), (parent, None, 16, KB)])
-    assert t.disk_victims(KB) == [root]
-    assert t.disk_victims(2 * KB) == [root, child]
+    t.load([(root, None, 16, KB), (child, parent, 16, KB), (parent, None, 16, KB)])
+    assert t.victims(KB) == [root]
+    assert t.victims(2 * KB) == [root, child]
 
 
-def test_ram_eviction_is_bounded_per_store_and_later_stores_converge() -> None:
-    t = table(ram_max_bytes=4 * KB, evict_burst=3)
+def test_disk_eviction_is_bounded_per_call_and_later_calls_converge() -> None:
+    t = table(disk_max_bytes=4 * KB, evict_burst=3)
     chain = hashes(10)
-    add_chain(t, chain, tier="ram")
-    victims = t.ram_victims()
+    add_chain(t, chain)
+    victims = t.victims(0)
     assert len(victims) == 3
-    t.drop_ram(victims, evicted=True)
-    t.drop_ram(t.ram_victims(), evicted=True)
-    assert t.ram.nbytes == 4 * KB and t.ram_victims() == []
-    assert t.lookup(chain) == ["ram"] * 4
-    assert t.evicted_ram == 6
-
-
-def test_ram_only_lists_the_blocks_a_spill_would_write() -> None:
-    t = table()
-    a, b, c = hashes(3)
-    add_chain(t, [a, b, c], tier="ram")
-    t.add_disk(b, a, 16, KB)
-    assert t.ram_only() == [c, a]  # least recently used first: the leaf is older
+    t.drop(victims, evicted=True)
+    t.drop(t.victims(0), evicted=True)
+    assert t.disk.nbytes == 4 * KB and t.victims(0) == []
+    assert t.lookup(chain) == 4
+    assert t.evicted == 6
 
 
 # -- the actor --------------------------------------------------------------------------------
 
 
-class FakeScheduler(Actor):
-    """Records what the index tells the scheduler; with ``gate`` it blocks on each message."""
-
-    def __init__(self, inbox: list[Any], gate: asyncio.Event | None = None) -> None:
-        self.inbox = inbox
-        self.gate = gate
-
-    async def handle(self, msg: Any) -> None:
-        if self.gate is not None:
-            await self.gate.wait()
-        self.inbox.append(msg)
-
-
-class Ping(Message):
-    pass
-
-
 @asynccontextmanager
 async def running_index(
-    cache_dir: Path, *, scheduler_mailbox: int = 64, gate: asyncio.Event | None = None,
-    **kwargs: Any,
-) -> AsyncIterator[tuple[ActorSystem, ActorRef, list[Any]]]:
-    inbox: list[Any] = []
+    cache_dir: Path, **kwargs: Any,
+) -> AsyncIterator[tuple[ActorSystem, ActorRef]]:
     async with ActorSystem() as system:
-        await system.spawn(FakeScheduler, name="scheduler", mailbox_size=scheduler_mailbox,
-                           inbox=inbox, gate=gate)
         index = await system.spawn(
             CacheIndex, name="cache_index", thread=CACHE_INDEX_THREAD, cache_dir=str(cache_dir),
-            fingerprint=FP, **{"ram_max_bytes": 1 << 30, "disk_max_bytes": 1 << 30, **kwargs},
+            fingerprint=FP, **{"disk_max_bytes": 1 << 30, **kwargs},
         )
-        yield system, index, inbox
+        yield system, index
 
 
 def report(system: ActorSystem) -> dict[str, Any]:
@@ -183,84 +147,37 @@ def report(system: ActorSystem) -> dict[str, Any]:
     return snap.report
 
 
-async def lookup(index: ActorRef, chain: list[str]) -> list[str]:
-    return (await index.ask(LookupPrefix(hashes=chain), timeout=5.0)).tiers
+async def lookup(index: ActorRef, chain: list[str]) -> int:
+    return await index.ask(LookupDisk(hashes=chain), timeout=5.0)
 
 
-async def eventually(condition: Callable[[], bool], timeout: float = 3.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.005)
-
-
-async def test_over_the_ram_budget_the_scheduler_drops_lru_blocks_and_persisted_ones_stay_on_disk(
-    tmp_path: Path,
-) -> None:
-    async with running_index(tmp_path, ram_max_bytes=3 * KB) as (system, index, inbox):
-        old, new = hashes(2), hashes(3)
-        await index.tell(BlockPersisted(block_hash=old[0], parent_hash=None, n_tokens=16,
+async def persisted(index: ActorRef, chain: list[str]) -> None:
+    for parent, h in zip([None, *chain], chain, strict=False):
+        await index.tell(BlockPersisted(block_hash=h, parent_hash=parent, n_tokens=16,
                                         nbytes=KB))
-        await index.tell(BlocksStored(blocks=[(old[0], None, 16, KB), (old[1], old[0], 16, KB)]))
-        await index.tell(BlocksStored(blocks=[
-            (h, p, 16, KB) for p, h in zip([None, *new], new, strict=False)]))
-        assert await lookup(index, new) == ["ram"] * 3
-        await eventually(lambda: len(inbox) == 1)
-        (drop,) = inbox
-        assert isinstance(drop, DropRamBlocks) and sorted(drop.hashes) == sorted(old)
-        # The persisted block is still served, from disk; the RAM-only one is gone.
-        assert await lookup(index, old) == ["disk"]
+
+
+async def test_the_index_answers_what_is_on_disk_and_counts_its_lookups(tmp_path: Path) -> None:
+    async with running_index(tmp_path) as (system, index):
+        chain, unknown = hashes(3), hashes(1)
+        await persisted(index, chain)
+        await index.tell(BlockWriteFailed(block_hash=unknown[0], error="injected"))
+        assert await lookup(index, chain + unknown) == 3
+        assert await index.ask(OnDisk(hashes=[unknown[0], chain[2], chain[0]]),
+                               timeout=5.0) == [chain[2], chain[0]]
         r = report(system)
-        assert r["blocks"] == {"ram": 3, "disk": 1, "both": 0}
-        assert (r["ram_bytes"], r["evicted"]["ram"]) == (3 * KB, 2)
+        assert (r["blocks"], r["disk_bytes"], r["write_failures"]) == (3, 3 * KB, 1)
+        assert (r["hit_tokens"], r["miss_tokens"], r["hit_rate"]) == (48, 16, 0.75)
 
 
-async def test_ram_eviction_never_waits_for_a_full_scheduler_and_is_deferred(
-    tmp_path: Path,
-) -> None:
-    gate = asyncio.Event()
-    async with running_index(tmp_path, ram_max_bytes=KB, scheduler_mailbox=1, gate=gate) as (
-        system, index, inbox,
-    ):
-        scheduler = system.get("scheduler")
-        await scheduler.tell(Ping())  # being handled: blocked on the gate
-        await scheduler.tell(Ping())  # fills the mailbox
-        chain = hashes(2)
-        try:
-            await index.tell(BlocksStored(blocks=[(chain[0], None, 16, KB),
-                                                  (chain[1], chain[0], 16, KB)]))
-            # The index answers at once, and keeps the blocks it could not have dropped.
-            tiers = await index.ask(LookupPrefix(hashes=chain), timeout=1.0)
-            assert tiers.tiers == ["ram", "ram"]
-            assert report(system)["ram_evictions_deferred"] == 1
-        finally:
-            gate.set()
-        await eventually(lambda: len(inbox) == 2)
-        await index.tell(BlocksStored(blocks=[]))
-        await eventually(lambda: len(inbox) == 3)
-        assert inbox[2] == DropRamBlocks(hashes=[chain[1]])
-        assert await lookup(index, chain) == ["ram"]
-
-
-async def test_ram_blocks_dropped_by_the_scheduler_leave_the_index(tmp_path: Path) -> None:
-    async with running_index(tmp_path) as (system, index, _):
-        chain = hashes(2)
-        await index.tell(BlocksStored(blocks=[(chain[0], None, 16, KB),
-                                              (chain[1], chain[0], 16, KB)]))
-        await index.tell(RamBlocksDropped(hashes=chain))
-        assert await lookup(index, chain) == []
-        assert report(system)["ram_bytes"] == 0
-
-
-async def test_forget_blocks_drops_disk_entries_and_keeps_ram_ones(tmp_path: Path) -> None:
-    async with running_index(tmp_path) as (system, index, _):
+async def test_forget_blocks_drops_disk_entries(tmp_path: Path) -> None:
+    async with running_index(tmp_path) as (system, index):
         a, b = hashes(2)
-        await index.tell(BlocksStored(blocks=[(a, None, 16, KB)]))
-        for h, p in ((a, None), (b, a)):
-            await index.tell(BlockPersisted(block_hash=h, parent_hash=p, n_tokens=16, nbytes=KB))
-        await index.tell(ForgetBlocks(hashes=[a, b]))
-        assert await lookup(index, [a, b]) == ["ram"]
-        assert report(system)["forgotten"] == 2
+        await persisted(index, [a, b])
+        await index.tell(ForgetBlocks(hashes=[b, secrets.token_hex(16)]))
+        assert await lookup(index, [a, b]) == 1
+        r = report(system)
+        assert (r["forgotten"], r["blocks"], r["disk_bytes"]) == (1, 1, KB)
 
 
 # -- on disk ----------------------------------------------------------------------------------
@@ -313,12 +230,12 @@ async def test_restart_rebuilds_the_index_from_the_directory_and_skips_bad_files
         m.setattr(block_store, "FORMAT_VERSION", 999)
         old_version = put_file(tmp_path, make_block(secrets.token_hex(16)))
 
-    async with running_index(tmp_path) as (system, index, _):
+    async with running_index(tmp_path) as (system, index):
         r = report(system)
         assert r["skipped"] == {"partial": 1, "corrupt": 4, "foreign": 2, "version": 1}
-        assert r["blocks"]["disk"] == 3
+        assert r["blocks"] == 3
         assert r["disk_bytes"] == sum(p.stat().st_size for p in good)
-        assert await lookup(index, chain) == ["disk"] * 3
+        assert await lookup(index, chain) == 3
     # Ours and broken: deleted. Another model's, another version's: left alone.
     assert not any(p.exists() for p in (partial, garbage, truncated, misnamed))
     assert all(p.exists() for p in (other_partial, foreign, old_version, *good))
@@ -335,7 +252,7 @@ async def test_make_room_deletes_the_oldest_files_at_most_a_burst_per_call(
         os.utime(p, (now - 100 * age, now - 100 * age))
 
     async with running_index(tmp_path, disk_max_bytes=5 * size, evict_burst=2) as (
-        system, index, _,
+        system, index,
     ):
         assert not await index.ask(MakeRoom(nbytes=4 * size), timeout=5.0)
         assert [p.exists() for p in paths] == [False, False, True, True, True]
@@ -344,4 +261,4 @@ async def test_make_room_deletes_the_oldest_files_at_most_a_burst_per_call(
         assert not await index.ask(MakeRoom(nbytes=6 * size), timeout=5.0)  # never fits
         assert paths[4].exists()
         r = report(system)
-        assert (r["evicted"]["disk"], r["disk_bytes"]) == (4, size)
+        assert (r["evicted"], r["disk_bytes"]) == (4, size)

@@ -332,19 +332,25 @@ def test_views_read_the_serving_actors_reports(pinned: bool) -> None:
     snaps = [
         _snap("engine_pool", {"models": ["m"], "loaded": ["m"], "pinned": ["m"] if pinned else [],
                               "loaded_weights_bytes": 1000, "models_memory_bytes": 0}),
-        _snap("cache_index", {"blocks": {"ram": 4, "disk": 2, "both": 2}, "ram_bytes": 10,
-                              "ram_max_bytes": 100, "disk_bytes": 5, "disk_max_bytes": 50,
-                              "hit_rate": 0.5, "hit_tokens": 64, "miss_tokens": 64}),
-        _snap("ssd_writer", {"persisted": 2, "pending": 1, "dropped": 3}, mailbox_depth=2),
+        _snap("cache_index", {"blocks": 2, "disk_bytes": 5, "disk_max_bytes": 50,
+                              "hit_rate": 1.0, "hit_tokens": 32, "miss_tokens": 0,
+                              "skipped": {}}),
+        _snap("ssd_writer", {"persisted": 2, "pending": 1, "dropped": 3, "disk_max_bytes": 50},
+              mailbox_depth=2),
         _snap("scheduler", {"model": "m", "loaded": True, "steps": 5, "running": 1,
                             "waiting": 0, "batch_size": 1, "blocks_dropped": 1,
-                            "tokens_per_s": 12.5}),
+                            "tokens_per_s": 12.5, "ram_blocks": 4, "ram_block_bytes": 10,
+                            "ram_max_bytes": 100, "hit_tokens": 64, "miss_tokens": 64}),
         _snap("memory_monitor", {"limit_bytes": 100, "usage_bytes": 40, "pressure": "soft"}),
     ]
     from api.dashboard import cache_view, memory_view, models_view
 
     (cache,) = cache_view(snaps)
-    assert (cache["ram_blocks"], cache["disk_blocks"], cache["hit_rate"]) == (4, 2, 0.5)
+    # RAM and the hits from the scheduler (every prompt token served from cache), the disk
+    # from the index.
+    assert (cache["ram_blocks"], cache["ram_bytes"], cache["ram_max_bytes"]) == (4, 10, 100)
+    assert (cache["disk_blocks"], cache["disk_bytes"], cache["disk_max_bytes"]) == (2, 5, 50)
+    assert (cache["hit_rate"], cache["hit_tokens"], cache["miss_tokens"]) == (0.5, 64, 64)
     assert (cache["writes_queued"], cache["writes_dropped"], cache["model"]) == (3, 4, "m")
     assert memory_view(snaps) == {"usage_bytes": 40, "limit_bytes": 100, "high_water_bytes": 0,
                                   "rss_bytes": None, "pressure": "soft", "limit_source": None}

@@ -353,7 +353,11 @@ async def test_hard_pressure_pauses_new_work_with_503_and_retry_after(aiohttp_cl
     client, system, handles = await serve(aiohttp_client, str(tiny_model_dir))
     model = handles.models[0].id
     usage = report(system, "memory_monitor")["usage_bytes"]
-    await set_limit(handles, int(usage / 0.97))
+    # Usage at 120% of the limit: hard pressure (from 95%) even if usage moves by a few
+    # percent before the monitor reads it again as the limit is set. At 97% of the last poll's
+    # ~1 MB, a move of 20 KB (MLX memory of earlier work freed meanwhile) read as soft: this
+    # assertion failed once in a run beside other tests, never alone.
+    await set_limit(handles, int(usage / 1.2))
     assert report(system, "memory_monitor")["pressure"] == "hard"
     resp = await client.post("/v1/completions", json={"model": model, "prompt": "Paris",
                                                       "max_tokens": 2})
@@ -388,24 +392,22 @@ async def test_soft_pressure_spills_ram_blocks_already_on_disk(aiohttp_client, t
                                                       "max_tokens": 2})
     assert resp.status == 200
     deadline = time.monotonic() + 10
-    while report(system, "cache_index")["blocks"]["both"] < 12:  # written to disk
+    while report(system, "cache_index")["blocks"] < 12:  # written to disk
         assert time.monotonic() < deadline, report(system, "cache_index")
         await asyncio.sleep(0.02)
     ram_blocks = report(system, "scheduler")["ram_blocks"]
+    assert ram_blocks == 13  # the 12 blocks, and the tail: RAM only
     usage = report(system, "memory_monitor")["usage_bytes"]
     assert usage >= BALLAST_BYTES
     await set_limit(handles, int(usage / 0.9))  # soft: between 85% and 95%
     # The poll of the new limit saw soft pressure: the spill below is the soft one.
     assert report(system, "memory_monitor")["pressure"] == "soft", report(system,
                                                                           "memory_monitor")
-    while report(system, "cache_index")["blocks"]["both"] > 0:
-        assert time.monotonic() < deadline, report(system, "cache_index")
-        await asyncio.sleep(0.02)
-    index = report(system, "cache_index")
-    assert index["spilled"] >= 12 and index["blocks"]["disk"] >= 12  # still on disk
     while report(system, "scheduler")["ram_blocks"] > ram_blocks - 12:  # the RAM is freed
         assert time.monotonic() < deadline, report(system, "scheduler")
         await asyncio.sleep(0.02)
+    assert report(system, "scheduler")["ram_spilled"] >= 12
+    assert report(system, "cache_index")["blocks"] >= 12  # still on disk
     # What was spilled comes back from disk: the same prompt hits the cache.
     await set_limit(handles, usage + 100 * MB)
     resp = await client.post("/v1/completions", json={"model": model, "prompt": prompt_of(tok, 200),

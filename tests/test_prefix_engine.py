@@ -307,25 +307,19 @@ def test_tails_are_ram_only_and_named_by_what_precedes_them(tiny_model_dir):
     assert tail.layers[0][0].shape[2] == tail.n_tokens
 
 
-def test_ram_tier_tracks_children_and_prefers_the_longest_run():
-    from actors.engine.kv_blocks import KVBlock, RamTier
-
-    def blk(h, parent, tokens):
-        return KVBlock(block_hash=h, parent_hash=parent, n_tokens=len(tokens), layers=[],
-                       tokens=tuple(tokens))
-
-    tier = RamTier()
-    tier["a"] = blk("a", None, [1, 2, 3, 4])
-    tier["b"] = blk("b", None, [1, 2, 9, 9])
-    tier["c"] = blk("c", "a", [5, 6])
-    assert tier.best_partial(None, [1, 2, 3, 7]) == (tier["a"], 3)
-    assert tier.best_partial(None, [1, 2, 9]) == (tier["b"], 3)
-    assert tier.best_partial(None, [8]) == (None, 0)
-    assert tier.best_partial("a", [5, 0]) == (tier["c"], 1)
-    assert tier.best_partial(None, []) == (None, 0)
-    tier.pop("a")
-    assert tier.best_partial(None, [1, 2, 3, 7]) == (tier["b"], 2)
-    assert "a" not in tier and len(tier) == 2
-    tier.pop("b")
-    assert tier.best_partial(None, [1, 2]) == (None, 0)
-    assert tier._children == {"a": {"c": tier["c"]}}
+def test_the_ram_budget_keeps_a_prompts_beginning_and_every_new_block_still_goes_to_disk(
+        tiny_model_dir):
+    """Blocks are evicted from RAM as they are stored, leaves first, so the RAM tier stays
+    within ``cache_ram_max``; the blocks evicted at once are still handed out for the disk."""
+    probe = make_engine(tiny_model_dir)
+    prompt = probe.tokenizer.encode(LONG)
+    run(probe, "a", prompt)
+    per_block = cached_for(probe, prompt)[0].nbytes
+    engine = make_engine(tiny_model_dir, cache_ram_max=3 * per_block)
+    run(engine, "a", prompt)
+    assert engine.blocks.nbytes <= 3 * per_block
+    assert engine.blocks.evicted > 0
+    assert len(cached_for(engine, prompt)) == 3  # the first blocks stayed
+    new = [blk for _, blk in engine.take_new_blocks()]
+    assert [b.block_hash for b in new if not b.tail][: usable_blocks(len(prompt), BLOCK)] == \
+        engine.prompt_hashes(prompt)

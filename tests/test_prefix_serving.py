@@ -125,7 +125,7 @@ async def test_a_block_corrupted_on_disk_between_runs_is_dropped_and_the_answer_
     assert bad.stat().st_size == size
 
     client, system, model = await serve(aiohttp_client, tiny_model_dir, cache_dir)
-    assert report(system, "cache_index")["blocks"]["disk"] == len(chain)  # headers look fine
+    assert report(system, "cache_index")["blocks"] == len(chain)  # headers look fine
     warm_text, warm = await complete(client, model, LONG)
     assert warm_text == cold_text
     # The two blocks before it came from disk; the rest of the prompt was prefilled again.
@@ -153,11 +153,12 @@ async def test_ram_eviction_spills_to_disk_while_only_the_mlx_thread_touches_mlx
                                         cache_ram_max=20_000)
     cold_text, cold = await complete(client, model, LONG)
     await wait_persisted(system, cold["prompt_tokens"] // BLOCK)
-    index = report(system, "cache_index")
-    assert index["evicted"]["ram"] > 0, index
+    sched = report(system, "scheduler")
+    assert sched["ram_evicted"] > 0 and sched["ram_block_bytes"] <= 20_000, sched
     warm_text, warm = await complete(client, model, LONG)
     assert warm["prompt_tokens_details"]["cached_tokens"] > 0
     assert warm_text == cold_text
+    assert report(system, "scheduler")["disk_loads"] == 1  # what RAM let go came from disk
     writer = report(system, "ssd_writer")
     assert writer["failed"] == 0
     for snap in system.snapshot():
@@ -231,3 +232,50 @@ def test_while_streams_decode_new_blocks_go_to_disk_a_few_megabytes_a_step():
     sched._unsaved = deque([("r", 1, big), ("r", 1, block)])
     assert big.nbytes > PERSIST_BYTES_PER_STEP
     assert len(sched._take_unsaved()) == 1  # never stuck behind a big block
+
+
+async def test_a_prompt_whose_blocks_are_all_in_ram_asks_the_cache_index_nothing(
+        tiny_model_dir):
+    """The RAM tier is the engine's own table: a lookup there is a plain call, and the index
+    (the disk catalogue) is asked only for what RAM does not hold."""
+    from actors.cache_messages import LookupDisk
+    from actors.engine.config import EngineConfig
+    from actors.messages import AddRequest, DescribeEngine, RequestFinished, SamplingParams
+    from actors.scheduler import MLX_THREAD, Scheduler
+    from runtime import Actor
+
+    asked: list = []
+
+    class EmptyDisk(Actor):
+        """An index with nothing on disk that records what it is sent."""
+
+        async def handle(self, msg):
+            asked.append(msg)
+            return 0 if isinstance(msg, LookupDisk) else None
+
+    async with ActorSystem() as system:
+        await system.spawn(EmptyDisk, name="cache_index")
+        scheduler = await system.spawn(Scheduler, name="scheduler", thread=MLX_THREAD,
+                                       model=str(tiny_model_dir), config=EngineConfig(
+                                           block_size=BLOCK, arrival_window_ms=0.0))
+        await scheduler.ask(DescribeEngine())
+        from mlx_lm.utils import load_tokenizer
+
+        prompt = load_tokenizer(tiny_model_dir).encode(LONG)
+
+        async def run(rid: str) -> RequestFinished:
+            events = await scheduler.stream(AddRequest(
+                request_id=rid, prompt_tokens=prompt,
+                sampling=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)))
+            return [ev async for ev in events if isinstance(ev, RequestFinished)][0]
+
+        cold = await run("cold")
+        assert cold.usage.cached_tokens == 0
+        (lookup,) = asked  # nothing in RAM: the index is asked for the disk part
+        assert isinstance(lookup, LookupDisk) and len(lookup.hashes) >= 3
+        asked.clear()
+        warm = await run("warm")
+        assert warm.usage.cached_tokens == len(prompt) - 1
+        assert asked == []
+        rep = report(system, "scheduler")
+        assert rep["ram_hit_tokens"] == len(lookup.hashes) * BLOCK, rep

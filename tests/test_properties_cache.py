@@ -6,14 +6,16 @@ the RAM and disk quotas are never exceeded; nothing evicted, deleted or corrupt 
 
 Three layers, each driven without a model:
 
-- ``BlockTable`` (actors/cache_index.py), the policy: which blocks are in RAM and on disk,
-  within two byte budgets. Pure code against a set-and-dict model, many steps.
-- ``RamTier`` (actors/engine/kv_blocks.py), the scheduler's RAM blocks and partial hits.
-- The cache index and SSD writer actors on a real ``ActorSystem`` with a fake scheduler and
-  a real directory: blocks written and read back through ``actors.block_store``'s files,
-  files corrupted, truncated and deleted underfoot, the whole stack restarted on the
-  directory. The model here is what the directory holds, judged by ``block_store``'s own
-  public functions: a file is intact when ``decode_block`` reads back the block stored.
+- ``PrefixCache`` (actors/engine/prefix_cache.py), the engine's RAM blocks: the LRU within a
+  byte budget, lookups and partial hits, spills. Pure code against a dict, many steps.
+- ``DiskTable`` (actors/cache_index.py), the disk catalogue's policy: which blocks have files,
+  within a byte quota. Pure code against a set, many steps.
+- The cache index and SSD writer actors on a real ``ActorSystem``, with a ``PrefixCache`` and a
+  fake scheduler in the scheduler's place and a real directory: blocks written and read back
+  through ``actors.block_store``'s files, files corrupted, truncated and deleted underfoot, the
+  whole stack restarted on the directory. The model here is what the directory holds, judged
+  by ``block_store``'s own public functions: a file is intact when ``decode_block`` reads back
+  the block stored.
 """
 
 from __future__ import annotations
@@ -33,20 +35,18 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from actors import block_store
-from actors.cache_index import CACHE_INDEX_THREAD, BlockTable, CacheIndex
+from actors.cache_index import CACHE_INDEX_THREAD, CacheIndex, DiskTable
 from actors.cache_messages import (
     BlockData,
     BlocksRead,
-    BlocksStored,
-    DropRamBlocks,
     FlushWrites,
-    LookupPrefix,
-    RamBlocksDropped,
+    LookupDisk,
+    OnDisk,
     ReadBlocks,
-    SpillRam,
     WriteBlock,
 )
-from actors.engine.kv_blocks import KVBlock, RamTier
+from actors.engine.kv_blocks import KVBlock
+from actors.engine.prefix_cache import PrefixCache
 from actors.ssd_writer import SSD_THREAD, SsdWriter
 from runtime import Actor, ActorSystem, Message
 
@@ -77,166 +77,86 @@ lookups = st.tuples(nodes, st.booleans()).map(
     lambda t: chain(t[0]) + (["never-stored"] if t[1] else []))
 
 
-# --- BlockTable: the policy -------------------------------------------------------------------
-
 # Bytes per block (a fixed size per hash, as a real block has), and budgets a few blocks wide.
 SIZES = {h: 1000 * (1 + i % 3) for i, h in enumerate(HASHES)}
 SIZES["r2"] = 12_000  # larger than either budget: never kept
 RAM_MAX, DISK_MAX = 6_000, 9_000
+# A burst wider than the universe: every eviction finishes in one call, so the budgets hold
+# after every step (bounded bursts are pinned in test_prefix_cache.py and test_cache_index.py).
+BURST = 64
 
 
-class BlockTableMachine(RuleBasedStateMachine):
-    """``BlockTable`` driven as the index drives it, against two sets: in RAM, on disk."""
+# --- PrefixCache: the engine's RAM blocks -----------------------------------------------------
+
+
+def ram_block(h: str, tokens: tuple[int, ...] = ()) -> KVBlock:
+    # One layer of SIZES[h] bytes (numpy stands in for MLX: only ``nbytes`` is read).
+    return KVBlock(block_hash=h, parent_hash=UNIVERSE[h], n_tokens=16,
+                   layers=[(np.zeros(SIZES[h], np.uint8),)], tokens=tokens or None)
+
+
+class PrefixCacheMachine(RuleBasedStateMachine):
+    """``PrefixCache`` against a dict of the blocks it holds: a hit is the very block stored;
+    evictions happen only over the budget, leaves first; spills free blocks on disk first;
+    partial hits are the longest shared run of tokens after the same parent, ties to the
+    newest."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.table = self._table()
-        self.ram: set[str] = set()
-        self.disk: set[str] = set()
+        self.cache = PrefixCache(RAM_MAX, block_size=16, evict_burst=BURST)
+        self.model: dict[str, KVBlock] = {}  # insertion order: newest last
 
-    @staticmethod
-    def _table() -> BlockTable:
-        # A burst wider than the universe: every eviction finishes in one call, so the
-        # budgets hold after every step (bounded bursts are pinned in test_cache_index.py).
-        return BlockTable(ram_max_bytes=RAM_MAX, disk_max_bytes=DISK_MAX, evict_burst=64)
-
-    @staticmethod
-    def _entry(h: str) -> tuple[str, str | None, int, int]:
-        return (h, UNIVERSE[h], 16, SIZES[h])
-
-    @rule(h=nodes)
-    def store(self, h: str) -> None:
-        """The scheduler stores a chain in RAM (``BlocksStored``); the index evicts LRU."""
-        self.table.store_ram([self._entry(b) for b in chain(h)])
-        self.ram |= set(chain(h))
-        victims = self.table.ram_victims()
-        assert set(victims) <= self.ram
-        self.table.drop_ram(victims, evicted=True)
-        self.ram -= set(victims)
-
-    @rule(h=nodes)
-    def save(self, h: str) -> None:
-        """The writer persists one block: a file already there is kept (deduplicated), else
-        the index makes room (``MakeRoom``) and the file is written if it fits."""
-        if h in self.disk:
-            self.table.add_disk(*self._entry(h))
-            return
-        victims = self.table.disk_victims(SIZES[h])
-        assert set(victims) <= self.disk
-        self.table.drop_disk(victims, evicted=True)
-        self.disk -= set(victims)
-        if self.table.has_room(SIZES[h]):
-            self.table.add_disk(*self._entry(h))
-            self.disk.add(h)
-        else:
-            # Only a block larger than the whole quota never fits.
-            assert SIZES[h] > DISK_MAX
+    @rule(h=nodes, tokens=st.lists(st.integers(0, 2), max_size=4))
+    def store(self, h: str, tokens: list[int]) -> None:
+        """The engine cuts a block (or promotes one read from disk); over the budget the least
+        recently used go, and only then."""
+        block = ram_block(h, tuple(tokens))
+        held = dict(self.model)
+        assert self.cache.store(block) == (h not in held)
+        if h not in held and SIZES[h] <= RAM_MAX:
+            held[h] = block
+        evicted = set(held) - set(self.cache)
+        assert set(self.cache) <= set(held)
+        if evicted:
+            assert sum(SIZES[x] for x in held) > RAM_MAX
+        # Leaves went first: no block kept lost its parent to this eviction.
+        assert not [x for x in self.cache if UNIVERSE[x] in evicted]
+        self.model = {x: b for x, b in held.items() if x not in evicted}
 
     @rule(hashes=lookups)
     def lookup(self, hashes: list[str]) -> None:
-        """A hit is the longest leading chain present, RAM first: nothing dropped shows."""
+        """The longest leading chain held, the very blocks stored: nothing evicted shows."""
         expected = []
         for h in hashes:
-            if h in self.ram:
-                expected.append("ram")
-            elif h in self.disk:
-                expected.append("disk")
-            else:
+            if h not in self.model:
                 break
-        assert self.table.lookup(hashes) == expected
+            expected.append(self.model[h])
+        got = self.cache.lookup(hashes)
+        assert len(got) == len(expected) and all(
+            g is e for g, e in zip(got, expected, strict=True))
 
-    @rule(unpersisted=st.booleans())
-    def spill(self, unpersisted: bool) -> None:
+    @rule(on_disk=st.sets(nodes), unpersisted=st.booleans())
+    def spill(self, on_disk: set[str], unpersisted: bool) -> None:
         """Memory pressure: RAM copies of blocks on disk go first; the others only when
         ``unpersisted``."""
-        victims = self.table.spill_victims(unpersisted=unpersisted)
-        assert set(victims) <= self.ram and len(victims) <= self.table.evict_burst
-        persisted = [v in self.disk for v in victims]
+        victims = self.cache.spill_victims(on_disk, unpersisted=unpersisted)
+        assert set(victims) <= set(self.model) and len(victims) <= BURST
+        assert len(set(victims)) == len(victims)
+        persisted = [v in on_disk for v in victims]
         assert persisted == sorted(persisted, reverse=True)  # the persisted ones first
         if not unpersisted:
             assert all(persisted)
-        self.table.drop_ram(victims, evicted=True)
-        self.ram -= set(victims)
-
-    @rule(data=st.data())
-    def scheduler_drops(self, data: st.DataObject) -> None:
-        """``RamBlocksDropped``: the scheduler freed some RAM blocks (a restart, say)."""
-        dropped = data.draw(st.lists(nodes, max_size=3))
-        self.table.drop_ram(dropped)
-        self.ram -= set(dropped)
-
-    @rule(data=st.data())
-    def forget(self, data: st.DataObject) -> None:
-        """``ForgetBlocks``: the writer found these files gone or corrupt."""
-        forgotten = data.draw(st.lists(nodes, max_size=3))
-        self.table.drop_disk(forgotten)
-        self.disk -= set(forgotten)
-
-    @rule()
-    def restart(self) -> None:
-        """A new index rebuilt from the files found at start; RAM is empty."""
-        self.table = self._table()
-        self.table.load_disk([self._entry(h) for h in sorted(self.disk)])
-        self.ram = set()
-
-    @invariant()
-    def the_table_is_the_model(self) -> None:
-        t = self.table
-        assert set(t.ram) == self.ram and set(t.disk) == self.disk
-        assert t.ram.nbytes == sum(SIZES[h] for h in self.ram) <= RAM_MAX
-        assert t.disk.nbytes == sum(SIZES[h] for h in self.disk) <= DISK_MAX
-        assert t.both == len(self.ram & self.disk)
-        assert set(t.ram_only()) == self.ram - self.disk
-        # Metadata is kept exactly for the blocks of some tier, children included.
-        assert set(t.meta) == self.ram | self.disk
-        for parent, children in t.children.items():
-            assert children and all(t.meta[c].parent == parent for c in children)
-
-
-BlockTableMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=40, derandomize=True, database=None,
-    deadline=None, suppress_health_check=[HealthCheck.too_slow],
-)
-
-
-def test_the_block_table_keeps_its_budgets_and_serves_only_what_it_holds() -> None:
-    BlockTableMachine.TestCase().runTest()
-
-
-# --- RamTier: the scheduler's RAM blocks -----------------------------------------------------
-
-
-class RamTierMachine(RuleBasedStateMachine):
-    """``RamTier`` against a dict: a hit is the very block stored; partial hits are the
-    longest shared run of tokens after the same parent, ties to the newest."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.tier = RamTier()
-        self.model: dict[str, KVBlock] = {}  # insertion order: newest last
-
-    @rule(h=nodes, tokens=st.lists(st.integers(0, 2), max_size=4), size=st.integers(0, 64))
-    def put(self, h: str, tokens: list[int], size: int) -> None:
-        # A layer of ``size`` bytes (numpy stands in for MLX: only ``nbytes`` is read).
-        block = KVBlock(block_hash=h, parent_hash=UNIVERSE[h], n_tokens=len(tokens),
-                        layers=[(np.zeros(size, np.uint8),)], tokens=tuple(tokens))
-        self.tier[h] = block
-        self.model.pop(h, None)
-        self.model[h] = block
-
-    @rule(h=nodes)
-    def pop(self, h: str) -> None:
-        assert self.tier.pop(h) is self.model.pop(h, None)
-
-    @rule(h=nodes)
-    def get(self, h: str) -> None:
-        assert self.tier.get(h) is self.model.get(h)
-        assert (h in self.tier) == (h in self.model)
+            assert set(victims) == set(self.model) & on_disk
+        else:
+            assert set(victims) == set(self.model)
+        assert self.cache.spill(victims) == len(victims)
+        for v in victims:
+            del self.model[v]
 
     @rule(parent=st.sampled_from([None, *HASHES]), tokens=st.lists(st.integers(0, 2),
                                                                      max_size=4))
     def best_partial(self, parent: str | None, tokens: list[int]) -> None:
-        best, n = self.tier.best_partial(parent, tokens)
+        best, n = self.cache.best_partial(parent, tokens)
         candidates = [
             b for b in self.model.values()
             if b.parent_hash == parent and tokens and b.tokens and b.tokens[0] == tokens[0]
@@ -255,21 +175,116 @@ class RamTierMachine(RuleBasedStateMachine):
         assert (best, n) == (newest, longest)
 
     @invariant()
-    def the_tier_is_the_model(self) -> None:
-        assert len(self.tier) == len(self.model)
-        assert set(self.tier) == set(self.model)
-        assert all(self.tier[h] is b for h, b in self.model.items())
-        assert self.tier.nbytes == sum(b.nbytes for b in self.model.values())
+    def the_cache_is_the_model(self) -> None:
+        cache = self.cache
+        assert len(cache) == len(self.model) and set(cache) == set(self.model)
+        assert all(cache[h] is b for h, b in self.model.items())
+        assert cache.nbytes == sum(SIZES[h] for h in self.model) <= RAM_MAX
+        stats = cache.stats()
+        assert (stats["ram_blocks"], stats["ram_block_bytes"]) == (len(cache), cache.nbytes)
+
+    @invariant()
+    def every_block_is_older_than_its_parent(self) -> None:
+        """What makes eviction take leaves first: a block is worth nothing without its
+        ancestors."""
+        order = {h: i for i, h in enumerate(self.cache)}
+        for h, i in order.items():
+            parent = UNIVERSE[h]
+            if parent in order:
+                assert i < order[parent], (h, list(self.cache))
 
 
-RamTierMachine.TestCase.settings = settings(
-    max_examples=100, stateful_step_count=40, derandomize=True, database=None,
+PrefixCacheMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, derandomize=True, database=None,
     deadline=None, suppress_health_check=[HealthCheck.too_slow],
 )
 
 
-def test_the_ram_tier_returns_exactly_what_was_stored() -> None:
-    RamTierMachine.TestCase().runTest()
+def test_the_ram_blocks_keep_their_budget_and_serve_exactly_what_was_stored() -> None:
+    PrefixCacheMachine.TestCase().runTest()
+
+
+# --- DiskTable: the disk catalogue's policy ---------------------------------------------------
+
+
+class DiskTableMachine(RuleBasedStateMachine):
+    """``DiskTable`` driven as the index drives it, against the set of blocks on disk."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = self._table()
+        self.disk: set[str] = set()
+
+    @staticmethod
+    def _table() -> DiskTable:
+        return DiskTable(disk_max_bytes=DISK_MAX, evict_burst=BURST)
+
+    @staticmethod
+    def _entry(h: str) -> tuple[str, str | None, int, int]:
+        return (h, UNIVERSE[h], 16, SIZES[h])
+
+    @rule(h=nodes)
+    def save(self, h: str) -> None:
+        """The writer persists one block: a file already there is kept (deduplicated), else
+        the index makes room (``MakeRoom``) and the file is written if it fits."""
+        if h in self.disk:
+            self.table.add(*self._entry(h))
+            return
+        victims = self.table.victims(SIZES[h])
+        assert set(victims) <= self.disk
+        self.table.drop(victims, evicted=True)
+        self.disk -= set(victims)
+        if self.table.has_room(SIZES[h]):
+            self.table.add(*self._entry(h))
+            self.disk.add(h)
+        else:
+            # Only a block larger than the whole quota never fits.
+            assert SIZES[h] > DISK_MAX
+
+    @rule(hashes=lookups)
+    def lookup(self, hashes: list[str]) -> None:
+        """A hit is the longest leading chain on disk: nothing dropped shows."""
+        expected = 0
+        while expected < len(hashes) and hashes[expected] in self.disk:
+            expected += 1
+        assert self.table.lookup(hashes) == expected
+
+    @rule(hashes=st.lists(nodes, max_size=5))
+    def on_disk(self, hashes: list[str]) -> None:
+        assert self.table.on_disk(hashes) == [h for h in hashes if h in self.disk]
+
+    @rule(data=st.data())
+    def forget(self, data: st.DataObject) -> None:
+        """``ForgetBlocks``: the writer found these files gone or corrupt."""
+        forgotten = data.draw(st.lists(nodes, max_size=3))
+        self.table.drop(forgotten)
+        self.disk -= set(forgotten)
+
+    @rule()
+    def restart(self) -> None:
+        """A new index rebuilt from the files found at start."""
+        self.table = self._table()
+        self.table.load([self._entry(h) for h in sorted(self.disk)])
+
+    @invariant()
+    def the_table_is_the_model(self) -> None:
+        t = self.table
+        assert set(t.disk) == self.disk
+        assert t.disk.nbytes == sum(SIZES[h] for h in self.disk) <= DISK_MAX
+        # Metadata is kept exactly for the blocks on disk, children included.
+        assert set(t.meta) == self.disk
+        for parent, children in t.children.items():
+            assert children and all(t.meta[c].parent == parent for c in children)
+
+
+DiskTableMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, derandomize=True, database=None,
+    deadline=None, suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+def test_the_disk_table_keeps_its_quota_and_serves_only_what_it_holds() -> None:
+    DiskTableMachine.TestCase().runTest()
 
 
 # --- the index and the writer, on disk ---------------------------------------------------------
@@ -291,9 +306,16 @@ def make_block(h: str) -> BlockData:
 
 BLOCKS = {h: make_block(h) for h in HASHES}
 FILE_SIZES = {h: len(block_store.encode_block(b, FP)) for h, b in BLOCKS.items()}
-# About four files: every few writes evict. RAM: about three blocks of the scheduler's bytes.
+# About four files: every few writes evict. RAM: two to four blocks of the engine's bytes.
 STACK_DISK_MAX = 4 * max(FILE_SIZES.values())
-STACK_RAM_MAX = 3 * max(b.nbytes for b in BLOCKS.values())
+STACK_RAM_MAX = 2 * max(b.nbytes for b in BLOCKS.values())
+
+
+def in_ram(data: BlockData) -> KVBlock:
+    """A block as the engine holds it (numpy for MLX, as ``from_numpy`` would make it)."""
+    return KVBlock(block_hash=data.block_hash, parent_hash=data.parent_hash,
+                   n_tokens=data.n_tokens, layers=[tuple(data.tensors[k] for k in
+                                                         sorted(data.tensors))])
 
 
 class Ping(Message):
@@ -311,6 +333,15 @@ class FakeScheduler(Actor):
             self.inbox.append(msg)
 
 
+def same_in_ram(got: KVBlock, want: BlockData) -> bool:
+    """Bit for bit, a RAM block against the block stored."""
+    arrays = [want.tensors[k] for k in sorted(want.tensors)]
+    return (got.block_hash, got.parent_hash, got.n_tokens) == (
+        want.block_hash, want.parent_hash, want.n_tokens) and len(got.layers) == 1 and all(
+        g.dtype == w.dtype and g.tobytes() == w.tobytes()
+        for g, w in zip(got.layers[0], arrays, strict=True))
+
+
 def same_block(got: BlockData, want: BlockData) -> bool:
     """Bit for bit: NaN payloads and signed zeros too."""
     return (
@@ -323,7 +354,9 @@ def same_block(got: BlockData, want: BlockData) -> bool:
 
 
 class CacheStackMachine(RuleBasedStateMachine):
-    """The cache index and the SSD writer with a fake scheduler, on a real directory."""
+    """The cache index and the SSD writer on a real directory, with the engine's RAM blocks
+    (a ``PrefixCache``) and a fake scheduler actor (it receives the blocks read) in the
+    scheduler's place: lookups and spills go as the scheduler makes them."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -331,9 +364,8 @@ class CacheStackMachine(RuleBasedStateMachine):
         self.loop = asyncio.new_event_loop()
         self.inbox: list[Any] = []
         self.requests = itertools.count()
-        # The model: what the fake scheduler holds in RAM, and the files deleted behind the
-        # index's back (it may still list them until a read or a restart tells it).
-        self.ram: set[str] = set()
+        # The files deleted behind the index's back (it may still list them until a read or a
+        # restart tells it).
         self.deleted: set[str] = set()
         # Files changed behind its back (while they last): the next reads go for them.
         self.tampered: set[str] = set()
@@ -345,6 +377,7 @@ class CacheStackMachine(RuleBasedStateMachine):
         return self.loop.run_until_complete(asyncio.wait_for(coro, TIMEOUT_S))
 
     def _start(self) -> None:
+        self.ram = PrefixCache(STACK_RAM_MAX, evict_burst=64)  # RAM starts empty
         self.system = ActorSystem()
         self._run(self._spawn())
 
@@ -354,8 +387,7 @@ class CacheStackMachine(RuleBasedStateMachine):
                                                  inbox=self.inbox)
         self.index = await self.system.spawn(
             CacheIndex, name="cache_index", thread=CACHE_INDEX_THREAD, cache_dir=str(self.dir),
-            fingerprint=FP, ram_max_bytes=STACK_RAM_MAX, disk_max_bytes=STACK_DISK_MAX,
-            evict_burst=64,
+            fingerprint=FP, disk_max_bytes=STACK_DISK_MAX, evict_burst=64,
         )
         self.writer = await self.system.spawn(
             SsdWriter, name="ssd_writer", thread=SSD_THREAD, cache_dir=str(self.dir),
@@ -366,18 +398,13 @@ class CacheStackMachine(RuleBasedStateMachine):
         """Everything sent so far has been handled: writer, then index, then scheduler (each
         tells only the next, and mailboxes are FIFO)."""
         await self.writer.ask(FlushWrites(deadline_s=TIMEOUT_S), timeout=TIMEOUT_S)
-        await self.index.ask(LookupPrefix(hashes=[]), timeout=TIMEOUT_S)
+        await self.index.ask(LookupDisk(hashes=[]), timeout=TIMEOUT_S)
         await self.scheduler.ask(Ping(), timeout=TIMEOUT_S)
 
     def _sync(self) -> list[Any]:
-        """Wait for the barrier; what the scheduler was sent since the last call. RAM blocks
-        the index told it to drop leave the model's RAM."""
+        """Wait for the barrier; what the scheduler was sent since the last call."""
         self._run(self._barrier())
         sent, self.inbox[:] = list(self.inbox), []
-        for msg in sent:
-            if isinstance(msg, DropRamBlocks):
-                assert set(msg.hashes) <= self.ram, msg
-                self.ram -= set(msg.hashes)
         return sent
 
     def _report(self) -> dict[str, Any]:
@@ -404,13 +431,12 @@ class CacheStackMachine(RuleBasedStateMachine):
 
     @rule(h=nodes, where=st.sampled_from(["both", "both", "disk", "ram"]))
     def store(self, h: str, where: str) -> None:
-        """The scheduler stores a chain: it holds the blocks in RAM (``BlocksStored``; over
-        the budget the index drops LRU ones) and has them written (``WriteBlock``; the writer
+        """The engine cuts a chain: it holds the blocks in RAM (over the budget the least
+        recently used go) and the scheduler has them written (``WriteBlock``; the writer
         makes room with the index), as serving does, or only one of the two."""
         if where in ("both", "ram"):
-            blocks = [(b, UNIVERSE[b], BLOCKS[b].n_tokens, BLOCKS[b].nbytes) for b in chain(h)]
-            self.ram |= set(chain(h))
-            self._run(self.index.tell(BlocksStored(blocks=blocks)))
+            for b in chain(h):
+                self.ram.store(in_ram(BLOCKS[b]))
         if where in ("both", "disk"):
             request = f"w{next(self.requests)}"
             for b in chain(h):
@@ -421,16 +447,21 @@ class CacheStackMachine(RuleBasedStateMachine):
 
     @rule(hashes=lookups)
     def lookup(self, hashes: list[str]) -> None:
-        tiers = self._run(self.index.ask(LookupPrefix(hashes=hashes), timeout=TIMEOUT_S)).tiers
+        """As the scheduler looks a prompt up: the chain in RAM (the very blocks stored), then
+        the index for the rest, each a file (or one deleted behind its back)."""
+        ram = self.ram.lookup(hashes)
+        assert all(same_in_ram(b, BLOCKS[b.block_hash]) for b in ram)
+        rest = hashes[len(ram):]
+        n = self._run(self.index.ask(LookupDisk(hashes=rest), timeout=TIMEOUT_S))
         files = self._files()
-        for h, tier in zip(hashes, tiers, strict=False):
-            # RAM: what the scheduler holds. Disk: a file, or one deleted behind its back.
-            assert tier == ("ram" if h in self.ram else "disk"), (h, tier)
-            if tier == "disk":
-                assert h in files or h in self.deleted, (h, "listed, but no file")
-        if len(tiers) < len(hashes):
-            stop = hashes[len(tiers)]
-            assert stop not in self.ram and stop not in files, (stop, "held, but not served")
+        for h in rest[:n]:
+            assert h in files or h in self.deleted, (h, "listed, but no file")
+        if len(ram) + n < len(hashes):
+            # Each part is the longest it can be. (A RAM block after the disk part is not
+            # served: the RAM part is a leading chain, then the disk.)
+            stop = hashes[len(ram) + n]
+            assert stop not in files, (stop, "on disk, but not served")
+            assert n or stop not in self.ram, (stop, "in RAM, but not served")
 
     @rule(h=nodes)
     def read(self, h: str) -> None:
@@ -446,6 +477,8 @@ class CacheStackMachine(RuleBasedStateMachine):
         assert answer.request_id == request
         assert [b.block_hash for b in answer.blocks] == hashes[:served]
         assert all(same_block(b, BLOCKS[b.block_hash]) for b in answer.blocks)
+        for b in answer.blocks:  # promoted to RAM, as the scheduler does
+            self.ram.store(in_ram(b))
         if served < len(hashes):
             failed = hashes[served]
             # A corrupt file is deleted; a missing one stays missing; either is forgotten.
@@ -462,21 +495,18 @@ class CacheStackMachine(RuleBasedStateMachine):
 
     @rule(unpersisted=st.booleans())
     def spill(self, unpersisted: bool) -> None:
-        """Memory pressure: RAM copies of blocks on disk go first (and are still served from
-        disk), the others only with ``unpersisted``."""
+        """Memory pressure, as the scheduler spills: it asks the index which RAM blocks are
+        on disk (``OnDisk``); their RAM copies go first (and are still served from disk), the
+        others only with ``unpersisted``."""
         files = self._files()
-        self._run(self.index.tell(SpillRam(unpersisted=unpersisted)))
-        dropped = {h for m in self._sync() if isinstance(m, DropRamBlocks) for h in m.hashes}
+        candidates = list(self.ram)
+        on_disk = self._run(self.index.ask(OnDisk(hashes=candidates), timeout=TIMEOUT_S))
+        assert set(on_disk) <= set(files) | self.deleted, on_disk
+        victims = self.ram.spill_victims(set(on_disk), unpersisted=unpersisted)
+        self.ram.spill(victims)
+        assert not set(victims) & set(self.ram)
         if not unpersisted:
-            assert dropped <= set(files) | self.deleted, dropped
-
-    @rule(data=st.data())
-    def scheduler_drops(self, data: st.DataObject) -> None:
-        """The scheduler freed RAM blocks on its own (``RamBlocksDropped``)."""
-        dropped = data.draw(st.lists(nodes, max_size=3))
-        self._run(self.index.tell(RamBlocksDropped(hashes=dropped)))
-        self.ram -= set(dropped)
-        self._sync()
+            assert set(victims) <= set(files) | self.deleted, victims
 
     @precondition(lambda self: bool(self._files()))
     @rule(data=st.data(), how=st.sampled_from(["overwrite", "truncate", "delete"]))
@@ -505,14 +535,14 @@ class CacheStackMachine(RuleBasedStateMachine):
         """Stop the whole stack and start it again on the same directory: RAM is gone, and
         the index is what the scan finds (broken files deleted, unreadable ones skipped)."""
         self._run(self.system.stop())
-        self.ram, self.deleted = set(), set()
+        self.deleted = set()
         self._start()
         self.tampered &= set(self._files())  # the cut short are gone: the scan deleted them
         files = self._files()
         for h in files:
             block_store.read_block_info(self._path(h), FP)  # every header left reads
         report = self._report()
-        assert report["blocks"]["disk"] == len(files)
+        assert report["blocks"] == len(files)
         assert report["disk_bytes"] == sum(files.values())
 
     # -- invariants -----------------------------------------------------------------------------
@@ -520,7 +550,7 @@ class CacheStackMachine(RuleBasedStateMachine):
     @invariant()
     def the_quotas_hold(self) -> None:
         report = self._report()
-        assert report["ram_bytes"] <= STACK_RAM_MAX
+        assert self.ram.nbytes <= STACK_RAM_MAX
         assert report["disk_bytes"] <= STACK_DISK_MAX
         assert sum(self._files().values()) <= STACK_DISK_MAX
 
@@ -555,5 +585,6 @@ def test_the_universe_is_what_the_machines_assume() -> None:
     # Every hash can be a file name; the budgets hold a few blocks each.
     assert all(block_store.valid_hash(h) for h in HASHES)
     assert STACK_DISK_MAX // max(FILE_SIZES.values()) == 4
-    # The table's longest chain does not fit its RAM budget alone: stores evict.
+    # The longest chain does not fit the RAM budget alone: stores evict.
     assert sum(SIZES[h] for h in chain("r0abc")) > RAM_MAX
+    assert sum(BLOCKS[h].nbytes for h in chain("r0abc")) > STACK_RAM_MAX

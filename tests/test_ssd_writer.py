@@ -33,7 +33,7 @@ from actors.cache_messages import (
     BlocksRead,
     CancelWrites,
     FlushWrites,
-    LookupPrefix,
+    LookupDisk,
     MakeRoom,
     ReadBlocks,
     WriteBlock,
@@ -79,7 +79,7 @@ def make_chain(n: int, **kwargs: Any) -> list[BlockData]:
 
 
 class FakeScheduler(Actor):
-    """Records what the cache actors send the scheduler (DropRamBlocks, BlocksRead)."""
+    """Records what the cache actors send the scheduler (BlocksRead)."""
 
     def __init__(self, inbox: list[Any]) -> None:
         self.inbox = inbox
@@ -101,12 +101,16 @@ class Cache:
             await self.writer.tell(WriteBlock(block=block, request_id=request_id, epoch=epoch))
 
     async def flush(self) -> int:
-        return await self.writer.ask(FlushWrites(deadline_s=10.0), timeout=15.0)
+        written = await self.writer.ask(FlushWrites(deadline_s=10.0), timeout=15.0)
+        # What the writer told the index is handled before this ask (a mailbox is in order):
+        # its report counts every file written.
+        await self.index.ask(LookupDisk(hashes=[]), timeout=5.0)
+        return written
 
     async def lookup(self, blocks: list[BlockData]) -> list[str]:
-        hit = await self.index.ask(LookupPrefix(hashes=[b.block_hash for b in blocks]),
-                                   timeout=5.0)
-        return hit.tiers
+        """"disk" for each leading block the index finds on disk (it knows only the disk)."""
+        n = await self.index.ask(LookupDisk(hashes=[b.block_hash for b in blocks]), timeout=5.0)
+        return ["disk"] * n
 
     def report(self, name: str) -> dict[str, Any]:
         (snap,) = [s for s in self.system.snapshot() if s.name == name]
@@ -127,8 +131,8 @@ class Cache:
 
 @asynccontextmanager
 async def running_cache(
-    cache_dir: Path, *, disk_max_bytes: int = 1 << 30, ram_max_bytes: int = 1 << 30,
-    evict_burst: int = 32, **writer_kwargs: Any,
+    cache_dir: Path, *, disk_max_bytes: int = 1 << 30, evict_burst: int = 32,
+    **writer_kwargs: Any,
 ) -> AsyncIterator[Cache]:
     """Scheduler (fake), index and writer, spawned in the server's order."""
     inbox: list[Any] = []
@@ -136,8 +140,8 @@ async def running_cache(
         await system.spawn(FakeScheduler, name="scheduler", inbox=inbox)
         index = await system.spawn(
             CacheIndex, name="cache_index", thread=CACHE_INDEX_THREAD,
-            cache_dir=str(cache_dir), fingerprint=FP, ram_max_bytes=ram_max_bytes,
-            disk_max_bytes=disk_max_bytes, evict_burst=evict_burst,
+            cache_dir=str(cache_dir), fingerprint=FP, disk_max_bytes=disk_max_bytes,
+            evict_burst=evict_burst,
         )
         writer = await system.spawn(
             SsdWriter, name="ssd_writer", thread=SSD_THREAD, cache_dir=str(cache_dir),
@@ -390,10 +394,10 @@ async def test_quota_holds_within_one_block_eviction_is_bounded_per_save_and_sav
         big = make_block(n_tokens=40)
         counts: list[int] = []
         for _ in range(6):
-            before = cache.report("cache_index")["evicted"]["disk"]
+            before = cache.report("cache_index")["evicted"]
             await cache.write([big])
             await cache.flush()
-            counts.append(cache.report("cache_index")["evicted"]["disk"] - before)
+            counts.append(cache.report("cache_index")["evicted"] - before)
             assert cache.disk_bytes() <= quota + len(block_store.encode_block(big, FP))
             if cache.path(big).exists():
                 break
@@ -527,7 +531,7 @@ async def test_counters_show_in_the_system_snapshot(tmp_path: Path) -> None:
             "pending": 0}
         assert writer["bytes_written"] == cache.disk_bytes()
         index = cache.report("cache_index")
-        assert index["blocks"] == {"ram": 0, "disk": 3, "both": 0}
+        assert index["blocks"] == 3
         assert index["disk_bytes"] == cache.disk_bytes()
         assert (index["hit_tokens"], index["miss_tokens"]) == (8, 4)
         assert index["hit_rate"] == pytest.approx(8 / 12)

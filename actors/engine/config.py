@@ -27,6 +27,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_queue: int = 256
     # Prefix-cache block size in tokens; 0 turns the prefix cache off.
     block_size: int = 64
+    # Bytes of prefix-cache blocks the engine keeps in RAM; past it the least recently used go.
+    cache_ram_max: int = 1 << 30
+    # The model sharded over the ranks of `mlx.launch` (actors/distributed.py): "tensor" or
+    # "pipeline" (None: one process), and the TCP port on rank 0's host where the other ranks
+    # take each step's plan.
+    distributed: str | None = None
+    distributed_port: int = 32400
 
 
 DEFAULTS = EngineConfig()

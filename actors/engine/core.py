@@ -8,7 +8,9 @@ with no ``mx.array`` in them, ready to cross to the event loop.
 from __future__ import annotations
 
 import logging
+import struct
 import time
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,7 +28,6 @@ from actors.engine.grammar import thinking_budget_processor
 from actors.engine.kv_blocks import (
     ARRAYS,
     KVBlock,
-    RamTier,
     build_cache,
     cut_blocks,
     cut_tail,
@@ -36,6 +37,7 @@ from actors.engine.kv_blocks import (
 from actors.engine.memory_estimate import Member, ModelMemory, prompt_need
 from actors.engine.output import StopStringFilter
 from actors.engine.prefix import block_hashes, chain_hash, usable_blocks
+from actors.engine.prefix_cache import PrefixCache
 from actors.engine.request import Request, make_request_sampler
 from actors.engine.schedule import Memory, Pending, StepPlan, StepState, schedule
 from actors.messages import (
@@ -68,6 +70,11 @@ class RequestError(Exception):
 
 
 Event = TokensGenerated | RequestFinished
+
+
+def _digest(responses: list[Any]) -> int:
+    """A checksum of the tokens a step sampled, the same on every rank that sampled them."""
+    return zlib.crc32(b"".join(struct.pack("<qq", r.uid, r.token) for r in responses))
 
 
 def _ema(old: float | None, new: float) -> float:
@@ -109,7 +116,8 @@ class Engine:
              zip(make_prompt_cache(model), self.kinds, strict=True)]
             if self.kinds else []
         )
-        self.blocks = RamTier()  # the RAM tier, owned by this thread
+        # The prefix cache's RAM blocks, owned by this thread, within cache_ram_max bytes.
+        self.blocks = PrefixCache(config.cache_ram_max, block_size=config.block_size)
         self.new_blocks: list[tuple[str, KVBlock]] = []  # cut since the caller last took them
         # The last step's prompt responses whose blocks are still to cut (``cut_pending``).
         self._to_cut: list[Any] = []
@@ -127,6 +135,11 @@ class Engine:
         self.generated_tokens = 0
         self.prefill_tokens = 0  # prompt tokens run through the model
         self.partial_hit_tokens = 0  # prompt tokens taken from part of a block
+        # The tokens the last step sampled, as a checksum (followers of a sharded model
+        # compare theirs with rank 0's), and rank 0's channel to its followers: told each
+        # step's plan before it runs, and of a reset (actors/distributed.py).
+        self.last_digest = 0
+        self.mirror: Any = None
 
     # -- commands ----------------------------------------------------------------------
 
@@ -262,8 +275,8 @@ class Engine:
         req.stored = last
 
     def _keep(self, req: Request, blk: KVBlock) -> None:
-        if blk.block_hash not in self.blocks:
-            self.blocks[blk.block_hash] = blk
+        # Queued for the disk even if the RAM budget evicts it at once: the queue holds it.
+        if self.blocks.store(blk):
             self.new_blocks.append((req.request_id, blk))
 
     def take_new_blocks(self) -> list[tuple[str, KVBlock]]:
@@ -304,18 +317,24 @@ class Engine:
 
     # -- the step ------------------------------------------------------------------------
 
-    def step(self, limit: int | None = None, floor: int = 0) -> list[Event]:
+    def step(self, limit: int | None = None, floor: int = 0,
+             plan: StepPlan | None = None) -> list[Event]:
         """Run one step of the batch (a decode step plus at most one prefill chunk).
 
         ``limit``: bytes of MLX memory the step must stay under (the per-chunk gate; None:
         no gate). Prefilling requests that no longer fit fail alone, and waiting ones join
         the prefill only while the whole prefill fits. ``floor``: memory in use at idle, to
         tell a request that can never fit (too large) from one that came at a bad time
-        (memory unavailable now)."""
+        (memory unavailable now). ``plan``: run this plan instead of making one (a follower
+        rank of a sharded model runs rank 0's)."""
         self.cut_pending()
         if not self.requests:
             return []
-        plan, usage = self._plan(limit)
+        usage = 0
+        if plan is None:
+            plan, usage = self._plan(limit)
+        if self.mirror is not None:
+            self.mirror.plan(plan, self.steps, self.last_digest)
         self.last_prefill_budget = plan.budget
         events = self._fail_for_memory(plan, limit, floor, usage)
         if not self.requests:
@@ -324,8 +343,11 @@ class Engine:
             prompt_responses, responses = self._run(plan)
         except Exception as exc:  # the model step failed: no request in it can go on
             log.exception("batch step failed; failing %d requests", len(self.requests))
-            return events + self._fail_all(f"engine step failed: {exc}")
+            if self.mirror is not None:
+                self.mirror.reset(f"rank 0's step failed: {exc}")
+            return events + self.reset(f"engine step failed: {exc}")
         self.steps += 1
+        self.last_digest = _digest(responses)
         # The blocks this step's prefill completed are cut after its tokens are answered
         # (``cut_pending``).
         if self.caching:
@@ -586,7 +608,8 @@ class Engine:
             stop_sequence=stop_sequence,
         )
 
-    def _fail_all(self, message: str) -> list[Event]:
+    def reset(self, message: str) -> list[Event]:
+        """Fail every request and start a fresh batch (after a failed step)."""
         events: list[Event] = [
             self._finish(req, "error", error=message, kind="internal")
             for req in list(self.requests.values())
@@ -623,10 +646,17 @@ class Engine:
         freeing their caches."""
         uids = [*plan.fail, *([plan.reject] if plan.reject is not None else [])]
         reqs = [r for r in (self._by_uid.get(uid) for uid in uids) if r is not None]
-        if not reqs or limit is None or self.memory is None:
-            return []
-        floor = max(floor, self.memory.weights_bytes)
         events: list[Event] = []
+        if not reqs:
+            return events
+        if limit is None or self.memory is None:
+            # A plan made elsewhere (rank 0's, on a follower): the same requests go.
+            for req in reqs:
+                self.gen.remove([req.uid])
+                events.append(self._finish(req, "error", error="out of memory (rank 0's gate)",
+                                           kind="unavailable"))
+            return events
+        floor = max(floor, self.memory.weights_bytes)
         for req in reqs:
             self.gen.remove([req.uid])
             self.gate_failures += 1

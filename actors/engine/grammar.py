@@ -144,12 +144,12 @@ class Grammars:
             raise GrammarError(f"unknown response_format type {fmt.type!r}")
         reasoning = self._reasoning(think, in_reasoning)
         if reasoning is None:
-            return self._compile(body)
+            return self.compile(body)
         # The answer's grammar is nested whole (a Lark grammar keeps its own start rule).
         answer = {**json.loads(body)["grammars"][0], "name": "answer"}
         prefix, rules = reasoning
         top = "\n".join([f"start: {prefix} @answer", *rules])
-        return self._compile(json.dumps({"grammars": [{"lark_grammar": top}, answer]}))
+        return self.compile(json.dumps({"grammars": [{"lark_grammar": top}, answer]}))
 
     def for_tools(
         self,
@@ -188,7 +188,7 @@ class Grammars:
         if reasoning is not None:
             start = f"start: {reasoning[0]} calls"
             rules += reasoning[1]
-        return self._compile(LLMatcher.grammar_from_lark("\n".join([start, *rules])))
+        return self.compile(LLMatcher.grammar_from_lark("\n".join([start, *rules])))
 
     # -- the tool-call markups -------------------------------------------------------------
 
@@ -260,7 +260,7 @@ class Grammars:
             body, rules = f"reasoning {GAP}", [f"reasoning[suffix={end}]: {ANY_TEXT}"]
         return (body if in_reasoning else f"({start} {body})?"), rules
 
-    def _compile(self, grammar: str) -> Constraint:
+    def compile(self, grammar: str) -> Constraint:
         """A Constraint for ``grammar`` (llguidance's JSON form or Lark), compiled once per
         distinct grammar. Raises GrammarError with llguidance's message."""
         tok = self.llg_tokenizer()
@@ -277,7 +277,7 @@ class Grammars:
                 self._compiled[grammar] = matcher
                 while len(self._compiled) > CACHE_SIZE:
                     self._compiled.popitem(last=False)
-        return Constraint(matcher, tok.vocab_size, self.eos_ids)
+        return Constraint(matcher, tok.vocab_size, self.eos_ids, grammar)
 
 
 def _lit(text: str) -> str:
@@ -407,10 +407,12 @@ def _resolve(schema: Any, root: dict) -> Any:
 class Constraint:
     """One request's compiled grammar: made in admission, then used only on the MLX thread."""
 
-    def __init__(self, matcher: LLMatcher, n_vocab: int, eos_ids: Sequence[int]) -> None:
+    def __init__(self, matcher: LLMatcher, n_vocab: int, eos_ids: Sequence[int],
+                 grammar: str) -> None:
         self._matcher = matcher  # pristine (shared with the compile cache): only copied
         self.n_vocab = n_vocab
         self.eos_ids = list(eos_ids)
+        self.grammar = grammar  # its source: what another rank compiles for the same mask
 
     def processor(self) -> LogitsProcessor:
         """An mlx-lm logits processor for one sequence (each call makes a fresh one): every

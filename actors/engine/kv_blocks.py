@@ -7,7 +7,7 @@ models). Blocks cross to other actors only as numpy (``to_numpy``/``from_numpy``
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,71 +134,6 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
             break
         n += 1
     return n
-
-
-class RamTier:
-    """The RAM tier of the prefix cache: blocks by hash, and each parent's children, so that
-    after the longest chain of whole blocks a prompt can take the longest shared run of
-    tokens from any block that follows the same parent (a partial hit)."""
-
-    def __init__(self) -> None:
-        self._blocks: dict[str, KVBlock] = {}
-        self._children: dict[str | None, dict[str, KVBlock]] = {}
-        # Kept as blocks come and go: the scheduler's report reads it from another thread,
-        # where summing over the dict while the MLX thread changes it would fail.
-        self.nbytes = 0
-
-    def __len__(self) -> int:
-        return len(self._blocks)
-
-    def __contains__(self, h: object) -> bool:
-        return h in self._blocks
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._blocks)
-
-    def __getitem__(self, h: str) -> KVBlock:
-        return self._blocks[h]
-
-    def __setitem__(self, h: str, block: KVBlock) -> None:
-        self.pop(h)
-        self._blocks[h] = block
-        self._children.setdefault(block.parent_hash, {})[h] = block
-        self.nbytes += block.nbytes
-
-    def get(self, h: str) -> KVBlock | None:
-        return self._blocks.get(h)
-
-    def values(self) -> Iterator[KVBlock]:
-        return iter(self._blocks.values())
-
-    def pop(self, h: str, default: KVBlock | None = None) -> KVBlock | None:
-        block = self._blocks.pop(h, None)
-        if block is None:
-            return default
-        self.nbytes -= block.nbytes
-        siblings = self._children.get(block.parent_hash)
-        if siblings is not None:
-            siblings.pop(h, None)
-            if not siblings:
-                del self._children[block.parent_hash]
-        return block
-
-    def best_partial(
-        self, parent: str | None, tokens: Sequence[int]
-    ) -> tuple[KVBlock | None, int]:
-        """The block after ``parent`` sharing the longest run of ``tokens`` (and its length;
-        (None, 0) when none shares a first token). Ties go to the newest block."""
-        best, best_n = None, 0
-        if not tokens:
-            return best, best_n
-        for block in self._children.get(parent, {}).values():
-            if not block.tokens or block.tokens[0] != tokens[0]:
-                continue
-            n = common_prefix(block.tokens, tokens)
-            if n >= best_n:
-                best, best_n = block, n
-        return best, best_n
 
 
 def build_cache(model: Any, kinds: list[str], blocks: list[KVBlock]) -> list[Any]:
