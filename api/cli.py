@@ -117,6 +117,18 @@ def _serve(args: argparse.Namespace) -> int:
     config = serve_config(args)
     _setup_logging(config.log_level)
     _maybe_preload_openblas(args.blas)
+    if config.distributed:
+        # Lazy: it imports MLX. Every rank but 0 follows rank 0's batch and serves no HTTP.
+        from actors.distributed import start_rank
+
+        try:
+            config, follower_exit = start_rank(config)
+        except Exception as exc:
+            log.error("troupe serve --distributed failed: %s", exc,
+                      exc_info=log.isEnabledFor(logging.DEBUG))
+            return 1
+        if follower_exit is not None:
+            return follower_exit
     try:
         asyncio.run(serve(config))
     except (asyncio.CancelledError, KeyboardInterrupt):
@@ -516,6 +528,21 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         default=opt,
         help="unload a model idle this long (default: never)",
+    )
+    serve_cmd.add_argument(
+        "--distributed",
+        choices=["tensor", "pipeline"],
+        default=opt,
+        help="shard the model over the ranks `mlx.launch` started (docs/distributed.md); rank 0 "
+        "serves HTTP, the others follow its batch (default: one process)",
+    )
+    serve_cmd.add_argument(
+        "--distributed-port",
+        type=int,
+        metavar="PORT",
+        default=opt,
+        help="port on rank 0's host where the other ranks take each step's plan "
+        f"(default: {_DEFAULTS.distributed_port})",
     )
 
     pull_cmd = commands.add_parser("pull", help="download/convert a model; print its directory")

@@ -1,0 +1,474 @@
+"""One model sharded over several processes (``troupe serve --distributed``, under
+``mlx.launch``): rank 0 serves, every other rank follows.
+
+Every rank loads its shard with mlx-lm's ``sharded_load`` (tensor parallel, or pipeline) and
+runs the same ``Engine``. Rank 0 runs the whole server; the model's own collectives exchange
+activations inside each forward pass, so every rank must run the same forward pass at the same
+time. Rank 0's scheduler therefore tells the followers, over a TCP side channel, everything
+that changes the batch, in order: a request added (its tokens, sampling, output spec and
+grammar source), a request aborted, and each step's plan (``schedule``'s decisions, which
+depend on rank 0's clock and memory). A follower applies them to its own engine and runs the
+step; its sampled tokens are the same as rank 0's (the same logits, the same seeded PRNG), and
+a digest of each step's tokens, sent back, proves it.
+
+Why a side channel and not a collective (as mlx_lm.server sends its prompts): measured on
+loopback with the ring backend, a round trip of a step message over TCP took ~0.1 ms and a
+single ``all_sum`` of a scalar ~1.7 ms (docs/distributed.md); the socket also tells at once
+when a follower is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import struct
+import threading
+import time
+from typing import Any
+
+import msgspec
+
+from actors.engine.config import EngineConfig
+from actors.messages import OutputSpec, SamplingParams
+
+log = logging.getLogger(__name__)
+
+MODES = ("tensor", "pipeline")
+# How long rank 0 waits for every follower to connect, and a follower for rank 0 to listen
+# (loading a large shard can take minutes on either side).
+CONNECT_TIMEOUT_S = 600.0
+_HEADER = struct.Struct("<I")
+
+
+# -- the channel's messages --------------------------------------------------------------------
+
+
+class Hello(msgspec.Struct, tag=True, frozen=True):
+    """A follower's first message: who it is, and the model it loaded."""
+
+    rank: int
+    host: str
+    pid: int
+    fingerprint: str
+
+
+class Welcome(msgspec.Struct, tag=True, frozen=True):
+    """Rank 0's answer: the PRNG seed every rank starts from (unseeded sampling draws from
+    it), and the engine settings every rank runs with."""
+
+    seed: int
+    config: EngineConfig
+
+
+class Add(msgspec.Struct, tag=True, frozen=True):
+    request_id: str
+    prompt: list[int]
+    sampling: SamplingParams
+    output: OutputSpec | None = None
+    grammar: str | None = None  # the source of the request's grammar, compiled by each rank
+
+
+class Abort(msgspec.Struct, tag=True, frozen=True):
+    request_id: str
+
+
+class Plan(msgspec.Struct, tag=True, frozen=True):
+    """One step: ``schedule``'s plan as rank 0 made it, and the digest of the tokens rank 0
+    sampled in the step before (``Engine.last_digest``)."""
+
+    step: int
+    fail: list[int]
+    reject: int | None
+    admit: int
+    budget: int | None
+    chunk: int
+    previous_digest: int
+
+
+class Reset(msgspec.Struct, tag=True, frozen=True):
+    """Rank 0's step failed: every request fails and the engine starts a fresh batch."""
+
+    reason: str
+
+
+class Bye(msgspec.Struct, tag=True, frozen=True):
+    """Rank 0 is stopping: followers exit cleanly."""
+
+
+class Status(msgspec.Struct, tag=True, frozen=True):
+    """A follower after each step: where it stands, for ``/actors`` on rank 0."""
+
+    rank: int
+    step: int
+    digest: int
+    active_bytes: int
+    peak_bytes: int
+
+
+ToFollower = Welcome | Add | Abort | Plan | Reset | Bye
+ToLeader = Hello | Status
+
+_encoder = msgspec.msgpack.Encoder()
+_to_follower = msgspec.msgpack.Decoder(ToFollower)
+_to_leader = msgspec.msgpack.Decoder(ToLeader)
+
+
+def _send(sock: socket.socket, msg: Any) -> None:
+    body = _encoder.encode(msg)
+    sock.sendall(_HEADER.pack(len(body)) + body)
+
+
+def _recv(sock: socket.socket, decoder: msgspec.msgpack.Decoder) -> Any | None:
+    """The next message, or None when the peer closed the connection."""
+    header = _read_exactly(sock, _HEADER.size)
+    if header is None:
+        return None
+    body = _read_exactly(sock, _HEADER.unpack(header)[0])
+    if body is None:
+        return None
+    return decoder.decode(body)
+
+
+def _read_exactly(sock: socket.socket, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        try:
+            chunk = sock.recv(n - len(buf))
+        except (ConnectionResetError, OSError):
+            return None
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+# -- where the ranks are -----------------------------------------------------------------------
+
+
+def leader_host() -> str:
+    """Rank 0's address, from the host file ``mlx.launch`` gives every rank (``MLX_HOSTFILE``:
+    a JSON list of each rank's "host:port" list); 127.0.0.1 without one."""
+    path = os.environ.get("MLX_HOSTFILE")
+    if not path:
+        return "127.0.0.1"
+    with open(path) as f:
+        hosts = json.load(f)
+    first = hosts[0][0] if isinstance(hosts[0], list) else hosts[0]
+    return first.rsplit(":", 1)[0] if isinstance(first, str) else "127.0.0.1"
+
+
+def engine_config_for(config: EngineConfig, mode: str) -> EngineConfig:
+    """The engine settings of a sharded model. The prefix cache is off (blocks per rank are not
+    built yet). Pipeline stages run mlx-lm's own model call: the one-pass forward
+    (actors/engine/forward.py) runs every layer in one process."""
+    changes: dict[str, Any] = {"block_size": 0}
+    if mode == "pipeline":
+        changes["mixed_step"] = False
+    return msgspec.structs.replace(config, **changes)
+
+
+# -- rank 0 ------------------------------------------------------------------------------------
+
+
+class Followers:
+    """Rank 0's side of the channel: one connection per follower, owned by the scheduler's
+    MLX thread (``add``, ``abort``, ``plan`` are called there, in the order the engine sees
+    them). A reader thread per follower keeps its last ``Status``; a follower whose
+    connection closes is ``dead`` (a reason naming its rank), and stays so."""
+
+    def __init__(self, size: int, port: int, host: str | None = None) -> None:
+        self.size = size
+        self.host = host or leader_host()
+        self.port = port
+        self.status: dict[int, dict[str, Any]] = {}
+        self.dead: str | None = None
+        self._socks: dict[int, socket.socket] = {}
+        self._lock = threading.Lock()
+        self._server: socket.socket | None = None
+
+    def accept(self, fingerprint: str, seed: int, config: EngineConfig,
+               timeout: float = CONNECT_TIMEOUT_S) -> None:
+        """Wait for every follower's ``Hello``, check it loaded the same model, welcome it."""
+        server = socket.create_server((self.host, self.port))
+        server.settimeout(timeout)
+        self._server = server
+        deadline = time.monotonic() + timeout
+        while len(self._socks) < self.size - 1:
+            server.settimeout(max(0.1, deadline - time.monotonic()))
+            try:
+                sock, _ = server.accept()
+            except TimeoutError:
+                missing = sorted(set(range(1, self.size)) - set(self._socks))
+                raise RuntimeError(f"distributed: ranks {missing} did not connect to "
+                                   f"{self.host}:{self.port} within {timeout:.0f} s") from None
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            hello = _recv(sock, _to_leader)
+            if not isinstance(hello, Hello):
+                sock.close()
+                continue
+            if hello.fingerprint != fingerprint:
+                sock.close()
+                raise RuntimeError(
+                    f"distributed: rank {hello.rank} on {hello.host} loaded a different model "
+                    f"({hello.fingerprint} != {fingerprint})")
+            _send(sock, Welcome(seed=seed, config=config))
+            self._socks[hello.rank] = sock
+            self.status[hello.rank] = {"rank": hello.rank, "host": hello.host,
+                                       "pid": hello.pid, "step": 0, "connected": True}
+            threading.Thread(target=self._read, args=(hello.rank, sock), daemon=True,
+                             name=f"follower-{hello.rank}").start()
+        log.info("distributed: %d followers connected on %s:%d", self.size - 1, self.host,
+                 self.port)
+
+    def add(self, request_id: str, prompt: list[int], sampling: SamplingParams,
+            output: OutputSpec | None, grammar: str | None) -> None:
+        self._broadcast(Add(request_id=request_id, prompt=prompt, sampling=sampling,
+                            output=output, grammar=grammar))
+
+    def abort(self, request_id: str) -> None:
+        self._broadcast(Abort(request_id=request_id))
+
+    def plan(self, plan: Any, step: int, digest: int) -> None:
+        """Called by rank 0's engine with each step's plan (``schedule.StepPlan``) before it
+        runs it, and the digest of the tokens its last step sampled."""
+        self._broadcast(Plan(step=step, fail=plan.fail, reject=plan.reject, admit=plan.admit,
+                             budget=plan.budget, chunk=plan.chunk, previous_digest=digest))
+
+    def reset(self, reason: str) -> None:
+        self._broadcast(Reset(reason=reason))
+
+    def close(self) -> None:
+        """Tell the followers to stop, and close the channel."""
+        if self.dead is None:
+            self._broadcast(Bye())
+        for sock in self._socks.values():
+            try:
+                sock.close()
+            except OSError:
+                pass
+        if self._server is not None:
+            self._server.close()
+
+    def report(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return [dict(s) for _, s in sorted(self.status.items())]
+
+    def _broadcast(self, msg: Any) -> None:
+        for rank, sock in list(self._socks.items()):
+            try:
+                _send(sock, msg)
+            except OSError as exc:
+                self._lost(rank, f"could not send: {exc}")
+
+    def _read(self, rank: int, sock: socket.socket) -> None:
+        while True:
+            msg = _recv(sock, _to_leader)
+            if msg is None:
+                self._lost(rank, "closed its connection")
+                return
+            if isinstance(msg, Status):
+                with self._lock:
+                    self.status[rank].update(step=msg.step, digest=msg.digest,
+                                             active_bytes=msg.active_bytes,
+                                             peak_bytes=msg.peak_bytes, seen=time.time())
+
+    def _lost(self, rank: int, why: str) -> None:
+        with self._lock:
+            if rank in self.status:
+                self.status[rank]["connected"] = False
+            first = self.dead is None
+            if first:
+                host = self.status.get(rank, {}).get("host", "?")
+                self.dead = f"distributed rank {rank} ({host}) {why}"
+        if first:
+            log.error("%s: requests fail and new ones get 503 until the group restarts",
+                      self.dead)
+
+
+# -- the other ranks ---------------------------------------------------------------------------
+
+
+def connect(rank: int, port: int, fingerprint: str, host: str | None = None,
+            timeout: float = CONNECT_TIMEOUT_S) -> tuple[socket.socket, Welcome]:
+    """A follower's connection to rank 0 (retried while rank 0 is still loading)."""
+    host = host or leader_host()
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            sock = socket.create_connection((host, port), timeout=5.0)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"distributed: rank {rank} could not reach rank 0 at "
+                                   f"{host}:{port} within {timeout:.0f} s") from None
+            time.sleep(0.2)
+    sock.settimeout(None)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    _send(sock, Hello(rank=rank, host=socket.gethostname(), pid=os.getpid(),
+                      fingerprint=fingerprint))
+    welcome = _recv(sock, _to_follower)
+    if not isinstance(welcome, Welcome):
+        raise RuntimeError(f"distributed: rank 0 refused rank {rank}")
+    return sock, welcome
+
+
+def follow(engine: Any, sock: socket.socket, rank: int, grammars: Any = None) -> int:
+    """Run rank 0's batch on this rank's shard until rank 0 says ``Bye`` or goes away.
+
+    ``engine``: an ``Engine`` over this rank's shard, with rank 0's settings. ``grammars``:
+    compiles the grammars of constrained requests (``actors.engine.grammar.Grammars``).
+    Returns the process's exit code: 0 when rank 0 stopped, 1 when this rank diverged."""
+    import mlx.core as mx
+
+    from actors.engine.schedule import StepPlan
+
+    steps = 0
+    while True:
+        msg = _recv(sock, _to_follower)
+        match msg:
+            case None | Bye():
+                log.info("distributed rank %d: rank 0 stopped; exiting", rank)
+                return 0
+            case Add():
+                constraint = grammars.compile(msg.grammar) if msg.grammar else None
+                engine.add(msg.request_id, msg.prompt, msg.sampling, output=msg.output,
+                           constraint=constraint)
+            case Abort():
+                engine.abort(msg.request_id)
+            case Reset():
+                engine.reset(msg.reason)
+            case Plan():
+                if msg.previous_digest != engine.last_digest:
+                    log.error("distributed rank %d diverged from rank 0 before step %d "
+                              "(token digest %d != %d); exiting", rank, msg.step,
+                              engine.last_digest, msg.previous_digest)
+                    return 1
+                plan = StepPlan(fail=msg.fail, reject=msg.reject, admit=msg.admit,
+                                budget=msg.budget, chunk=msg.chunk, held=False)
+                engine.step(plan=plan)
+                engine.take_new_blocks()
+                steps += 1
+                _send(sock, Status(rank=rank, step=steps, digest=engine.last_digest,
+                                   active_bytes=mx.get_active_memory(),
+                                   peak_bytes=mx.get_peak_memory()))
+
+
+# -- starting a rank ---------------------------------------------------------------------------
+
+
+def start_rank(config: Any) -> tuple[Any, int | None]:
+    """Join the group ``mlx.launch`` started, for ``troupe serve --distributed``.
+
+    Rank 0 gets back the configuration to serve with (the prefix cache off, and for pipeline
+    stages mlx-lm's own model call: ``engine_config_for``) and None; every other rank follows
+    rank 0 until it stops and gets back its exit code."""
+    import mlx.core as mx
+
+    from actors.config import model_specs
+
+    if config.distributed not in MODES:
+        raise ValueError(f"--distributed must be one of {MODES}, not {config.distributed!r}")
+    specs = model_specs(config)
+    if len(specs) != 1:
+        raise ValueError("--distributed serves one model; give --model once")
+    group = mx.distributed.init()
+    if group.size() < 2:
+        raise RuntimeError("--distributed needs the ranks of `mlx.launch` (this process is "
+                           "alone in its group); see docs/distributed.md")
+    engine = engine_config_for(config.engine(), config.distributed)
+    config = msgspec.structs.replace(
+        config, block_size=engine.block_size, mixed_step=engine.mixed_step)
+    if group.rank() == 0:
+        log.info("distributed: rank 0 of %d (%s parallel); the prefix cache is off",
+                 group.size(), config.distributed)
+        return config, None
+    return config, _serve_follower(config, specs[0], group)
+
+
+def load_shard(path: str, mode: str, group: Any) -> tuple[Any, Any]:
+    """This rank's shard of the model at ``path`` and its tokenizer. Uses mlx-lm's
+    ``sharded_load`` (each rank reads only its own weights) when the directory has a weight
+    index; a single-file model is loaded whole, then sharded."""
+    from pathlib import Path
+
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.utils import sharded_load
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    if mode == "tensor":
+        check_tensor_split(config, group.size())
+    if (Path(path) / "model.safetensors.index.json").exists():
+        return sharded_load(path, pipeline_group=group if mode == "pipeline" else None,
+                            tensor_group=group if mode == "tensor" else None)
+    model, tokenizer = load(path, lazy=True)
+    if mode == "tensor":
+        if not hasattr(model, "shard"):
+            raise ValueError(f"mlx-lm cannot shard a {config.get('model_type')} model by tensor")
+        model.shard(group)
+    else:
+        inner = getattr(model, "model", None)
+        if not hasattr(inner, "pipeline"):
+            raise ValueError(f"mlx-lm cannot split a {config.get('model_type')} model into "
+                             "pipeline stages")
+        inner.pipeline(group)
+    mx.eval(model.parameters())
+    mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu))  # every rank loaded
+    return model, tokenizer
+
+
+def check_tensor_split(config: dict[str, Any], size: int) -> None:
+    """Tensor parallelism gives each rank a share of the attention heads: refuse, clearly, a
+    model whose head counts do not split over ``size`` ranks (mlx-lm would fail later, in a
+    forward pass, on mismatched shapes)."""
+    text = config.get("text_config", config)
+    heads = text.get("num_attention_heads")
+    kv_heads = text.get("num_key_value_heads", heads)
+    for name, n in (("attention heads", heads), ("key/value heads", kv_heads)):
+        if isinstance(n, int) and n % size:
+            raise ValueError(f"the model's {n} {name} do not split over {size} ranks; use a "
+                             "model whose head counts divide, or --distributed pipeline")
+
+
+def _serve_follower(config: Any, spec: str | None, group: Any) -> int:
+    """A follower rank: load its shard, connect to rank 0, run its batch until it stops."""
+    import mlx.core as mx
+
+    from actors.engine.core import Engine
+    from actors.engine.grammar import Grammars
+    from actors.engine.prefix import model_fingerprint
+    from actors.models.store import resolve_model
+
+    rank = group.rank()
+    signals = 0
+
+    def on_signal(signum: int, frame: Any) -> None:
+        # mlx.launch signals every rank at once: a follower stops when rank 0 has finished
+        # what is in flight and says so (or goes away); a second signal stops it now.
+        nonlocal signals
+        signals += 1
+        if signals > 1:
+            raise SystemExit(1)
+        log.info("distributed rank %d: stopping when rank 0 stops", rank)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    resolved = resolve_model(spec)
+    stream = mx.new_stream(mx.default_device())
+    with mx.stream(stream):
+        model, tokenizer = load_shard(str(resolved.path), config.distributed, group)
+    sock, welcome = connect(rank, config.distributed_port, model_fingerprint(resolved.path))
+    log.info("distributed: rank %d of %d follows rank 0 (%s parallel)", rank, group.size(),
+             config.distributed)
+    mx.random.seed(welcome.seed)
+    with mx.stream(stream):
+        engine = Engine(model, tokenizer, welcome.config, stream=stream)
+        engine.warm_up()  # rank 0 warms up too: the same forward passes, in step
+        try:
+            return follow(engine, sock, rank, Grammars(tokenizer))
+        finally:
+            engine.close()
+            sock.close()
