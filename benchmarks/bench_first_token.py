@@ -58,7 +58,7 @@ def main() -> None:
     def engine(mode: str) -> Any:
         MixedBatchGenerator.first_token_in_chunk = mode == "chunk"
         e = served_engine(model, tok, greedy)
-        assert e.gen.mixed, "the comparison needs mixed steps (a llama-shaped model)"
+        assert e.runner.gen.mixed, "the comparison needs mixed steps (a llama-shaped model)"
         return e
 
     out: dict[str, Any] = {"blas": blas_name(), "alone": {}, "burst": {}}

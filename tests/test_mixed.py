@@ -199,7 +199,7 @@ def test_a_long_prompt_joining_short_decoders_gets_its_own_group(loaded):
     engine.add("long", long_prompt, greedy(12, ignore_eos=True))
     while "long" not in got:
         step()
-    caches = engine.gen._generation_batch.prompt_cache
+    caches = engine.runner.gen._generation_batch.prompt_cache
     assert all(isinstance(c, RaggedKVCache) and len(c.groups) == 2 for c in caches)
     while engine.requests:
         step()
@@ -230,7 +230,7 @@ def test_one_forward_pass_a_step_while_a_prompt_is_prefilled(loaded, monkeypatch
     fix_budget(engine, 16)
     for i, p in enumerate(PROMPTS[:2]):
         engine.add(f"d{i}", encode(tok, p), greedy(200, ignore_eos=True))
-    while len(engine.gen._generation_batch) < 2:
+    while len(engine.runner.gen._generation_batch) < 2:
         engine.step()
     long_prompt = encode(tok, " ".join(PROMPTS) * 2)
     engine.add("long", long_prompt, greedy(4))
@@ -260,7 +260,7 @@ def test_a_request_aborted_before_its_first_token_leaves_the_batch_clean(loaded)
     assert "b" in engine.requests
     engine.abort("b")
     got = run(engine)["a"]["tokens"]
-    assert len(engine.gen._generation_batch) == 0
+    assert len(engine.runner.gen._generation_batch) == 0
     full = reference_tokens(model, tok, encode(tok, PROMPTS[0]), 30)
     assert got == full[len(full) - len(got):]
 
@@ -274,7 +274,7 @@ def test_prompts_finishing_at_different_steps_beside_decoders_match_mlx_lm(reque
     fix_budget(engine, 16)
     engine.add("d", encode(tok, PROMPTS[0]), greedy(80, ignore_eos=True))
     early: list[int] = []  # what "d" answered before the others came
-    while not len(engine.gen._generation_batch):
+    while not len(engine.runner.gen._generation_batch):
         early += [t for ev in engine.step() if isinstance(ev, TokensGenerated)
                   for t in ev.token_ids]
     prompts = {"long": encode(tok, " ".join(PROMPTS) * 3), "short": encode(tok, PROMPTS[3])}
@@ -385,7 +385,7 @@ def test_gemma3_takes_one_forward_pass_a_step_while_a_prompt_is_prefilled(
     monkeypatch.setitem(model.model, "norm", Counting(model.model.norm))
     engine = Engine(model, tok, engine_config(prefill_step_size=16, prefill_interleave=1.0,
                                               mixed_step=mixed))
-    assert engine.gen.mixed is mixed
+    assert engine.runner.gen.mixed is mixed
     fix_budget(engine, 16)
     decoders = {f"d{i}": encode(tok, p) for i, p in enumerate(PROMPTS[:2])}
     for rid, p in decoders.items():
@@ -397,7 +397,7 @@ def test_gemma3_takes_one_forward_pass_a_step_while_a_prompt_is_prefilled(
             if isinstance(ev, TokensGenerated):
                 got.setdefault(ev.request_id, []).extend(ev.token_ids)
 
-    while len(engine.gen._generation_batch) < 2:
+    while len(engine.runner.gen._generation_batch) < 2:
         step()
     long_prompt = encode(tok, " ".join(PROMPTS) * 2)
     assert len(long_prompt) > 6 * window
@@ -412,7 +412,8 @@ def test_gemma3_takes_one_forward_pass_a_step_while_a_prompt_is_prefilled(
         assert set(per_step) == {1}
     else:
         assert per_step.count(2) >= len(long_prompt) // 16 - 1
-    assert not any(isinstance(c, RaggedKVCache) for c in engine.gen._generation_batch.prompt_cache)
+    caches = engine.runner.gen._generation_batch.prompt_cache
+    assert not any(isinstance(c, RaggedKVCache) for c in caches)
     while engine.requests:
         step()
     for rid, p in {**decoders, "long": long_prompt}.items():

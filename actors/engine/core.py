@@ -15,14 +15,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import StopSequences
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import (
     make_logits_processors,
 )
 
 from actors.engine.agent_output import OutputParser, Parsed
-from actors.engine.batch import MixedBatchGenerator
 from actors.engine.config import DEFAULTS, EngineConfig
 from actors.engine.grammar import thinking_budget_processor
 from actors.engine.kv_blocks import (
@@ -39,6 +37,7 @@ from actors.engine.output import StopStringFilter
 from actors.engine.prefix import block_hashes, chain_hash, usable_blocks
 from actors.engine.prefix_cache import PrefixCache
 from actors.engine.request import Request, make_request_sampler
+from actors.engine.runner import Runner, StepOutput
 from actors.engine.schedule import Memory, Pending, StepPlan, StepState, schedule
 from actors.messages import (
     ErrorKind,
@@ -121,14 +120,7 @@ class Engine:
         self.new_blocks: list[tuple[str, KVBlock]] = []  # cut since the caller last took them
         # The last step's prompt responses whose blocks are still to cut (``cut_pending``).
         self._to_cut: list[Any] = []
-        self._gen_kwargs = dict(
-            completion_batch_size=config.max_batch_size,
-            prefill_batch_size=config.prefill_batch_size,
-            prefill_step_size=config.prefill_step_size,
-            stream=stream,
-            mixed=config.mixed_step,
-        )
-        self.gen = MixedBatchGenerator(model, **self._gen_kwargs)
+        self.runner = Runner(model, config, stream)
         self.requests: dict[str, Request] = {}
         self._by_uid: dict[int, Request] = {}
         self.steps = 0
@@ -204,14 +196,14 @@ class Engine:
             prefix.append(partial)
             start += partial.n_tokens
             self.partial_hit_tokens += partial.n_tokens
-        (uid,) = self.gen.insert_segments(
-            [self._segments(prompt, start, len(hashes))],
-            max_tokens=[sampling.max_tokens],
-            caches=[build_cache(self.model, self.kinds, prefix) if prefix else None],
-            all_tokens=[prompt[:start]],
-            samplers=[make_request_sampler(sampling)],
-            logits_processors=[processors],
-            stop_sequences=[StopSequences([(t,) for t in stop_ids] or None)],
+        uid = self.runner.insert(
+            self._segments(prompt, start, len(hashes)),
+            max_tokens=sampling.max_tokens,
+            cache=build_cache(self.model, self.kinds, prefix) if prefix else None,
+            done=prompt[:start],
+            sampler=make_request_sampler(sampling),
+            processors=processors,
+            stop_ids=stop_ids,
         )
         req = Request(
             request_id=request_id,
@@ -303,7 +295,7 @@ class Engine:
         if req is None:
             return None
         self.cut_pending()  # its blocks, and its neighbours', before the batch changes
-        self.gen.remove([req.uid])
+        self.runner.remove(req.uid)
         return self._finish(req, "abort")
 
     @property
@@ -313,7 +305,7 @@ class Engine:
     @property
     def waiting(self) -> int:
         """Requests not yet in a batch."""
-        return len(self.gen._unprocessed_sequences)
+        return self.runner.waiting
 
     # -- the step ------------------------------------------------------------------------
 
@@ -340,19 +332,18 @@ class Engine:
         if not self.requests:
             return events
         try:
-            prompt_responses, responses = self._run(plan)
+            out = self.runner.run(plan)
         except Exception as exc:  # the model step failed: no request in it can go on
             log.exception("batch step failed; failing %d requests", len(self.requests))
             if self.mirror is not None:
                 self.mirror.reset(f"rank 0's step failed: {exc}")
             return events + self.reset(f"engine step failed: {exc}")
-        self.steps += 1
-        self.last_digest = _digest(responses)
+        self._measured(out, plan)
         # The blocks this step's prefill completed are cut after its tokens are answered
         # (``cut_pending``).
         if self.caching:
-            self._to_cut = [r for r in prompt_responses if r.end_of_segment]
-        for resp in responses:
+            self._to_cut = [r for r in out.prompt_responses if r.end_of_segment]
+        for resp in out.responses:
             req = self._by_uid.get(resp.uid)
             if req is None:
                 continue
@@ -360,7 +351,7 @@ class Engine:
                 events.extend(self._on_token(req, resp))
             except Exception as exc:  # one request's post-processing failed: only it fails
                 log.exception("request %s failed", req.request_id)
-                self.gen.remove([req.uid])
+                self.runner.remove(req.uid)
                 events.append(self._finish(req, "error", error=str(exc), kind="internal"))
         return events
 
@@ -380,52 +371,29 @@ class Engine:
 
     def _state(self, memory: Memory | None) -> StepState:
         """Where the batch stands, in the plain numbers ``schedule`` takes."""
-        gen = self.gen
-        prefilling = [
-            Pending(uid, self._member(uid, seq[0], len(tokens)), seq[2])
-            for uid, seq, tokens in zip(gen._prompt_batch.uids, gen._currently_processing,
-                                        gen._prompt_batch.tokens, strict=True)
-        ]
-        # An unprocessed sequence: (uid, segments, max_tokens, cache, cached tokens, ...).
+        runner = self.runner
+        prefilling = [Pending(uid, self._member(uid, segments, in_cache), whole)
+                      for uid, segments, whole, in_cache in runner.prefill_rows()]
         waiting = []
-        for seq in list(gen._unprocessed_sequences)[:self.config.prefill_batch_size]:
-            member = self._member(seq[0], seq[1], len(seq[4]))
-            waiting.append(Pending(seq[0], member, member.remaining))
+        for uid, segments, in_cache in runner.waiting_rows(self.config.prefill_batch_size):
+            member = self._member(uid, segments, in_cache)
+            waiting.append(Pending(uid, member, member.remaining))
         return StepState(
-            config=self.config, mixed=gen.mixed, decoding=len(gen._generation_batch),
-            decode_len=max((len(t) for t in gen._generation_batch.tokens), default=0),
-            prefilling=prefilling, waiting=waiting, decode_s=self._decode_s,
-            token_s=self._token_s, memory=memory)
+            config=self.config, mixed=runner.mixed, decoding=runner.decoding,
+            decode_len=runner.decode_len, prefilling=prefilling, waiting=waiting,
+            decode_s=self._decode_s, token_s=self._token_s, memory=memory)
 
-    def _run(self, plan: StepPlan) -> tuple[list[Any], list[Any]]:
-        """One step of the generator under the plan: at most ``admit`` sequences start
-        prefilling, each prefilling sequence runs ``chunk`` prompt tokens."""
-        gen = self.gen
-        counted = gen._counters.prompt_tokens
-        decoding = len(gen._generation_batch)
-        # BatchGenerator takes min(prefill_batch_size - prefilling, ...) new sequences.
-        gen.prefill_batch_size = len(gen._prompt_batch) + plan.admit
-        self._set_chunk(plan.chunk)
-        began = time.perf_counter()
-        try:
-            out = gen.next()
-        finally:
-            gen.prefill_batch_size = self.config.prefill_batch_size
-            self._set_chunk(self.prefill_step_size)
-        prefilled = gen._counters.prompt_tokens - counted
-        self.prefill_tokens += prefilled
-        wall = time.perf_counter() - began
+    def _measured(self, out: StepOutput, plan: StepPlan) -> None:
+        """Count the step and learn its timings."""
+        self.steps += 1
+        self.last_digest = _digest(out.responses)
+        self.prefill_tokens += out.prefilled
         if log.isEnabledFor(logging.DEBUG):
             log.debug("step %d: %.0f ms, %d decoding, %d prompt tokens, budget %s, "
-                      "decode step %.0f ms, prompt token %.1f ms", self.steps, wall * 1e3,
-                      decoding, prefilled, plan.budget, (self._decode_s or 0) * 1e3,
+                      "decode step %.0f ms, prompt token %.1f ms", self.steps, out.wall * 1e3,
+                      out.decoding, out.prefilled, plan.budget, (self._decode_s or 0) * 1e3,
                       (self._token_s or 0) * 1e3)
-        self._measure(prefilled, decoding, wall)
-        return out
-
-    def _set_chunk(self, n: int) -> None:
-        self.gen.prefill_step_size = n
-        self.gen._prompt_batch.prefill_step_size = n
+        self._measure(out.prefilled, out.decoding, out.wall)
 
     def _measure(self, tokens: int, decoding: int, wall: float) -> None:
         """Learn a decode step's time from steps without prefill, and a prompt token's from
@@ -451,10 +419,10 @@ class Engine:
             reached = req.prompt_len if r.end_of_prompt else req.cached_tokens + r.progress[0]
             if self._block_tokens_at(req, reached) == 0:
                 continue  # no new block here: spare the copy of the cache
-            if r.uid not in self.gen._find_uids([r.uid]):
+            if not self.runner.holds(r.uid):
                 continue  # it finished in this step: its blocks were cut as it finished
             try:
-                cache, tokens = self.gen.extract_cache([r.uid])[r.uid]
+                cache, tokens = self.runner.extract_cache(r.uid)
                 self._cut(req, cache, tokens, req.hashes)
             except Exception:  # caching is an optimisation: never fail the request for it
                 log.exception("could not cut prefix blocks of %s", req.request_id)
@@ -513,8 +481,8 @@ class Engine:
             events.append(self._delta(req, text, [token], logprobs, last=True))
             # The stop string ended the request inside the batch: take it out now.
             if self.caching and not self.hybrid:
-                self._cut_finished(req, *self.gen.extract_cache([req.uid])[req.uid])
-            self.gen.remove([req.uid])
+                self._cut_finished(req, *self.runner.extract_cache(req.uid))
+            self.runner.remove(req.uid)
             events.append(self._finish(req, "stop", stop_sequence=req.stops.matched))
             return events
         if finish is not None:
@@ -614,8 +582,7 @@ class Engine:
             self._finish(req, "error", error=message, kind="internal")
             for req in list(self.requests.values())
         ]
-        # A fresh generator: the old one's batch state is not trustworthy after a failed step.
-        self.gen = MixedBatchGenerator(self.model, **self._gen_kwargs)
+        self.runner.reset()
         mx.clear_cache()
         return events
 
@@ -626,7 +593,7 @@ class Engine:
         its next chunk, and the prefix-cache blocks it cuts next step and until it ends."""
         remaining = sum(len(seg) for seg in segments)
         chunk = min(len(segments[0]), self.prefill_step_size) if segments else 0
-        if (self.gen.mixed and chunk + 1 == remaining and len(segments) == 2
+        if (self.runner.mixed and chunk + 1 == remaining and len(segments) == 2
                 and chunk < self.prefill_step_size):
             chunk = remaining  # the chunk takes the prompt's last token too (mixed steps)
         req = self._by_uid.get(uid)
@@ -652,13 +619,13 @@ class Engine:
         if limit is None or self.memory is None:
             # A plan made elsewhere (rank 0's, on a follower): the same requests go.
             for req in reqs:
-                self.gen.remove([req.uid])
+                self.runner.remove(req.uid)
                 events.append(self._finish(req, "error", error="out of memory (rank 0's gate)",
                                            kind="unavailable"))
             return events
         floor = max(floor, self.memory.weights_bytes)
         for req in reqs:
-            self.gen.remove([req.uid])
+            self.runner.remove(req.uid)
             self.gate_failures += 1
             need = prompt_need(self.memory, prompt_tokens=req.prompt_len,
                                step=self.prefill_step_size,
@@ -679,9 +646,7 @@ class Engine:
         report read on another thread: every live container is first copied with ``list()``,
         which runs without yielding the GIL, so the MLX thread's changes never break it; a
         request that moves between the copies shows its old stage for one snapshot."""
-        batch = self.gen._prompt_batch
-        uids, held = list(batch.uids), list(batch.tokens)
-        prefilled = {uid: len(tokens) for uid, tokens in zip(uids, held, strict=False)}
+        prefilled = self.runner.prefilled_tokens()
         out = []
         for req in list(self.requests.values()):
             if req.generated:
@@ -698,8 +663,8 @@ class Engine:
         return {
             "requests": len(self.requests),
             "waiting": self.waiting,
-            "prefilling": len(self.gen._prompt_batch),
-            "decoding": len(self.gen._generation_batch),
+            "prefilling": self.runner.prefilling,
+            "decoding": self.runner.decoding,
             "steps": self.steps,
             "generated_tokens": self.generated_tokens,
             "prefill_tokens": self.prefill_tokens,
@@ -718,19 +683,8 @@ class Engine:
         began = time.perf_counter()
         ids = list(self.tokenizer.encode("The quick brown fox jumps over the lazy dog."))
         ids = (ids * 4)[:12] if ids else [0] * 12
-        gen = MixedBatchGenerator(self.model, **self._gen_kwargs)
-        try:
-            gen.insert([ids[:5], ids[:9]], max_tokens=[4, 4])
-            for step in range(16):
-                if step == 1:
-                    gen.insert([ids[2:12]], max_tokens=[3])
-                prompt_responses, responses = gen.next()
-                if step > 1 and not (prompt_responses or responses or len(gen._generation_batch)
-                                     or gen._unprocessed_sequences):
-                    break
-        finally:
-            gen.close()
+        self.runner.warm_up(ids)
         return time.perf_counter() - began
 
     def close(self) -> None:
-        self.gen.close()
+        self.runner.close()
