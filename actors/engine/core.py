@@ -20,7 +20,7 @@ from mlx_lm.sample_utils import (
     make_logits_processors,
 )
 
-from actors.engine.agent_output import OutputParser, Parsed
+from actors.engine.agent_output import OutputParser
 from actors.engine.config import DEFAULTS, EngineConfig
 from actors.engine.grammar import thinking_budget_processor
 from actors.engine.kv_blocks import (
@@ -33,7 +33,7 @@ from actors.engine.kv_blocks import (
     layer_kinds,
 )
 from actors.engine.memory_estimate import Member, ModelMemory, prompt_need
-from actors.engine.output import StopStringFilter
+from actors.engine.output import StopStringFilter, delta, token_logprobs
 from actors.engine.prefix import block_hashes, chain_hash, usable_blocks
 from actors.engine.prefix_cache import PrefixCache
 from actors.engine.request import Request, make_request_sampler
@@ -44,9 +44,7 @@ from actors.messages import (
     OutputSpec,
     RequestFinished,
     SamplingParams,
-    TokenLogprob,
     TokensGenerated,
-    TopLogprob,
     Usage,
 )
 
@@ -468,17 +466,19 @@ class Engine:
             req.detokenizer.finalize()
             text, _ = req.stops.feed(req.detokenizer.last_segment)
             text += req.stops.flush()
-            if delta := self._delta(req, text, [], None, last=True):
-                events.append(delta)
+            if rest := delta(req, text, [], None, last=True):
+                events.append(rest)
             events.append(self._finish(req, "stop"))
             return events
         req.detokenizer.add_token(token)
         if finish is not None:
             req.detokenizer.finalize()
         text, matched = req.stops.feed(req.detokenizer.last_segment)
-        logprobs = self._logprobs(req, token, resp.logprobs) if req.sampling.logprobs else None
+        logprobs = (token_logprobs(self.tokenizer, token, resp.logprobs,
+                                   req.sampling.top_logprobs)
+                    if req.sampling.logprobs else None)
         if matched:
-            events.append(self._delta(req, text, [token], logprobs, last=True))
+            events.append(delta(req, text, [token], logprobs, last=True))
             # The stop string ended the request inside the batch: take it out now.
             if self.caching and not self.hybrid:
                 self._cut_finished(req, *self.runner.extract_cache(req.uid))
@@ -487,63 +487,10 @@ class Engine:
             return events
         if finish is not None:
             text += req.stops.flush()
-        events.append(self._delta(req, text, [token], logprobs, last=finish is not None))
+        events.append(delta(req, text, [token], logprobs, last=finish is not None))
         if finish is not None:
             events.append(self._finish(req, finish))
         return events
-
-    def _delta(self, req: Request, text: str, token_ids: list[int],
-               logprobs: list[TokenLogprob] | None, *, last: bool) -> TokensGenerated | None:
-        """The client's delta for ``text``: with a parser, reasoning and tool calls are taken
-        out of it (markup that may begin one is held back, and flushed by the last delta).
-        None when a delta without tokens carries nothing."""
-        reasoning, calls = "", None
-        parser = req.parser
-        if parser is not None:
-            was_reasoning = parser.in_reasoning
-            parsed = parser.feed(text)
-            if last:
-                end = parser.finish()
-                parsed = Parsed(text=parsed.text + end.text,
-                                reasoning=parsed.reasoning + end.reasoning,
-                                tool_calls=parsed.tool_calls + end.tool_calls)
-            if token_ids and (was_reasoning or parser.in_reasoning):
-                req.reasoning_tokens += len(token_ids)
-            text, reasoning, calls = parsed.text, parsed.reasoning, parsed.tool_calls or None
-        if not (token_ids or text or reasoning or calls):
-            return None
-        return TokensGenerated(request_id=req.request_id, text=text, token_ids=token_ids,
-                               logprobs=logprobs, reasoning=reasoning, tool_calls=calls)
-
-    def _logprobs(self, req: Request, token: int, logprobs: mx.array) -> list[TokenLogprob]:
-        k = req.sampling.top_logprobs
-        chosen = logprobs[token].item()
-        top: list[TopLogprob] = []
-        if k > 0:
-            idx = mx.argpartition(-logprobs, kth=k - 1)[:k]
-            vals = logprobs[idx]
-            order = mx.argsort(-vals)
-            ids = idx[order].tolist()
-            top = [self._top(i, v) for i, v in zip(ids, vals[order].tolist(), strict=True)]
-        piece = self._piece(token)
-        return [
-            TokenLogprob(
-                token=piece,
-                token_id=token,
-                logprob=chosen,
-                bytes=list(piece.encode("utf-8")),
-                top_logprobs=top,
-            )
-        ]
-
-    def _top(self, token_id: int, logprob: float) -> TopLogprob:
-        piece = self._piece(token_id)
-        return TopLogprob(
-            token=piece, token_id=token_id, logprob=logprob, bytes=list(piece.encode("utf-8"))
-        )
-
-    def _piece(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
 
     # -- endings -------------------------------------------------------------------------
 
