@@ -17,6 +17,18 @@ from actors.engine.ragged_cache import RaggedKVCache
 from actors.mlx_lm_private import right_pad_prompts
 
 
+def chunk_of(segments: list[list[int]], step: int, mixed: bool) -> tuple[int, bool]:
+    """The prompt tokens a sequence's next prefill chunk runs (the first ``step`` of its first
+    segment), and whether that chunk also takes the prompt's last token: with mixed steps, a
+    chunk that ends its segment with only that token left, and room to spare, runs it too, so
+    the step samples the prompt's first token from the chunk (mlx-lm leaves the last token for
+    a decode step: one more step before the first token). The memory gate counts the same."""
+    k = min(len(segments[0]), step)
+    takes_last = (mixed and k == len(segments[0]) and len(segments) == 2
+                  and len(segments[1]) == 1 and k < step)
+    return k + takes_last, takes_last
+
+
 class _Forward:
     """The model as a decode step of ``JoiningGenerationBatch`` calls it: ``mixed_forward``,
     which reads ragged caches, with the prompt batch's next chunk riding along when one is
@@ -246,14 +258,15 @@ class MixedBatchGenerator(BatchGenerator):
         for i, seq in enumerate(self._currently_processing):
             response = PromptProcessingBatch.Response(batch.uids[i], 0, False, False)
             segments = seq[0]
+            _, takes_last = chunk_of(segments, self.prefill_step_size,
+                                     self.mixed and self.first_token_in_chunk)
             k = min(len(segments[0]), self.prefill_step_size)
             prompts.append(segments[0][:k])
             segments[0] = segments[0][k:]
             if not segments[0]:
                 segments.pop(0)
                 response.end_of_segment = True
-                if (self.mixed and self.first_token_in_chunk and len(segments) == 1
-                        and len(segments[0]) == 1 and k < self.prefill_step_size):
+                if takes_last:
                     prompts[-1] = prompts[-1] + segments.pop()
                     response.end_of_prompt = True
                     ends.append(i)

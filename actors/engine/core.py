@@ -21,6 +21,7 @@ from mlx_lm.sample_utils import (
 )
 
 from actors.engine.agent_output import OutputParser
+from actors.engine.batch import chunk_of
 from actors.engine.config import DEFAULTS, EngineConfig
 from actors.engine.grammar import thinking_budget_processor
 from actors.engine.kv_blocks import (
@@ -539,10 +540,8 @@ class Engine:
         """Where one sequence stands, for the gate: its cache, what is left of its prompt,
         its next chunk, and the prefix-cache blocks it cuts next step and until it ends."""
         remaining = sum(len(seg) for seg in segments)
-        chunk = min(len(segments[0]), self.prefill_step_size) if segments else 0
-        if (self.runner.mixed and chunk + 1 == remaining and len(segments) == 2
-                and chunk < self.prefill_step_size):
-            chunk = remaining  # the chunk takes the prompt's last token too (mixed steps)
+        chunk = chunk_of(segments, self.prefill_step_size, self.runner.mixed)[0] \
+            if segments else 0
         req = self._by_uid.get(uid)
         cut_now = blocks_left = 0
         if self.caching and req is not None and req.hashes:
