@@ -14,21 +14,41 @@ from actors.engine.agent_output import OutputParser
 from actors.engine.output import StopStringFilter
 from actors.messages import SamplingParams
 
+# mx.random.key takes an unsigned 64-bit seed; any integer a request sends wraps into it.
+SEED_SPACE = 1 << 64
+
 
 def make_request_sampler(sampling: SamplingParams) -> Callable[[mx.array], mx.array]:
     """The sampler for one request. Greedy requests share one function so the batch samples
     in one call; a seeded request carries its own PRNG key so its draws do not depend on the
-    other requests in the batch."""
+    other requests in the batch.
+
+    A ``top_k`` at or past the vocabulary keeps every token, as no ``top_k`` does. mlx-lm
+    raises on it instead, inside a function compiled over MLX's global random state, which
+    that leaves unusable: every later sampled request of the process failed. The vocabulary
+    is known from the first logits, so the sampler is made then."""
     if sampling.temperature == 0:
         return greedy_sampler
+    made: list[Callable[[mx.array], mx.array]] = []
+
+    def sampler(logprobs: mx.array) -> mx.array:
+        if not made:
+            top_k = sampling.top_k if sampling.top_k < logprobs.shape[-1] else 0
+            made.append(_sampler(sampling, top_k))
+        return made[0](logprobs)
+
+    return sampler
+
+
+def _sampler(sampling: SamplingParams, top_k: int) -> Callable[[mx.array], mx.array]:
     if sampling.seed is None:
         return make_sampler(
             temp=sampling.temperature,
             top_p=sampling.top_p,
             min_p=sampling.min_p,
-            top_k=sampling.top_k,
+            top_k=top_k,
         )
-    key = mx.random.key(sampling.seed)
+    key = mx.random.key(sampling.seed % SEED_SPACE)
     inv_temp = 1.0 / sampling.temperature
 
     def seeded(logprobs: mx.array) -> mx.array:
@@ -37,13 +57,12 @@ def make_request_sampler(sampling: SamplingParams) -> Callable[[mx.array], mx.ar
             logprobs = apply_top_p(logprobs, sampling.top_p)
         if sampling.min_p > 0.0:
             logprobs = apply_min_p(logprobs, sampling.min_p)
-        if sampling.top_k > 0:
-            logprobs = apply_top_k(logprobs, sampling.top_k)
+        if top_k > 0:
+            logprobs = apply_top_k(logprobs, top_k)
         key, sub = mx.random.split(key)
         return mx.random.categorical(logprobs * inv_temp, key=sub)
 
     return seeded
-
 
 
 @dataclass
