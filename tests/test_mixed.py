@@ -19,15 +19,36 @@ from actors.engine.ragged_cache import MERGE_SLACK, RaggedKVCache
 from actors.messages import TokensGenerated
 
 
-def batch_cache(model, prompts: list[list[int]]) -> list[BatchKVCache]:
-    """Each prompt run alone into a KVCache, merged into one left-padded batch cache."""
+def batch_cache(model, prompts: list[list[int]]) -> list:
+    """Each prompt run alone into the model's own caches, merged per layer by its own batch
+    class into one left-padded batch cache (``BatchKVCache``, or ``BatchRotatingKVCache`` for
+    a rotating layer)."""
     per = []
     for p in prompts:
         cache = make_prompt_cache(model)
-        model(mx.array([p]), cache=cache)
+        if p:
+            model(mx.array([p]), cache=cache)
         mx.eval([c.state for c in cache])
         per.append(cache)
-    return [BatchKVCache.merge([c[i] for c in per]) for i in range(len(per[0]))]
+    return [type(layer[0]).merge(list(layer)) for layer in zip(*per, strict=True)]
+
+
+def count_passes(monkeypatch, model) -> list[int]:
+    """A list that grows by one each forward pass of ``model``, of either kind: the final norm
+    runs once per pass."""
+    passes: list[int] = []
+
+    class Counting(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def __call__(self, x):
+            passes.append(1)
+            return self.inner(x)
+
+    monkeypatch.setitem(model.model, "norm", Counting(model.model.norm))
+    return passes
 
 
 def test_llama_shaped_models_are_supported_and_hybrids_are_not(loaded, tiny_hybrid_dir):
@@ -213,18 +234,7 @@ def test_one_forward_pass_a_step_while_a_prompt_is_prefilled(loaded, monkeypatch
     """While streams decode and a prompt is prefilled in chunks, a mixed step is one forward
     pass; mlx-lm's step is two (and a third as the prompt's last token joins)."""
     model, tok = loaded
-    passes = []
-
-    class Counting(nn.Module):  # the final norm runs once per forward pass, of either kind
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def __call__(self, x):
-            passes.append(1)
-            return self.inner(x)
-
-    monkeypatch.setitem(model.model, "norm", Counting(model.model.norm))
+    passes = count_passes(monkeypatch, model)
     engine = Engine(model, tok, engine_config(prefill_step_size=16, prefill_interleave=1.0,
                                               mixed_step=mixed))
     fix_budget(engine, 16)
@@ -300,19 +310,6 @@ def loaded_gemma3(tmp_path_factory: pytest.TempPathFactory):
     return load(str(model_dir))
 
 
-def batch_caches(model, prompts: list[list[int]]) -> list:
-    """``batch_cache`` for any layer kind: each prompt run alone into the model's own caches,
-    merged by their own batch class (``BatchRotatingKVCache`` for a rotating layer)."""
-    per = []
-    for p in prompts:
-        cache = make_prompt_cache(model)
-        if p:
-            model(mx.array([p]), cache=cache)
-        mx.eval([c.state for c in cache])
-        per.append(cache)
-    return [type(layer[0]).merge(list(layer)) for layer in zip(*per, strict=True)]
-
-
 def test_gemma3_takes_the_one_pass_step(loaded_gemma3):
     model, _ = loaded_gemma3
     assert supports_mixed(model)
@@ -337,7 +334,7 @@ def test_a_gemma3_mixed_forward_computes_what_two_calls_do_across_the_window(
     nxt = mx.array([[t] for t in text[-len(decoding):]])
 
     def caches():
-        d, p = batch_caches(model, rows), batch_caches(model, [prompt])
+        d, p = batch_cache(model, rows), batch_cache(model, [prompt])
         for s in range(steps):  # past the window: the rotating caches wrap around
             model(mx.array([[text[s]]] * len(rows)), cache=d)
         return d, p
@@ -371,18 +368,7 @@ def test_gemma3_takes_one_forward_pass_a_step_while_a_prompt_is_prefilled(
     the window, would group the rows unlike the global ones)."""
     model, tok = loaded_gemma3
     window = model.args.sliding_window
-    passes = []
-
-    class Counting(nn.Module):  # the final norm runs once per forward pass, of either kind
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def __call__(self, x):
-            passes.append(1)
-            return self.inner(x)
-
-    monkeypatch.setitem(model.model, "norm", Counting(model.model.norm))
+    passes = count_passes(monkeypatch, model)
     engine = Engine(model, tok, engine_config(prefill_step_size=16, prefill_interleave=1.0,
                                               mixed_step=mixed))
     assert engine.runner.gen.mixed is mixed
