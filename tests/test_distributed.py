@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -104,6 +105,15 @@ def _pair(port: int, fingerprint: str = "fp") -> tuple[Followers, socket.socket]
     return followers, sock
 
 
+def _following(engine: Recorder, sock: socket.socket) -> tuple[threading.Thread, dict]:
+    """``follow`` on a thread of its own; its exit code lands in the dict under "exit"."""
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.setdefault(
+        "exit", follow(engine, sock, 1, Grammars())))
+    t.start()
+    return t, out
+
+
 def _plan(admit: int = 1, chunk: int = 64, fail: list[int] | None = None) -> StepPlan:
     return StepPlan(fail=fail or [], reject=None, admit=admit, budget=None, chunk=chunk,
                     held=False)
@@ -112,10 +122,7 @@ def _plan(admit: int = 1, chunk: int = 64, fail: list[int] | None = None) -> Ste
 def test_a_follower_applies_rank_0s_requests_and_plans_in_order_then_stops_on_bye():
     followers, sock = _pair(free_port())
     engine = Recorder()
-    out = {}
-    t = threading.Thread(target=lambda: out.setdefault(
-        "exit", follow(engine, sock, 1, Grammars())))
-    t.start()
+    t, out = _following(engine, sock)
     sampling = SamplingParams(max_tokens=5, temperature=0.0)
     followers.add("a", [1, 2, 3], sampling, None, None)
     followers.add("b", [4], sampling, None, '{"grammars": []}')
@@ -148,10 +155,7 @@ def test_a_follower_applies_rank_0s_requests_and_plans_in_order_then_stops_on_by
 def test_a_follower_that_diverged_from_rank_0_stops_and_rank_0_says_which_rank():
     followers, sock = _pair(free_port())
     engine = Recorder()
-    out = {}
-    t = threading.Thread(target=lambda: out.setdefault(
-        "exit", follow(engine, sock, 1, Grammars())))
-    t.start()
+    t, out = _following(engine, sock)
     followers.plan(_plan(), step=0, digest=0)
     followers.plan(_plan(), step=1, digest=12345)  # rank 0 sampled other tokens
     t.join(10)
@@ -218,6 +222,23 @@ def _sharded_model(tmp: Path, arch: str) -> Path:
     return out
 
 
+def _wait_healthy(url: str, procs: list[subprocess.Popen], logs: Callable[[], str],
+                  timeout: float = 240) -> None:
+    """Until ``url`` answers /health; a process that exits meanwhile fails the test."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in procs:
+            if p.poll() is not None:
+                raise AssertionError(f"a server process exited with {p.returncode}: {logs()}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError("the server did not start: " + logs())
+
+
 class Ranks:
     """``troupe serve --distributed`` as two processes on loopback, started as ``mlx.launch``
     starts them (MLX_RANK and a host file), so a test can kill one and watch the other."""
@@ -240,19 +261,8 @@ class Ranks:
                                                stderr=subprocess.STDOUT))
         self.url = f"http://127.0.0.1:{self.port}"
 
-    def wait_ready(self, timeout: float = 240) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for p in self.procs:
-                if p.poll() is not None:
-                    raise AssertionError(f"a rank exited with {p.returncode}: {self.tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise AssertionError("the ranks did not start: " + self.tail())
+    def wait_ready(self) -> None:
+        _wait_healthy(self.url, self.procs, self.tail)
 
     def tail(self) -> str:
         text = ""
@@ -290,29 +300,13 @@ class Single:
             cwd=ROOT, stdout=self.out, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.port}"
 
-    def wait_ready(self, timeout: float = 240) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, Path(self.out.name).read_text()[-3000:]
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise AssertionError("the server did not start")
+    def wait_ready(self) -> None:
+        _wait_healthy(self.url, [self.proc], lambda: Path(self.out.name).read_text()[-3000:])
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
         self.proc.wait(60)
         self.out.close()
-
-
-def _complete(url: str, prompt: str, max_tokens: int = 16) -> str:
-    r = httpx.post(url + "/v1/completions", timeout=120, json={
-        "model": "default", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["text"]
 
 
 def _answers(url: str, model: str) -> dict[str, list[str]]:
