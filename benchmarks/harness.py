@@ -56,9 +56,10 @@ tempfile.gettempdir()  # cached now: the ceiling's CPU kernels later point TMPDI
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]  # actors.models.blas, and plot.py beside this
 
 TROUPE = "mlx-troupe"
+BASELINE = "mlx-troupe@baseline"  # another commit's checkout (--baseline), served the same way
 PEER = "mlx_lm.server"
 CEILING = "in-process"
-SERVERS = (TROUPE, PEER)
+SERVERS = (TROUPE, BASELINE, PEER)
 
 # The unique part comes first so that no two prompts share more than the chat template: a
 # server's prompt cache must not turn "unique prompts" into prefix hits.
@@ -382,7 +383,7 @@ async def wait_healthy(base: str, proc: subprocess.Popen, deadline_s: float = 60
 
 def server_command(name: str, model_dir: str, port: int, cache_dir: str,
                    args: argparse.Namespace) -> list[str]:
-    if name == TROUPE:
+    if name in (TROUPE, BASELINE):
         return [sys.executable, "-m", "api.cli", "serve", "--model", model_dir, "--port",
                 str(port), "--cache-dir", cache_dir, "--log-level", "warning",
                 *shlex.split(args.troupe_args)]
@@ -444,15 +445,18 @@ async def running(name: str, model_dir: str, args: argparse.Namespace,
             open(out_dir / f"{name}-rep{rep}.log", "w") as log:
         # The environment the harness started with: not the JIT settings the in-process
         # ceiling put into this process (troupe makes its own; the peer runs MLX's).
+        # `python -m` puts its working directory first on sys.path: the baseline's checkout
+        # serves its own code (this venv's packages).
+        cwd = args.baseline if name == BASELINE else REPO
         proc = subprocess.Popen(server_command(name, model_dir, port, cache_dir, args),
-                                stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=START_ENV)
+                                stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=START_ENV)
         spy = None
         try:
             ids = await wait_healthy(base, proc)
             if args.profile:
                 spy = start_py_spy(proc.pid, out_dir / f"{name}-rep{rep}.pyspy.txt", log)
             # mlx_lm.server loads whatever the model field names: send the directory it serves.
-            model = ids[0] if name == TROUPE and ids else model_dir
+            model = ids[0] if name in (TROUPE, BASELINE) and ids else model_dir
             await run_level(base, model, [[{"role": "user", "content": "Hello!"}]], 1, 8)
             yield Live(name, base, model, proc.pid)
         finally:
@@ -614,7 +618,9 @@ def spread(median: float | None, per_rep: list[float | None]) -> str:
 
 
 def serving_ratios(result: dict[str, Any]) -> dict[str, dict[str, float | None]]:
-    """Per concurrency: troupe/peer tokens/s and TTFT p99, troupe/ceiling tokens/s."""
+    """Per concurrency: troupe/peer tokens/s and TTFT p99, troupe/ceiling tokens/s; with a
+    baseline, its own ratios to the peer too (before and after, each against the peer of
+    the same run)."""
     out = {}
     t = result.get(TROUPE, {}).get("serving", {})
     for c, tr in t.items():
@@ -625,6 +631,12 @@ def serving_ratios(result: dict[str, Any]) -> dict[str, dict[str, float | None]]
             "ttft_p99_vs_peer": ratio(tr["ttft_p99"], pr.get("ttft_p99")),
             "tokens_per_s_vs_ceiling": ratio(tr["tokens_per_s"], ce.get("tokens_per_s")),
         }
+        if ba := result.get(BASELINE, {}).get("serving", {}).get(c):
+            out[c].update({
+                "baseline_tokens_per_s_vs_peer": ratio(ba["tokens_per_s"],
+                                                       pr.get("tokens_per_s")),
+                "baseline_ttft_p99_vs_peer": ratio(ba["ttft_p99"], pr.get("ttft_p99")),
+            })
     return out
 
 
@@ -674,9 +686,11 @@ def markdown(report: dict[str, Any]) -> str:
         "| ITL p50 (ms) | ITL p99 (ms) | errors |",
         "|---|---|---|---|---|---|---|---|",
     ]
+    labels = {CEILING: "in-process BatchGenerator (ceiling)",
+              BASELINE: f"mlx-troupe at {meta.get('baseline_rev')} (baseline)"}
     for name in (*SERVERS, CEILING):
         for c, r in med.get(name, {}).get("serving", {}).items():
-            label = "in-process BatchGenerator (ceiling)" if name == CEILING else name
+            label = labels.get(name, name)
             lines.append(f"| {label} | {c} | {fmt(r['tokens_per_s'], 1)} | {ms(r['ttft_p50'])} "
                          f"| {ms(r['ttft_p99'])} | {ms(r['itl_p50'])} | {ms(r['itl_p99'])} "
                          f"| {r['errors']:.0f} |")
@@ -688,13 +702,22 @@ def markdown(report: dict[str, Any]) -> str:
                      for k in ("tokens_per_s_vs_peer", "ttft_p99_vs_peer",
                                "tokens_per_s_vs_ceiling")]
             lines.append(f"| {c} | {' | '.join(cells)} |")
+    if any("baseline_tokens_per_s_vs_peer" in r for r in report["ratios"].values()):
+        lines += ["", f"| concurrency | tok/s / mlx_lm.server: troupe | at "
+                  f"{meta.get('baseline_rev')} | TTFT p99 / mlx_lm.server: troupe | at "
+                  f"{meta.get('baseline_rev')} |", "|---|---|---|---|---|"]
+        for c, r in report["ratios"].items():
+            cells = [spread(r.get(k), [p.get(c, {}).get(k) for p in report["ratios_per_rep"]])
+                     for k in ("tokens_per_s_vs_peer", "baseline_tokens_per_s_vs_peer",
+                               "ttft_p99_vs_peer", "baseline_ttft_p99_vs_peer")]
+            lines.append(f"| {c} | {' | '.join(cells)} |")
     if prefixes := [med[n]["prefix"] for n in SERVERS if "prefix" in med.get(n, {})]:
         tokens = prefixes[0]["prompt_tokens"]
         lines += ["", f"| server | {tokens:.0f}-token prompt TTFT: cold (s) | repeated (s) "
                   "| new ending (s) |", "|---|---|---|---|"]
         for name in SERVERS:
             if p := med.get(name, {}).get("prefix"):
-                lines.append(f"| {name} | {fmt(p['cold'])} | {fmt(p['repeat'])} "
+                lines.append(f"| {labels.get(name, name)} | {fmt(p['cold'])} | {fmt(p['repeat'])} "
                              f"| {fmt(p['new_ending'])} |")
     if any("interference" in med.get(n, {}) for n in SERVERS):
         lines += ["", f"| server | {meta['streams']} streams' ITL before (p50 / p99 ms) "
@@ -703,7 +726,8 @@ def markdown(report: dict[str, Any]) -> str:
         for name in SERVERS:
             if i := med.get(name, {}).get("interference"):
                 lines.append(
-                    f"| {name} | {ms(i['itl_p50_before'])} / {ms(i['itl_p99_before'])} "
+                    f"| {labels.get(name, name)} "
+                    f"| {ms(i['itl_p50_before'])} / {ms(i['itl_p99_before'])} "
                     f"| {ms(i['itl_p50_during'])} / {ms(i['itl_p99_during'])} / "
                     f"{ms(i['itl_max_during'])} | {fmt(i['p99_during_over_p50_before'], 1)} "
                     f"| {fmt(i['long_ttft'])} |")
@@ -781,6 +805,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    default=["serving", "prefix", "interference"])
     p.add_argument("--no-peer", action="store_true", help="skip mlx_lm.server")
     p.add_argument("--no-ceiling", action="store_true", help="skip the in-process ceiling")
+    p.add_argument("--baseline", metavar="DIR",
+                   help="also serve troupe from this checkout of another commit (git worktree "
+                   "add DIR REV), in the same run: before and after, side by side")
     p.add_argument("--troupe-args", default="",
                    help="extra `troupe serve` flags, with '=': --troupe-args='--block-size 0'")
     p.add_argument("--peer-args", default="",
@@ -802,7 +829,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     started, load_start = time.perf_counter(), os.getloadavg()[0]
-    servers = [TROUPE] if args.no_peer else list(SERVERS)
+    servers = [TROUPE, *([BASELINE] if args.baseline else []), *([] if args.no_peer else [PEER])]
+    if args.baseline:
+        args.baseline = str(Path(args.baseline).resolve())
+        baseline_rev = subprocess.run(["git", "-C", args.baseline, "rev-parse", "--short",
+                                       "HEAD"], check=True, capture_output=True,
+                                      text=True).stdout.strip()
     reps: list[dict[str, Any]] = []
     report: dict[str, Any] = {}
     for rep in range(args.reps):
@@ -816,6 +848,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "command": shlex.join(sys.argv),
             **{k: v for k, v in vars(args).items() if k != "model"},
             "reps": len(reps), "reps_asked": args.reps,
+            "rev": subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+                                  capture_output=True, text=True).stdout.strip(),
+            **({"baseline_rev": baseline_rev} if args.baseline else {}),
         }
         report = write_report(Path(args.out), meta, reps)
     return report

@@ -12,6 +12,7 @@ from typing import Any
 
 STYLE = {  # name in the report: (label, colour)
     "mlx-troupe": ("mlx-troupe", "tab:blue"),
+    "mlx-troupe@baseline": ("mlx-troupe (baseline)", "tab:green"),
     "mlx_lm.server": ("mlx_lm.server", "tab:orange"),
     "in-process": ("in-process ceiling", "tab:gray"),
 }

@@ -138,3 +138,28 @@ def test_an_answer_ended_by_its_first_token_still_has_a_first_token_time() -> No
     spoken = harness.Stream(sent=10.0, chunk_times=[10.25, 10.3], answered=10.4)
     assert spoken.first_token == 10.25 and spoken.ttft == 0.25
     assert harness.Stream(sent=10.0).ttft is None
+
+
+def test_a_baseline_commit_gets_its_own_ratios_to_the_peer_and_its_own_rows() -> None:
+    """--baseline serves another checkout beside troupe in the same run: before and after are
+    each compared with the peer of that run, and the tables name the baseline's commit."""
+    def level(tps: float, p99: float) -> dict[str, float]:
+        return {"tokens_per_s": tps, "ttft_p50": p99 / 2, "ttft_p99": p99, "itl_p50": 0.1,
+                "itl_p99": 0.2, "errors": 0.0}
+
+    rep = {harness.TROUPE: {"serving": {"4": level(30.0, 1.0)}},
+           harness.BASELINE: {"serving": {"4": level(24.0, 2.0)}},
+           harness.PEER: {"serving": {"4": level(20.0, 4.0)}}}
+    ratios = harness.serving_ratios(rep)["4"]
+    assert ratios["tokens_per_s_vs_peer"] == pytest.approx(1.5)
+    assert ratios["baseline_tokens_per_s_vs_peer"] == pytest.approx(1.2)
+    assert ratios["baseline_ttft_p99_vs_peer"] == pytest.approx(0.5)
+    assert "baseline_tokens_per_s_vs_peer" not in harness.serving_ratios(
+        {k: v for k, v in rep.items() if k != harness.BASELINE})["4"]
+    meta = {"model": "m", "blas": "b", "cpus": 2, "cpu": "c", "loadavg_start": 1.0,
+            "loadavg_end": 1.0, "reps": 1, "requests_per_client": 2, "max_tokens": 64,
+            "wall_s": 60.0, "streams": 8, "baseline_rev": "abc1234"}
+    md = harness.markdown({"median": rep, "meta": meta, "ratios": {"4": ratios},
+                           "ratios_per_rep": [{"4": ratios}], "goals": []})
+    assert "| mlx-troupe at abc1234 (baseline) | 4 | 24.0 |" in md
+    assert "| 4 | 1.50 | 1.20 | 0.25 | 0.50 |" in md
