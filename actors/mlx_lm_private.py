@@ -37,7 +37,8 @@ ATTRIBUTES: tuple[tuple[str, str, str], ...] = (
      "the decoding sequences: replaced by troupe's JoiningGenerationBatch (answers in the "
      "step, ragged caches)"),
     ("BatchGenerator", "_unprocessed_sequences",
-     "the queue not yet in a batch: the gate and the chunk plan see who would join"),
+     "the queue not yet in a batch: the gate and the chunk plan see who would join, and it "
+     "is reordered so that long prompts start shortest first"),
     ("BatchGenerator", "_currently_processing",
      "each prefilling sequence's remaining segments: the step takes their next chunk"),
     ("BatchGenerator", "_counters", "prompt and decode token counts for the step's timing"),

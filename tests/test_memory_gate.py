@@ -9,6 +9,7 @@ import pytest
 from engine_helpers import engine_config
 from mlx_lm import load
 
+from actors.engine import schedule
 from actors.engine.core import Engine
 from actors.engine.memory_estimate import model_memory, model_memory_of, prompt_need
 from actors.messages import RequestFinished, SamplingParams, TokensGenerated
@@ -60,7 +61,11 @@ def test_gate_with_room_to_spare_changes_no_token(which, request):
     assert all(f.finish_reason == "length" for f in finished.values())
 
 
-def test_tight_limit_prefills_one_prompt_at_a_time_and_all_complete(tiny_model_dir):
+def test_tight_limit_prefills_one_prompt_at_a_time_and_all_complete(tiny_model_dir,
+                                                                   monkeypatch):
+    # Long prompts are prefilled one after the other anyway (schedule.startable); here every
+    # prompt counts as short, so that only the gate can hold them to one at a time.
+    monkeypatch.setattr(schedule, "LONG_PROMPT", 1 << 30)
     engine = make_engine(tiny_model_dir, prefill_step_size=512)
     tok = engine.tokenizer
     prompts = {f"r{i}": tok.encode(SENTENCE * 160)[: 1400 + 10 * i] for i in range(6)}

@@ -6,19 +6,25 @@ without MLX at all.
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 
+from actors.engine import schedule as schedule_module
 from actors.engine.config import EngineConfig
-from actors.engine.memory_estimate import Member, ModelMemory, plan_step
+from actors.engine.memory_estimate import ADMIT_HEADROOM, Member, ModelMemory, plan_step
 from actors.engine.schedule import (
+    LONG_PROMPT,
     MIN_MIXED_CHUNK,
     MIN_PREFILL_CHUNK,
     SHORT_PROMPT,
+    STARVED_STEPS,
     Memory,
     Pending,
     StepState,
+    Waiting,
     schedule,
+    start_order,
 )
 
 CONFIG = EngineConfig(prefill_step_size=512, prefill_batch_size=4, prefill_interleave=1.0,
@@ -27,10 +33,11 @@ TINY = ModelMemory(kv_layers=2, kv_heads=2, head_dim=16, q_heads=4, hidden=64,
                    intermediate=128, dtype_bytes=4, weights_bytes=300_000)
 
 
-def seq(uid: int, remaining: int, *, whole: int | None = None, in_cache: int = 0) -> Pending:
+def seq(uid: int, remaining: int, *, whole: int | None = None, in_cache: int = 0,
+        waited: int = 0) -> Pending:
     chunk = min(remaining, CONFIG.prefill_step_size)
     member = Member(in_cache=in_cache, remaining=remaining, chunk=chunk)
-    return Pending(uid, member, remaining if whole is None else whole)
+    return Pending(uid, member, remaining if whole is None else whole, waited)
 
 
 def state(**kw) -> StepState:
@@ -74,13 +81,16 @@ def test_the_budget_never_falls_below_the_floor_nor_passes_the_chunk_size():
 
 def test_the_budget_is_shared_by_the_sequences_prefilling_and_those_joining():
     timings = dict(decoding=2, decode_s=0.2, token_s=0.001)  # a budget of 200 tokens
-    plan = schedule(state(**timings, prefilling=[seq(1, 5000)], waiting=[seq(2, 5000)]))
+    plan = schedule(state(**timings, prefilling=[seq(1, 5000)], waiting=[seq(2, 2000)]))
     assert (plan.budget, plan.chunk) == (200, 100)
     # No batch slot left: the waiting one does not join, so it takes no share.
     full = EngineConfig(prefill_step_size=512, prefill_interleave=1.0, max_batch_size=2)
     plan = schedule(state(config=full, **timings, prefilling=[seq(1, 5000)],
-                          waiting=[seq(2, 5000)]))
+                          waiting=[seq(2, 2000)]))
     assert plan.chunk == 200
+    # Nor does one that waits its turn (a long prompt with little more to go prefills).
+    plan = schedule(state(**timings, prefilling=[seq(1, 5000)], waiting=[seq(2, 4000)]))
+    assert (plan.admit, plan.chunk) == (0, 200)
 
 
 def test_a_short_prompt_is_never_split_but_the_end_of_a_long_one_is_not_short():
@@ -118,6 +128,132 @@ def test_without_a_gate_every_free_prefill_slot_may_fill():
     plan = schedule(state(prefilling=[seq(1, 100)], waiting=[seq(i, 10) for i in range(2, 9)]))
     assert plan.admit == CONFIG.prefill_batch_size - 1
     assert not plan.held
+
+
+# -- who starts: long prompts one after the other, shortest first ----------------------------
+
+
+def starting(**kw) -> int:
+    """How many of the waiting sequences the plan for ``state(**kw)`` starts (``admit`` is
+    a cap: the free slots, when all may start)."""
+    return min(schedule(state(**kw)).admit, len(kw.get("waiting", [])))
+
+
+def order(*waiting: tuple[int, int] | tuple[int, int, int]) -> list[int]:
+    """``start_order`` of (uid, remaining[, waited]) rows."""
+    return start_order([Waiting(*w) if len(w) == 3 else Waiting(*w, 0) for w in waiting],
+                       CONFIG)
+
+
+def test_long_prompts_arriving_together_start_one_at_a_time_shortest_first():
+    # Four agent turns of 300-600 new tokens, in arrival order (uids) 1..4.
+    lengths = {1: 600, 2: 300, 3: 500, 4: 400}
+    assert min(lengths.values()) > LONG_PROMPT
+    assert order(*lengths.items()) == [2, 4, 3, 1]
+    waiting = [seq(uid, lengths[uid]) for uid in (2, 4, 3, 1)]
+    assert starting(waiting=waiting) == 1
+    # The first is still prefilling (the end of it): the next waits for it ...
+    plan = schedule(state(prefilling=[seq(2, 100, whole=300, in_cache=200)],
+                          waiting=waiting[1:]))
+    assert plan.admit == 0 and not plan.held
+    # ... and starts once it decodes (down to its last token it counts as done).
+    assert starting(decoding=1, waiting=waiting[1:]) == 1
+    assert starting(prefilling=[seq(2, 1, whole=300, in_cache=299)], waiting=waiting[1:]) == 1
+    # While sequences decode, under a budget, the same.
+    assert starting(decoding=3, decode_s=0.15, token_s=0.001, waiting=waiting) == 1
+
+
+def test_short_prompts_start_together_in_arrival_order_as_before():
+    chats = [seq(uid, 100) for uid in range(1, 9)]
+    assert starting(waiting=chats) == CONFIG.prefill_batch_size
+    # Ahead of long ones waiting (in arrival order, not by length), and beside a long prompt
+    # prefilling, which a long one waits for.
+    assert order((1, 900), (2, 120), (3, 40), (4, 300)) == [2, 3, 4, 1]
+    assert starting(prefilling=[seq(9, 2000)],
+                    waiting=[seq(2, 120), seq(3, 40), seq(4, 1500)]) == 2
+    # With no long one prefilling, the first long one starts with them; the next waits.
+    assert starting(waiting=[seq(2, 120), seq(3, 40), seq(4, 300), seq(1, 900)]) == 3
+
+
+def test_a_long_prompt_starts_beside_one_with_twice_its_tokens_left():
+    # A 300-token turn need not wait for the 20,000 tokens of another's prompt; the next
+    # turn waits for it (it has less than twice the next one's tokens left).
+    huge = seq(1, 20_000)
+    assert starting(prefilling=[huge], waiting=[seq(2, 300), seq(3, 400)]) == 1
+    assert starting(prefilling=[seq(1, 599)], waiting=[seq(2, 300)]) == 0
+    assert starting(prefilling=[seq(1, 600)], waiting=[seq(2, 300)]) == 1
+
+
+def test_a_starved_sequence_goes_first_and_starts_whatever_its_length():
+    starving = STARVED_STEPS * CONFIG.prefill_step_size
+    assert order((1, 5000, starving), (2, 300), (3, 100), (4, 6000, starving + 1)) == [
+        1, 4, 3, 2]
+    prefilling = [seq(9, 3000)]
+    assert starting(prefilling=prefilling, waiting=[seq(1, 5000, waited=starving - 1)]) == 0
+    assert starting(prefilling=prefilling,
+                    waiting=[seq(1, 5000, waited=starving), seq(3, 100)]) == 2
+
+
+def simulate(steps: int) -> int | None:
+    """A 5,000-token prompt arrives with a 300-token one, and another 300-token one arrives
+    every step after: each shorter one would start before it. Returns the step at which the
+    long one starts (None: it never did), planning each step with ``start_order`` and
+    ``schedule`` and running whole chunks."""
+    prefilling: dict[int, list[int]] = {}  # uid -> [remaining, whole]
+    waiting: dict[int, list[int]] = {1: [5000, 0]}  # uid -> [remaining, prefilled when it came]
+    prefilled = 0
+    for step in range(steps):
+        waiting[100 + step] = [300, prefilled]
+        rows = [Waiting(uid, n, prefilled - since) for uid, (n, since) in waiting.items()]
+        queue = [seq(uid, waiting[uid][0], waited=prefilled - waiting[uid][1])
+                 for uid in start_order(rows, CONFIG)]
+        pending = [seq(uid, n, whole=whole) for uid, (n, whole) in prefilling.items()]
+        plan = schedule(state(prefilling=pending, waiting=queue[:CONFIG.prefill_batch_size]))
+        for p in queue[:plan.admit]:
+            if p.uid == 1:
+                return step
+            prefilling[p.uid] = [waiting.pop(p.uid)[0], p.whole]
+        for uid, rest in list(prefilling.items()):
+            ran = min(rest[0], plan.chunk)
+            prefilled += ran
+            rest[0] -= ran
+            if not rest[0]:
+                del prefilling[uid]
+    return None
+
+
+def test_a_long_prompt_behind_a_stream_of_shorter_ones_still_starts(monkeypatch):
+    # It starts once the others prefilled STARVED_STEPS full steps' tokens (300 a step).
+    bound = math.ceil(STARVED_STEPS * CONFIG.prefill_step_size / 300)
+    assert simulate(100) == bound
+    monkeypatch.setattr(schedule_module, "STARVED_STEPS", 10**9)
+    assert simulate(100) is None  # without the guard it would starve
+
+
+def test_the_memory_gate_still_decides_and_the_order_only_holds_back_more():
+    roomy = Memory(TINY, 0, 10**12)
+    longs = [seq(2, 300), seq(3, 400)]
+    gate = plan_step(TINY, usage=0, limit=10**12, decoding=0, decode_len=0, prefilling=[],
+                     waiting=[p.member for p in longs], step=512)
+    assert gate.admit == 2
+    assert schedule(state(waiting=longs, memory=roomy)).admit == 1
+    # Room for one chat only: the gate holds the second back although chats start together.
+    chats = [seq(2, 100), seq(3, 100)]
+    one = plan_step(TINY, usage=0, limit=10**12, decoding=0, decode_len=0, prefilling=[],
+                    waiting=[chats[0].member], step=512)
+    tight = Memory(TINY, 0, int(one.reserve_need / (1 - ADMIT_HEADROOM)) + 2)
+    assert plan_step(TINY, usage=0, limit=tight.limit, decoding=0, decode_len=0,
+                     prefilling=[], waiting=[p.member for p in chats], step=512).admit == 1
+    plan = schedule(state(waiting=chats, memory=tight))
+    assert plan.admit == 1 and plan.held
+    # Never more than the gate, whatever the lengths.
+    for lengths in ([100, 100, 100], [300, 900], [50, 700, 20], [5000], [260, 257]):
+        waiting = [seq(i, n) for i, n in enumerate(lengths)]
+        for limit in (10**6, 3 * 10**6, 10**12):
+            gated = plan_step(TINY, usage=0, limit=limit, decoding=0, decode_len=0,
+                              prefilling=[], waiting=[p.member for p in waiting], step=512)
+            plan = schedule(state(waiting=waiting, memory=Memory(TINY, 0, limit)))
+            assert plan.admit <= gated.admit, (lengths, limit)
 
 
 def test_the_schedule_loads_without_mlx():

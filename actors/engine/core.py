@@ -39,7 +39,15 @@ from actors.engine.prefix import block_hashes, chain_hash, usable_blocks
 from actors.engine.prefix_cache import PrefixCache
 from actors.engine.request import Request, make_request_sampler
 from actors.engine.runner import Runner, StepOutput
-from actors.engine.schedule import Memory, Pending, StepPlan, StepState, schedule
+from actors.engine.schedule import (
+    Memory,
+    Pending,
+    StepPlan,
+    StepState,
+    Waiting,
+    schedule,
+    start_order,
+)
 from actors.messages import (
     ErrorKind,
     OutputSpec,
@@ -125,6 +133,8 @@ class Engine:
         self.steps = 0
         self.generated_tokens = 0
         self.prefill_tokens = 0  # prompt tokens run through the model
+        # Each waiting sequence's uid -> ``prefill_tokens`` when it was first seen waiting.
+        self._waiting_since: dict[int, int] = {}
         self.partial_hit_tokens = 0  # prompt tokens taken from part of a block
         # The tokens the last step sampled, as a checksum (followers of a sharded model
         # compare theirs with rank 0's), and rank 0's channel to its followers: told each
@@ -321,6 +331,7 @@ class Engine:
         self.cut_pending()
         if not self.requests:
             return []
+        self._order_waiting()
         usage = 0
         if plan is None:
             plan, usage = self._plan(limit)
@@ -368,6 +379,22 @@ class Engine:
             plan = schedule(self._state(Memory(self.memory, active + cached, limit)))
         return plan, active + cached
 
+    def _order_waiting(self) -> None:
+        """Put the waiting sequences in the order they start (``schedule.start_order``); the
+        plan starts the first ``admit`` of them. On every rank of a sharded model (which runs
+        rank 0's plan) each engine orders its own queue, alike: from prompt lengths and
+        token counts that are the same on every rank."""
+        since = self._waiting_since
+        rows = self.runner.waiting_lengths()
+        self._waiting_since = {uid: since.get(uid, self.prefill_tokens) for uid, _ in rows}
+        order = start_order([Waiting(uid, n, self._waited(uid)) for uid, n in rows],
+                            self.config)
+        self.runner.order_waiting(order)
+
+    def _waited(self, uid: int) -> int:
+        """Prompt tokens prefilled since the waiting sequence ``uid`` arrived."""
+        return self.prefill_tokens - self._waiting_since.get(uid, self.prefill_tokens)
+
     def _state(self, memory: Memory | None) -> StepState:
         """Where the batch stands, in the plain numbers ``schedule`` takes."""
         runner = self.runner
@@ -376,7 +403,7 @@ class Engine:
         waiting = []
         for uid, segments, in_cache in runner.waiting_rows(self.config.prefill_batch_size):
             member = self._member(uid, segments, in_cache)
-            waiting.append(Pending(uid, member, member.remaining))
+            waiting.append(Pending(uid, member, member.remaining, self._waited(uid)))
         return StepState(
             config=self.config, mixed=runner.mixed, decoding=runner.decoding,
             decode_len=runner.decode_len, prefilling=prefilling, waiting=waiting,

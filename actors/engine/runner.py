@@ -10,6 +10,7 @@ decoding, handed to ``schedule`` as plain numbers.
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any, NamedTuple
 
 from mlx_lm.generate import StopSequences
@@ -103,6 +104,19 @@ class Runner:
         return [(seq[0], seq[1], len(seq[4])) for seq in
                 list(self.gen._unprocessed_sequences)[:n]]
 
+    def waiting_lengths(self) -> list[tuple[int, int]]:
+        """Every waiting sequence, in the order it would start: (uid, prompt tokens to run)."""
+        return [(seq[0], sum(len(s) for s in seq[1])) for seq in self.gen._unprocessed_sequences]
+
+    def order_waiting(self, uids: list[int]) -> None:
+        """Reorder the waiting sequences (``uids``: all of theirs): the generator starts
+        them from the front of its queue, in arrival order unless told otherwise here."""
+        queue = self.gen._unprocessed_sequences
+        if [seq[0] for seq in queue] != uids:
+            by_uid = {seq[0]: seq for seq in queue}
+            # A new queue, swapped in whole: ``waiting`` is read from other threads.
+            self.gen._unprocessed_sequences = deque(by_uid[uid] for uid in uids)
+
     def prefilled_tokens(self) -> dict[int, int]:
         """Tokens each prefilling sequence holds; safe to call from another thread (the
         containers are copied with ``list()``, which does not yield the GIL)."""
@@ -114,7 +128,8 @@ class Runner:
 
     def run(self, plan: Any) -> StepOutput:
         """One step under ``plan`` (``schedule.StepPlan``): at most ``admit`` waiting
-        sequences start prefilling, each prefilling sequence runs ``chunk`` prompt tokens."""
+        sequences start prefilling (the first of the queue, as ``order_waiting`` left it),
+        each prefilling sequence runs ``chunk`` prompt tokens."""
         gen = self.gen
         counted = gen._counters.prompt_tokens
         decoding = len(gen._generation_batch)

@@ -2,9 +2,10 @@
 
 Each step the engine describes where its sequences stand in plain numbers (``StepState``) and
 this module decides what the step does: which prefilling sequences fail for want of memory,
-how many waiting ones start, and how many prompt tokens each prefilling sequence runs. No MLX,
-no clock: the timings it needs are measured by the engine and passed in, so every rule here is
-unit tested with numbers alone (tests/test_schedule.py).
+which waiting ones start (``start_order``, then how many of them), and how many prompt tokens
+each prefilling sequence runs. No MLX, no clock: the timings it needs are measured by the
+engine and passed in, so every rule here is unit tested with numbers alone
+(tests/test_schedule.py).
 """
 
 from __future__ import annotations
@@ -22,15 +23,35 @@ MIN_PREFILL_CHUNK = 32
 MIN_MIXED_CHUNK = 8
 # A prompt whose whole rest is within this many step budgets is prefilled in one piece.
 SHORT_PROMPT = 4
+# A prompt with more prompt tokens than this to prefill is long. On a CPU a prefill token
+# costs about the same batched or alone once a chunk is a few hundred tokens, so long prompts
+# are prefilled one after the other, shortest first (each gets its first token after its own
+# prefill, not after the whole round's), while short ones are batched, which is what makes
+# them cheap.
+LONG_PROMPT = 256
+# A sequence that has waited while others prefilled this many full steps of prompt tokens
+# (prefill_step_size each) starts first, whatever its length: none starves behind a stream
+# of shorter prompts. Counted in tokens, not time, so every rank of a sharded model agrees.
+STARVED_STEPS = 8
 
 
 class Pending(NamedTuple):
-    """A sequence prefilling, or waiting to start: the gate's view of it (``member``) and
-    ``whole``, its whole uncached prompt (a short prompt is never split)."""
+    """A sequence prefilling, or waiting to start: the gate's view of it (``member``),
+    ``whole``, its whole uncached prompt (a short prompt is never split), and for a waiting
+    one, ``waited``: the prompt tokens others prefilled since it arrived."""
 
     uid: int
     member: Member
     whole: int
+    waited: int = 0
+
+
+class Waiting(NamedTuple):
+    """A sequence not started yet, as ``start_order`` sees it."""
+
+    uid: int  # uids grow in arrival order
+    remaining: int  # prompt tokens to prefill
+    waited: int  # prompt tokens others prefilled since it arrived
 
 
 class Memory(NamedTuple):
@@ -49,7 +70,7 @@ class StepState(NamedTuple):
     decoding: int  # sequences generating
     decode_len: int  # the longest of their contexts
     prefilling: list[Pending]  # oldest first
-    waiting: list[Pending]  # in arrival order, at most prefill_batch_size of them
+    waiting: list[Pending]  # in start_order, at most prefill_batch_size of them
     decode_s: float | None  # a decode step's time, smoothed (None: not measured yet)
     token_s: float | None  # one prompt token's prefill time, smoothed
     memory: Memory | None = None  # None: no memory gate
@@ -67,7 +88,9 @@ class StepPlan(NamedTuple):
 
 
 def schedule(state: StepState) -> StepPlan:
-    """Decide the next step: the memory gate first, then the prefill budget and the chunk."""
+    """Decide the next step: the memory gate first, then who of the waiting may start
+    (``startable``: never more than the gate admits), then the prefill budget and the
+    chunk."""
     cfg = state.config
     free = max(0, cfg.prefill_batch_size - len(state.prefilling))
     fail: list[int] = []
@@ -88,12 +111,59 @@ def schedule(state: StepState) -> StepPlan:
         held = bool(fail) or gate.reject_waiting or gate.admit < len(candidates)
     prefilling = [p for p in state.prefilling if p.uid not in fail]
     waiting = [p for p in state.waiting if p.uid != reject]
+    admit = startable(cfg, prefilling, waiting, admit)
     budget = prefill_budget(state)
     chunk = cfg.prefill_step_size
     if budget is not None:
         joining = max(0, min(admit, cfg.max_batch_size - state.decoding, len(waiting)))
         chunk = chunk_for(budget, [*prefilling, *waiting[:joining]], state)
     return StepPlan(fail=fail, reject=reject, admit=admit, budget=budget, chunk=chunk, held=held)
+
+
+def starved(config: EngineConfig, waited: int) -> bool:
+    """Whether a sequence that waited while ``waited`` prompt tokens were prefilled goes
+    first."""
+    return waited >= STARVED_STEPS * config.prefill_step_size
+
+
+def start_order(waiting: list[Waiting], config: EngineConfig) -> list[int]:
+    """The uids of the waiting sequences in the order they start (the plan's ``admit``
+    counts from the front): the starved first, oldest first; then short prompts in arrival
+    order, as they always were (they are batched, so their order matters only when prefill
+    slots run out); then long ones, shortest first."""
+
+    def key(w: Waiting) -> tuple[int, int, int]:
+        if starved(config, w.waited):
+            return (0, 0, w.uid)
+        if w.remaining <= LONG_PROMPT:
+            return (1, 0, w.uid)
+        return (2, w.remaining, w.uid)
+
+    return [w.uid for w in sorted(waiting, key=key)]
+
+
+def startable(config: EngineConfig, prefilling: list[Pending], waiting: list[Pending],
+              admit: int) -> int:
+    """How many of ``waiting`` (in ``start_order``) start beside ``prefilling``: ``admit``
+    (the free prefill slots, or what the memory gate admits) or fewer.
+
+    Short prompts and starved sequences always start. A long one starts only if each long
+    prompt prefilling, or starting before it, has at least twice its tokens left, so that it
+    finishes well before them (shortest first, as near as prompts already started allow);
+    else it waits its turn (with nothing prefilling, the first always starts). Prefilled
+    together, two long prompts of T tokens both get their first token after 2T; one after
+    the other, after T and 2T."""
+    # Tokens left of each long prompt prefilling (one down to its last token is done).
+    left = [p.member.remaining for p in prefilling
+            if p.whole > LONG_PROMPT and p.member.remaining > 1]
+    for n, w in enumerate(waiting[:admit]):
+        tokens = w.member.remaining
+        if tokens <= LONG_PROMPT:
+            continue
+        if not starved(config, w.waited) and any(rest < 2 * tokens for rest in left):
+            return n
+        left.append(tokens)
+    return admit
 
 
 def min_chunk(config: EngineConfig, mixed: bool) -> int:
