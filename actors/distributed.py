@@ -11,6 +11,12 @@ depend on rank 0's clock and memory). A follower applies them to its own engine 
 step; its sampled tokens are the same as rank 0's (the same logits, the same seeded PRNG), and
 a digest of each step's tokens, sent back, proves it.
 
+The prefix cache is per rank: each rank cuts, keeps and writes its own shard of every block,
+under a directory of its own (``rank_cache_dir``). A hit must be a hit on every rank, so rank 0
+asks the followers how many of a prompt's cached blocks they can supply (``Probe``), takes as
+many as every rank can (``combine``), and names them in the ``Add``; each follower holds what it
+offered until then (actors/follower_cache.py).
+
 Why a side channel and not a collective (as mlx_lm.server sends its prompts): measured on
 loopback with the ring backend, a round trip of a step message over TCP took ~0.1 ms and a
 single ``all_sum`` of a scalar ~1.7 ms (docs/distributed.md); the socket also tells at once
@@ -21,18 +27,26 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import select
 import signal
 import socket
 import struct
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from actors.engine.config import EngineConfig
+from actors.engine.memory_estimate import ModelMemory
 from actors.messages import OutputSpec, SamplingParams
+
+if TYPE_CHECKING:
+    from actors.follower_cache import ShardDisk
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +54,9 @@ MODES = ("tensor", "pipeline")
 # How long rank 0 waits for every follower to connect, and a follower for rank 0 to listen
 # (loading a large shard can take minutes on either side).
 CONNECT_TIMEOUT_S = 600.0
+# How long rank 0 waits for every follower's answer to a probe before it takes no cached
+# blocks for the request (a follower reading many blocks from a slow disk, or gone).
+PROBE_TIMEOUT_S = 5.0
 _HEADER = struct.Struct("<I")
 
 
@@ -64,11 +81,39 @@ class Welcome(msgspec.Struct, tag=True, frozen=True):
 
 
 class Add(msgspec.Struct, tag=True, frozen=True):
+    """A request joins the batch. ``blocks``: the prompt's leading cached blocks rank 0 took,
+    and ``cached_tokens``: those blocks' tokens and those of the partial hit after them; every
+    rank starts the request from exactly that much cache."""
+
     request_id: str
     prompt: list[int]
     sampling: SamplingParams
     output: OutputSpec | None = None
     grammar: str | None = None  # the source of the request's grammar, compiled by each rank
+    blocks: int = 0
+    cached_tokens: int = 0
+
+
+class Probe(msgspec.Struct, tag=True, frozen=True):
+    """How many of the prompt's first ``blocks`` cached blocks can this rank supply? The
+    follower reserves what it answers (``Supply``) for the request until its ``Add`` or
+    ``Release``."""
+
+    request_id: str
+    prompt: list[int]
+    blocks: int
+
+
+class Release(msgspec.Struct, tag=True, frozen=True):
+    """A probed request will not be added (refused, aborted, its client gone)."""
+
+    request_id: str
+
+
+class Spill(msgspec.Struct, tag=True, frozen=True):
+    """Memory is short: rank 0 freed these prefix-cache blocks from RAM; so does each rank."""
+
+    hashes: list[str]
 
 
 class Abort(msgspec.Struct, tag=True, frozen=True):
@@ -99,17 +144,37 @@ class Bye(msgspec.Struct, tag=True, frozen=True):
 
 
 class Status(msgspec.Struct, tag=True, frozen=True):
-    """A follower after each step: where it stands, for ``/actors`` on rank 0."""
+    """A follower after each step: where it stands, for ``/actors`` on rank 0, and its memory,
+    which rank 0's memory gate and monitor count (the fullest rank is the one that runs out).
+    ``peak_bytes``: the most MLX memory it held during the step. Then its prefix cache
+    (``FollowerCache.stats``)."""
 
     rank: int
     step: int
     digest: int
     active_bytes: int
     peak_bytes: int
+    ram_blocks: int = 0
+    ram_block_bytes: int = 0
+    reserved: int = 0
+    hit_tokens: int = 0
+    disk_blocks: int = 0
+    disk_read_blocks: int = 0
+    disk_written: int = 0
+    disk_dropped: int = 0
 
 
-ToFollower = Welcome | Add | Abort | Plan | Reset | Bye
-ToLeader = Hello | Status
+class Supply(msgspec.Struct, tag=True, frozen=True):
+    """A follower's answer to a ``Probe``: it can supply the prompt's first ``blocks`` cached
+    blocks, and after j of them (j from 0) ``partials[j]`` tokens of a partial hit."""
+
+    request_id: str
+    blocks: int
+    partials: list[int]
+
+
+ToFollower = Welcome | Add | Abort | Plan | Reset | Bye | Probe | Release | Spill
+ToLeader = Hello | Status | Supply
 
 _encoder = msgspec.msgpack.Encoder()
 _to_follower = msgspec.msgpack.Decoder(ToFollower)
@@ -161,23 +226,76 @@ def leader_host() -> str:
 
 
 def engine_config_for(config: EngineConfig, mode: str) -> EngineConfig:
-    """The engine settings of a sharded model. The prefix cache is off (blocks per rank are not
-    built yet). Pipeline stages run mlx-lm's own model call: the one-pass forward
-    (actors/engine/forward.py) runs every layer in one process."""
-    changes: dict[str, Any] = {"block_size": 0}
+    """The engine settings of a sharded model. Pipeline stages run mlx-lm's own model call: the
+    one-pass forward (actors/engine/forward.py) runs every layer in one process."""
     if mode == "pipeline":
-        changes["mixed_step"] = False
-    return msgspec.structs.replace(config, **changes)
+        return msgspec.structs.replace(config, mixed_step=False)
+    return config
+
+
+def rank_cache_dir(base: str | Path, mode: str, size: int, rank: int) -> Path:
+    """Where one rank keeps its shard of the prefix cache: a directory per layout, so that a
+    group of another size or mode never reads this one's shards."""
+    return Path(base) / f"{mode}-{size}" / f"rank-{rank}"
+
+
+def shard_memory(memory: ModelMemory, mode: str, size: int) -> ModelMemory:
+    """The memory shape of one rank's shard, for its memory gate: tensor parallelism gives
+    each rank 1/size of the heads and of the MLP; a pipeline stage holds the KV of its own
+    layers (the largest stage's share counted)."""
+    if mode == "tensor":
+        return msgspec.structs.replace(
+            memory, kv_heads=math.ceil(memory.kv_heads / size),
+            q_heads=math.ceil(memory.q_heads / size),
+            intermediate=math.ceil(memory.intermediate / size))
+    return msgspec.structs.replace(memory, kv_layers=math.ceil(memory.kv_layers / size))
+
+
+def combine(answers: list[Supply]) -> tuple[int, list[int]]:
+    """What every follower can supply: the fewest leading blocks any offers, and after j of
+    them the fewest partial-hit tokens any offers."""
+    if not answers:
+        return 0, []
+    blocks = min(a.blocks for a in answers)
+    partials = [min(a.partials[j] if j < len(a.partials) else 0 for a in answers)
+                for j in range(blocks + 1)]
+    return blocks, partials
+
+
+def follower_memory() -> tuple[int, int]:
+    """The most MLX memory any follower of this process's sharded model holds (as it last
+    reported, after a step), and the highest peak any reported since the last call; (0, 0)
+    outside rank 0 of a sharded model. The memory monitor adds the other ranks with it."""
+    leader = _leader
+    if leader is None:
+        return 0, 0
+    return leader.usage(), leader.take_peak()
+
+
+_leader: Followers | None = None  # rank 0's channel, once every follower has connected
 
 
 # -- rank 0 ------------------------------------------------------------------------------------
 
 
+class _Probe:
+    """A probe in flight: the answers so far, and the timer that gives up on the rest."""
+
+    def __init__(self, timer: threading.Timer) -> None:
+        self.timer = timer
+        self.answers: dict[int, Supply] = {}
+
+
 class Followers:
     """Rank 0's side of the channel: one connection per follower, owned by the scheduler's
-    MLX thread (``add``, ``abort``, ``plan`` are called there, in the order the engine sees
-    them). A reader thread per follower keeps its last ``Status``; a follower whose
-    connection closes is ``dead`` (a reason naming its rank), and stays so."""
+    MLX thread (``add``, ``abort``, ``plan`` and ``probe`` are called there, in the order the
+    engine sees them). A reader thread per follower keeps its last ``Status`` and collects
+    its answers to probes; a follower whose connection closes is ``dead`` (a reason naming
+    its rank), and stays so.
+
+    ``on_supply(request_id, blocks, partials)`` gets what every follower can supply for a
+    probed request (``combine``), once all have answered; nothing (0, []) when one did not
+    answer within PROBE_TIMEOUT_S or was lost. It is called on a reader or timer thread."""
 
     def __init__(self, size: int, port: int, host: str | None = None) -> None:
         self.size = size
@@ -185,13 +303,18 @@ class Followers:
         self.port = port
         self.status: dict[int, dict[str, Any]] = {}
         self.dead: str | None = None
+        self.on_supply: Callable[[str, int, list[int]], None] | None = None
+        self.probe_timeouts = 0
         self._socks: dict[int, socket.socket] = {}
         self._lock = threading.Lock()
+        self._probes: dict[str, _Probe] = {}
+        self._peaks: dict[int, int] = {}  # the highest peak each reported since take_peak
         self._server: socket.socket | None = None
 
     def accept(self, fingerprint: str, seed: int, config: EngineConfig,
                timeout: float = CONNECT_TIMEOUT_S) -> None:
         """Wait for every follower's ``Hello``, check it loaded the same model, welcome it."""
+        global _leader
         server = socket.create_server((self.host, self.port))
         server.settimeout(timeout)
         self._server = server
@@ -220,13 +343,16 @@ class Followers:
                                        "pid": hello.pid, "step": 0, "connected": True}
             threading.Thread(target=self._read, args=(hello.rank, sock), daemon=True,
                              name=f"follower-{hello.rank}").start()
+        _leader = self
         log.info("distributed: %d followers connected on %s:%d", self.size - 1, self.host,
                  self.port)
 
     def add(self, request_id: str, prompt: list[int], sampling: SamplingParams,
-            output: OutputSpec | None, grammar: str | None) -> None:
+            output: OutputSpec | None, grammar: str | None, blocks: int = 0,
+            cached_tokens: int = 0) -> None:
         self._broadcast(Add(request_id=request_id, prompt=prompt, sampling=sampling,
-                            output=output, grammar=grammar))
+                            output=output, grammar=grammar, blocks=blocks,
+                            cached_tokens=cached_tokens))
 
     def abort(self, request_id: str) -> None:
         self._broadcast(Abort(request_id=request_id))
@@ -240,8 +366,43 @@ class Followers:
     def reset(self, reason: str) -> None:
         self._broadcast(Reset(reason=reason))
 
+    def probe(self, request_id: str, prompt: list[int], blocks: int,
+              timeout: float = PROBE_TIMEOUT_S) -> None:
+        """Ask every follower how many of the prompt's first ``blocks`` cached blocks it can
+        supply; ``on_supply`` gets the answer."""
+        timer = threading.Timer(timeout, self._expire, (request_id, timeout))
+        timer.daemon = True
+        with self._lock:
+            self._probes[request_id] = _Probe(timer)
+        timer.start()
+        self._broadcast(Probe(request_id=request_id, prompt=prompt, blocks=blocks))
+
+    def release(self, request_id: str) -> None:
+        """A probed request will not be added: the followers drop what they reserved."""
+        self._forget(request_id)
+        self._broadcast(Release(request_id=request_id))
+
+    def spill(self, hashes: list[str]) -> None:
+        if hashes:
+            self._broadcast(Spill(hashes=hashes))
+
+    def usage(self) -> int:
+        """The most MLX memory any follower holds, as it reported after its last step."""
+        with self._lock:
+            return max((s.get("active_bytes", 0) for s in self.status.values()), default=0)
+
+    def take_peak(self) -> int:
+        """The highest peak any follower reported since the last call."""
+        with self._lock:
+            peak = max(self._peaks.values(), default=0)
+            self._peaks.clear()
+            return peak
+
     def close(self) -> None:
         """Tell the followers to stop, and close the channel."""
+        global _leader
+        if _leader is self:
+            _leader = None
         if self.dead is None:
             self._broadcast(Bye())
         for sock in self._socks.values():
@@ -251,6 +412,10 @@ class Followers:
                 pass
         if self._server is not None:
             self._server.close()
+        with self._lock:
+            probes, self._probes = list(self._probes.values()), {}
+        for p in probes:
+            p.timer.cancel()
 
     def report(self) -> list[dict[str, Any]]:
         with self._lock:
@@ -270,10 +435,50 @@ class Followers:
                 self._lost(rank, "closed its connection")
                 return
             if isinstance(msg, Status):
+                fields = msgspec.structs.asdict(msg)
+                del fields["rank"]
                 with self._lock:
-                    self.status[rank].update(step=msg.step, digest=msg.digest,
-                                             active_bytes=msg.active_bytes,
-                                             peak_bytes=msg.peak_bytes, seen=time.time())
+                    self._peaks[rank] = max(self._peaks.get(rank, 0), msg.peak_bytes)
+                    status = self.status[rank]
+                    # The highest peak it reached, as the memory monitor reports rank 0's.
+                    fields["peak_bytes"] = max(status.get("peak_bytes", 0), msg.peak_bytes)
+                    status.update(fields, seen=time.time())
+            elif isinstance(msg, Supply):
+                self._supplied(rank, msg)
+
+    def _supplied(self, rank: int, msg: Supply) -> None:
+        with self._lock:
+            probe = self._probes.get(msg.request_id)
+            if probe is None:
+                return  # it timed out, or was released, before this answer came
+            probe.answers[rank] = msg
+            if len(probe.answers) < len(self._socks):
+                return
+            del self._probes[msg.request_id]
+        probe.timer.cancel()
+        self._deliver(msg.request_id, *combine(list(probe.answers.values())))
+
+    def _expire(self, request_id: str, timeout: float) -> None:
+        with self._lock:
+            probe = self._probes.pop(request_id, None)
+            if probe is None:
+                return
+            missing = sorted(set(self._socks) - set(probe.answers))
+            self.probe_timeouts += 1
+        log.warning("distributed: ranks %s did not say within %.1f s which cached blocks of %s "
+                    "they hold; its prompt is prefilled without them", missing, timeout,
+                    request_id)
+        self._deliver(request_id, 0, [])
+
+    def _forget(self, request_id: str) -> None:
+        with self._lock:
+            probe = self._probes.pop(request_id, None)
+        if probe is not None:
+            probe.timer.cancel()
+
+    def _deliver(self, request_id: str, blocks: int, partials: list[int]) -> None:
+        if self.on_supply is not None:
+            self.on_supply(request_id, blocks, partials)
 
     def _lost(self, rank: int, why: str) -> None:
         with self._lock:
@@ -283,9 +488,13 @@ class Followers:
             if first:
                 host = self.status.get(rank, {}).get("host", "?")
                 self.dead = f"distributed rank {rank} ({host}) {why}"
+            probes, self._probes = list(self._probes.items()), {}
         if first:
             log.error("%s: requests fail and new ones get 503 until the group restarts",
                       self.dead)
+        for request_id, probe in probes:  # a lost rank supplies nothing
+            probe.timer.cancel()
+            self._deliver(request_id, 0, [])
 
 
 # -- the other ranks ---------------------------------------------------------------------------
@@ -315,29 +524,78 @@ def connect(rank: int, port: int, fingerprint: str, host: str | None = None,
     return sock, welcome
 
 
-def follow(engine: Any, sock: socket.socket, rank: int, grammars: Any = None) -> int:
+def follow(engine: Any, sock: socket.socket, rank: int, grammars: Any = None,
+           disk: ShardDisk | None = None) -> int:
     """Run rank 0's batch on this rank's shard until rank 0 says ``Bye`` or goes away.
 
     ``engine``: an ``Engine`` over this rank's shard, with rank 0's settings. ``grammars``:
     compiles the grammars of constrained requests (``actors.engine.grammar.Grammars``).
-    Returns the process's exit code: 0 when rank 0 stopped, 1 when this rank diverged."""
+    ``disk``: this rank's prefix-cache files (``follower_cache.ShardDisk``; None: RAM only).
+    Returns the process's exit code: 0 when rank 0 stopped, 1 when this rank diverged or
+    cannot supply the cached blocks it promised."""
     import mlx.core as mx
 
     from actors.engine.schedule import StepPlan
+    from actors.follower_cache import FollowerCache, SupplyError
 
+    lock = threading.Lock()  # answers to probes also go from the disk thread
+
+    def send(msg: Any) -> None:
+        try:
+            with lock:
+                _send(sock, msg)
+        except OSError:
+            pass  # rank 0 is gone: the next receive says so
+
+    def answer(request_id: str, blocks: int, partials: list[int]) -> None:
+        send(Supply(request_id=request_id, blocks=blocks, partials=partials))
+
+    def status() -> None:
+        send(Status(rank=rank, step=steps, digest=engine.last_digest,
+                    active_bytes=mx.get_active_memory(), peak_bytes=mx.get_peak_memory(),
+                    **cache.stats()))
+
+    cache = FollowerCache(engine, answer, disk)
     steps = 0
+    status()  # rank 0 counts this rank's memory from the start (its weights)
     while True:
+        if cache.unsaved:
+            # Between messages, new blocks go to the disk thread as fast as it takes them.
+            wait = 0.0 if cache.can_persist() else 0.05
+            if not select.select([sock], [], [], wait)[0]:
+                cache.persist()
+                continue
         msg = _recv(sock, _to_follower)
         match msg:
             case None | Bye():
+                cache.persist(everything=True)
                 log.info("distributed rank %d: rank 0 stopped; exiting", rank)
                 return 0
+            case Probe():
+                cache.probe(msg.request_id, msg.prompt, msg.blocks)
+            case Release():
+                cache.release(msg.request_id)
+            case Spill():
+                cache.spill(msg.hashes)
             case Add():
                 constraint = grammars.compile(msg.grammar) if msg.grammar else None
-                engine.add(msg.request_id, msg.prompt, msg.sampling, output=msg.output,
-                           constraint=constraint)
+                try:
+                    cached, partial = cache.claim(msg.request_id, msg.prompt, msg.blocks,
+                                                  msg.cached_tokens)
+                except SupplyError as exc:
+                    log.error("distributed rank %d cannot supply the cache rank 0 took: %s; "
+                              "exiting", rank, exc)
+                    return 1
+                req = engine.add(msg.request_id, msg.prompt, msg.sampling, cached=cached,
+                                 partial_max=partial, output=msg.output, constraint=constraint)
+                if req.cached_tokens != msg.cached_tokens:
+                    log.error("distributed rank %d starts %s from %d cached tokens, rank 0 "
+                              "from %d; exiting", rank, msg.request_id, req.cached_tokens,
+                              msg.cached_tokens)
+                    return 1
             case Abort():
                 engine.abort(msg.request_id)
+                cache.forget(msg.request_id)
             case Reset():
                 engine.reset(msg.reason)
             case Plan():
@@ -348,12 +606,11 @@ def follow(engine: Any, sock: socket.socket, rank: int, grammars: Any = None) ->
                     return 1
                 plan = StepPlan(fail=msg.fail, reject=msg.reject, admit=msg.admit,
                                 budget=msg.budget, chunk=msg.chunk, held=False)
+                mx.reset_peak_memory()
                 engine.step(plan=plan)
-                engine.take_new_blocks()
+                cache.after_step()
                 steps += 1
-                _send(sock, Status(rank=rank, step=steps, digest=engine.last_digest,
-                                   active_bytes=mx.get_active_memory(),
-                                   peak_bytes=mx.get_peak_memory()))
+                status()
 
 
 # -- starting a rank ---------------------------------------------------------------------------
@@ -362,12 +619,14 @@ def follow(engine: Any, sock: socket.socket, rank: int, grammars: Any = None) ->
 def start_rank(config: Any) -> tuple[Any, int | None]:
     """Join the group ``mlx.launch`` started, for ``troupe serve --distributed``.
 
-    Rank 0 gets back the configuration to serve with (the prefix cache off, and for pipeline
-    stages mlx-lm's own model call: ``engine_config_for``) and None; every other rank follows
-    rank 0 until it stops and gets back its exit code."""
+    Every rank's prefix cache lives in its own directory under the cache directory
+    (``rank_cache_dir``). Rank 0 gets back the configuration to serve with (that directory,
+    and for pipeline stages mlx-lm's own model call: ``engine_config_for``) and None; every
+    other rank follows rank 0 until it stops and gets back its exit code."""
     import mlx.core as mx
 
     from actors.config import model_specs
+    from actors.serving import cache_dir
 
     if config.distributed not in MODES:
         raise ValueError(f"--distributed must be one of {MODES}, not {config.distributed!r}")
@@ -379,11 +638,11 @@ def start_rank(config: Any) -> tuple[Any, int | None]:
         raise RuntimeError("--distributed needs the ranks of `mlx.launch` (this process is "
                            "alone in its group); see docs/distributed.md")
     engine = engine_config_for(config.engine(), config.distributed)
-    config = msgspec.structs.replace(
-        config, block_size=engine.block_size, mixed_step=engine.mixed_step)
+    here = rank_cache_dir(cache_dir(config), config.distributed, group.size(), group.rank())
+    config = msgspec.structs.replace(config, mixed_step=engine.mixed_step, cache_dir=str(here))
     if group.rank() == 0:
-        log.info("distributed: rank 0 of %d (%s parallel); the prefix cache is off",
-                 group.size(), config.distributed)
+        log.info("distributed: rank 0 of %d (%s parallel); prefix cache in %s",
+                 group.size(), config.distributed, here if config.block_size else "(off)")
         return config, None
     return config, _serve_follower(config, specs[0], group)
 
@@ -392,8 +651,6 @@ def load_shard(path: str, mode: str, group: Any) -> tuple[Any, Any]:
     """This rank's shard of the model at ``path`` and its tokenizer. Uses mlx-lm's
     ``sharded_load`` (each rank reads only its own weights) when the directory has a weight
     index; a single-file model is loaded whole, then sharded."""
-    from pathlib import Path
-
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.utils import sharded_load
@@ -440,6 +697,7 @@ def _serve_follower(config: Any, spec: str | None, group: Any) -> int:
     from actors.engine.core import Engine
     from actors.engine.grammar import Grammars
     from actors.engine.prefix import model_fingerprint
+    from actors.follower_cache import ShardDisk
     from actors.models.store import resolve_model
 
     rank = group.rank()
@@ -460,15 +718,22 @@ def _serve_follower(config: Any, spec: str | None, group: Any) -> int:
     stream = mx.new_stream(mx.default_device())
     with mx.stream(stream):
         model, tokenizer = load_shard(str(resolved.path), config.distributed, group)
-    sock, welcome = connect(rank, config.distributed_port, model_fingerprint(resolved.path))
+    fingerprint = model_fingerprint(resolved.path)
+    sock, welcome = connect(rank, config.distributed_port, fingerprint)
     log.info("distributed: rank %d of %d follows rank 0 (%s parallel)", rank, group.size(),
              config.distributed)
     mx.random.seed(welcome.seed)
     with mx.stream(stream):
-        engine = Engine(model, tokenizer, welcome.config, stream=stream)
+        # The fingerprint names the blocks: every rank's hashes of a prompt are rank 0's.
+        engine = Engine(model, tokenizer, welcome.config, stream=stream,
+                        fingerprint=fingerprint)
+        disk = (ShardDisk(config.cache_dir, fingerprint, config.cache_disk_max)
+                if engine.caching else None)
         engine.warm_up()  # rank 0 warms up too: the same forward passes, in step
         try:
-            return follow(engine, sock, rank, Grammars(tokenizer))
+            return follow(engine, sock, rank, Grammars(tokenizer), disk)
         finally:
+            if disk is not None:
+                disk.close()
             engine.close()
             sock.close()

@@ -4,7 +4,9 @@ MLX's memory counters (active, cache, peak) belong to its allocator, which is pr
 and locked: they can be read from any thread, so the monitor runs on its own thread and
 never waits behind a model step. It resets MLX's peak counter at every poll, so each reading
 holds the peak reached since the previous one: short prefill transients between two polls
-still reach the high-water mark.
+still reach the high-water mark. On rank 0 of a sharded model the limit is each rank's, and
+the fullest rank counts: the other ranks' memory as they report it after each step
+(``distributed.follower_memory``).
 
 Every poll it tells admission and every running scheduler the limits (``MemoryLimits``),
 looking the schedulers up by name in the actor system each time, so an engine loaded after
@@ -25,6 +27,7 @@ from typing import Any
 import mlx.core as mx
 
 from actors.cache_messages import SpillRam
+from actors.distributed import follower_memory
 from actors.engine.memory_estimate import (
     HARD,
     OK,
@@ -167,11 +170,12 @@ class MemoryMonitor(Actor):
         cache = mx.get_cache_memory()
         peak = mx.get_peak_memory()
         mx.reset_peak_memory()
-        usage = active + cache
-        self.peak_max = max(self.peak_max, peak)
+        others, others_peak = follower_memory()
+        usage = max(active + cache, others)
+        self.peak_max = max(self.peak_max, peak, others_peak)
         self.floor = usage if self.floor is None else min(self.floor, usage)
         # Peak counts active memory only; the cache held now counts on top of it.
-        self._window.append((now, max(peak + cache, usage)))
+        self._window.append((now, max(peak + cache, usage, others_peak)))
         while self._window and self._window[0][0] < now - HIGH_WATER_WINDOW_S:
             self._window.popleft()
         high_water = max(v for _, v in self._window)
@@ -185,7 +189,8 @@ class MemoryMonitor(Actor):
         self.latest = MemoryLimits(limit=self.limit, high_water=high_water, usage=usage,
                                    pressure=pressure, floor=self.floor, guard=self.guard)
         self.reading = {"active_bytes": active, "cache_bytes": cache, "peak_bytes": peak,
-                        "rss_bytes": process_rss()}
+                        "rss_bytes": process_rss(),
+                        **({"followers_active_bytes": others} if others else {})}
         self.polls += 1
         self._publish(self.latest)
         if pressure in (SOFT, HARD):

@@ -16,6 +16,11 @@ usable blocks does it ask the cache index how many of the next ones are on disk,
 writer read them (the request waits, the batch does not). It sends every new block to the
 writer as a numpy snapshot, and under memory pressure (``SpillRam``) frees RAM blocks, those
 the index says are on disk first.
+
+On rank 0 of a sharded model every rank holds its own shard of each block, and a hit must be a
+hit on every rank: before it adds a request with cached blocks, the scheduler asks the other
+ranks how many of them they can supply (``Followers.probe``; the request waits, the batch does
+not) and takes as many as every rank can (actors/distributed.py).
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from actors.cache_messages import (
     SpillRam,
     WriteBlock,
 )
-from actors.distributed import Followers, load_shard
+from actors.distributed import Followers, load_shard, shard_memory
 from actors.engine.config import DEFAULTS, EngineConfig
 from actors.engine.core import Engine, RequestError
 from actors.engine.kv_blocks import KVBlock, from_numpy, to_numpy
@@ -69,7 +74,7 @@ from actors.messages import (
 )
 from actors.models.store import DEFAULT_MODEL, resolve_model
 from actors.retry import FinishPace
-from runtime import Actor, ActorDead, AskTimeout, MailboxFull, Reply
+from runtime import Actor, ActorDead, AskTimeout, MailboxFull, Message, Reply
 from runtime.threads import at_thread_exit
 
 log = logging.getLogger("actors.scheduler")
@@ -100,14 +105,28 @@ def context_length(config: dict[str, Any]) -> int:
     return 4096
 
 
+class PrefixSupplied(Message, frozen=True, kw_only=True):
+    """The other ranks of a sharded model can supply the first ``blocks`` cached blocks of a
+    request's prompt, and after j of them ``partials[j]`` tokens of a partial hit
+    (``distributed.combine``)."""
+
+    request_id: str
+    blocks: int
+    partials: list[int]
+
+
 @dataclass
 class _Loading:
-    """A request waiting for its cached blocks to come back from disk."""
+    """A request waiting for its cached blocks: for those to come back from disk (``reading``),
+    and on a sharded model for the other ranks to say how many they can supply
+    (``probing``)."""
 
     msg: AddRequest
     reply: Reply
-    ram: list[KVBlock]
-    n_disk: int
+    cached: list[KVBlock]  # this rank's: from RAM, then those read from disk
+    reading: bool = False
+    probing: bool = False
+    supplied: tuple[int, list[int]] = (0, [])
 
 
 def weights_profile(model: Any) -> tuple[int, int | None]:
@@ -169,6 +188,9 @@ class Scheduler(Actor):
         self._tps_window: list[tuple[float, int]] = []
         self.counters = {"blocks_enqueued": 0, "blocks_dropped": 0, "disk_loads": 0,
                          "hit_tokens": 0, "miss_tokens": 0}
+        # Requests the other ranks were asked about and not yet told to add or release.
+        self._probed: set[str] = set()
+        self.probes = 0
         self.write_wait_s = 0.0  # time steps spent waiting for room in the writer's queue
         # The other ranks of a sharded model (rank 0 only; actors/distributed.py).
         self.followers: Followers | None = None
@@ -189,6 +211,9 @@ class Scheduler(Actor):
         fingerprint = model_fingerprint(resolved.path)
         weights, dtype_bytes = weights_profile(model)
         memory = model_memory(config, dtype_bytes=dtype_bytes, weights_bytes=weights)
+        if self.config.distributed:  # the gate counts one rank's shard against its limit
+            memory = shard_memory(memory, self.config.distributed,
+                                  mx.distributed.init().size())
         self.engine = Engine(model, tokenizer, self.config, stream=stream,
                              fingerprint=fingerprint, memory=memory)
         self.card = ModelCard(
@@ -229,6 +254,22 @@ class Scheduler(Actor):
         seed = int.from_bytes(os.urandom(4), "little")
         followers.accept(fingerprint, seed, self.config)
         mx.random.seed(seed)
+        self._attach(followers)
+
+    def _attach(self, followers: Followers) -> None:
+        """Tell ``followers`` every change to the batch from now on; their answers to probes
+        come back to this actor as ``PrefixSupplied``."""
+        loop, ref = asyncio.get_running_loop(), self.ref
+
+        def supplied(request_id: str, blocks: int, partials: list[int]) -> None:
+            # On a reader or timer thread. ``tell`` waits for room: the request waits on it.
+            msg = PrefixSupplied(request_id=request_id, blocks=blocks, partials=partials)
+            try:
+                asyncio.run_coroutine_threadsafe(ref.tell(msg), loop)
+            except RuntimeError:
+                pass  # the loop is closed: the scheduler has stopped
+
+        followers.on_supply = supplied
         self.followers = self.engine.mirror = followers
 
     async def on_stop(self, error: BaseException | None) -> None:
@@ -262,6 +303,8 @@ class Scheduler(Actor):
                     self._window_opened = self._last_arrival if self._step_queued else None
             case BlocksRead():
                 self._loaded(msg)
+            case PrefixSupplied():
+                self._supplied(msg)
             case AbortRequest(request_id=rid):
                 self._abort(rid)
             case SpillRam(unpersisted=unpersisted):
@@ -316,17 +359,42 @@ class Scheduler(Actor):
         self._epoch += 1
         self._epochs[msg.request_id] = self._epoch
         ram, disk = await self._find_prefix(msg.prompt_tokens)
+        if msg.request_id in self._loading:
+            # Its id is taken by a request still loading: it waits for no blocks of its own.
+            self._start(msg, reply, ram if self.followers is None else [])
+            return
+        loading = _Loading(msg, reply, ram)
         writer = self.system.find(self.writer_name)
-        if disk and writer is not None and msg.request_id not in self._loading:
+        if disk and writer is not None:
             try:
                 writer.try_tell(ReadBlocks(request_id=msg.request_id, hashes=disk,
                                            reply_to=self.name))
-                self._loading[msg.request_id] = _Loading(msg, reply, ram, len(disk))
+                loading.reading = True
                 self.counters["disk_loads"] += 1
-                return
             except (MailboxFull, ActorDead):
-                pass  # the disk is busy: prefill what RAM does not hold
+                disk = []  # the disk is busy: prefill what RAM does not hold
+        loading.probing = self._probe(msg, len(ram) + len(disk))
+        if loading.reading or loading.probing:
+            self._loading[msg.request_id] = loading
+            return
         self._start(msg, reply, ram)
+
+    def _probe(self, msg: AddRequest, offered: int) -> bool:
+        """On a sharded model, ask the other ranks how many of the prompt's ``offered`` first
+        blocks they can supply, unless this rank has nothing to take: no block, and no partial
+        hit at the prompt's start. True when they were asked."""
+        engine, prompt = self.engine, msg.prompt_tokens
+        if self.followers is None or not engine.caching:
+            return False
+        if not offered:
+            room = min(engine.block_size, len(prompt) - 1)
+            if engine.hybrid or room <= 0 or not engine.blocks.best_partial(None,
+                                                                             prompt[:room])[1]:
+                return False
+        self.followers.probe(msg.request_id, prompt, offered)
+        self._probed.add(msg.request_id)
+        self.probes += 1
+        return True
 
     async def _find_prefix(self, prompt: list[int]) -> tuple[list[KVBlock], list[str]]:
         """The prompt's leading cached blocks: those in RAM (a plain call), then the hashes of
@@ -357,13 +425,17 @@ class Scheduler(Actor):
             except (AskTimeout, ActorDead):
                 if not unpersisted:
                     return  # which are on disk is unknown: dropping one could lose it
-        blocks.spill(blocks.spill_victims(set(on_disk), unpersisted=unpersisted))
+        victims = blocks.spill_victims(set(on_disk), unpersisted=unpersisted)
+        blocks.spill(victims)
+        if self.followers is not None:
+            self.followers.spill(victims)  # each rank holds its shard of the same blocks
 
     def _loaded(self, msg: BlocksRead) -> None:
-        loading = self._loading.pop(msg.request_id, None)
-        if loading is None:
+        loading = self._loading.get(msg.request_id)
+        if loading is None or not loading.reading:
             return  # aborted while reading
-        cached = list(loading.ram)
+        loading.reading = False
+        cached = loading.cached
         size = self.engine.block_size
         prompt = loading.msg.prompt_tokens
         for data in msg.blocks:
@@ -377,33 +449,72 @@ class Scheduler(Actor):
             cached.append(block)
             # Promoted to RAM: the next request with this prefix skips the disk.
             self.engine.blocks.store(block)
-        self._start(loading.msg, loading.reply, cached)
+        self._ready(loading)
 
-    def _start(self, msg: AddRequest, reply: Reply, cached: list[KVBlock]) -> None:
+    def _supplied(self, msg: PrefixSupplied) -> None:
+        loading = self._loading.get(msg.request_id)
+        if loading is None or not loading.probing:
+            return  # aborted meanwhile
+        loading.probing = False
+        loading.supplied = (msg.blocks, msg.partials)
+        self._ready(loading)
+
+    def _ready(self, loading: _Loading) -> None:
+        """Start a loading request once its blocks are read and the other ranks answered: with
+        as many blocks, and as long a partial hit after them, as every rank can supply."""
+        if loading.reading or loading.probing:
+            return
+        del self._loading[loading.msg.request_id]
+        cached, partial_max = loading.cached, None
+        if self.followers is not None:
+            blocks, partials = loading.supplied
+            cached = cached[:blocks]
+            partial_max = partials[len(cached)] if len(cached) < len(partials) else 0
+        self._start(loading.msg, loading.reply, cached, partial_max)
+
+    def _start(self, msg: AddRequest, reply: Reply, cached: list[KVBlock],
+               partial_max: int | None = None) -> None:
+        """Add the request to the batch, from ``cached`` blocks and a partial hit of at most
+        ``partial_max`` tokens after them (None: any; on a sharded model, 0 unless the other
+        ranks can supply one)."""
         if reply.consumer_gone:
             reply.close()
+            self._release(msg.request_id)
             return
+        if self.followers is not None and partial_max is None:
+            partial_max = 0
         try:
             req = self.engine.add(msg.request_id, msg.prompt_tokens, msg.sampling,
-                                  cached=cached, output=msg.output, constraint=msg.constraint)
+                                  cached=cached, output=msg.output, constraint=msg.constraint,
+                                  partial_max=partial_max)
         except RequestError as exc:
             reply.send(_refused(msg, exc.kind, str(exc)))
             reply.close()
+            self._release(msg.request_id)
             return
         if self.followers is not None:
+            self._probed.discard(msg.request_id)
             self.followers.add(msg.request_id, msg.prompt_tokens, msg.sampling, msg.output,
-                               msg.constraint.grammar if msg.constraint is not None else None)
+                               msg.constraint.grammar if msg.constraint is not None else None,
+                               blocks=len(cached), cached_tokens=req.cached_tokens)
         self.counters["hit_tokens"] += req.cached_tokens
         self.counters["miss_tokens"] += req.prompt_len - req.cached_tokens
         self._replies[msg.request_id] = reply
         reply.send(RequestStarted(request_id=msg.request_id, prompt_tokens=req.prompt_len,
                                   cached_tokens=req.cached_tokens))
 
+    def _release(self, request_id: str) -> None:
+        """The other ranks drop what they reserved for a request that will not be added."""
+        if self.followers is not None and request_id in self._probed:
+            self._probed.discard(request_id)
+            self.followers.release(request_id)
+
     def _abort(self, request_id: str) -> None:
         loading = self._loading.pop(request_id, None)
         if loading is not None:
             loading.reply.send(_refused(loading.msg, None, "aborted", reason="abort"))
             loading.reply.close()
+            self._release(request_id)
         finished = self.engine.abort(request_id)
         if finished is not None:
             if self.followers is not None:
@@ -431,6 +542,7 @@ class Scheduler(Actor):
             self._abort(rid)
         for rid in [rid for rid, ld in self._loading.items() if ld.reply.consumer_gone]:
             self._loading.pop(rid).reply.close()
+            self._release(rid)
         if engine.has_work and self.followers is not None and self.followers.dead:
             # A rank of the sharded model is gone: nothing in the batch can go on.
             self._deliver(engine.reset(self.followers.dead))
@@ -571,7 +683,9 @@ class Scheduler(Actor):
             "write_wait_s": round(self.write_wait_s, 3),
             **self.counters,
             "requests": engine.progress(),
-            **({"followers": self.followers.report()} if self.followers is not None else {}),
+            **({"followers": self.followers.report(), "probes": self.probes,
+                "probe_timeouts": self.followers.probe_timeouts}
+               if self.followers is not None else {}),
         }
 
 

@@ -17,19 +17,25 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import msgspec
 import pytest
 
 from actors.distributed import (
+    MODES,
     Followers,
     check_tensor_split,
     connect,
     engine_config_for,
     follow,
+    rank_cache_dir,
+    shard_memory,
 )
 from actors.engine.config import EngineConfig
+from actors.engine.memory_estimate import ModelMemory
+from actors.engine.prefix_cache import PrefixCache
 from actors.engine.schedule import StepPlan
 from actors.messages import SamplingParams
 
@@ -55,11 +61,27 @@ def test_a_model_whose_heads_do_not_split_is_refused_with_the_reason():
                                             "num_key_value_heads": 3}}, 2)
 
 
-def test_sharded_engines_run_without_the_prefix_cache_and_pipelines_without_one_pass():
+def test_sharded_engines_keep_the_prefix_cache_and_pipelines_run_without_one_pass():
     base = EngineConfig(block_size=64, mixed_step=True)
-    assert engine_config_for(base, "tensor") == msgspec.structs.replace(base, block_size=0)
+    assert engine_config_for(base, "tensor") == base
     assert engine_config_for(base, "pipeline") == msgspec.structs.replace(
-        base, block_size=0, mixed_step=False)
+        base, mixed_step=False)
+
+
+def test_each_rank_keeps_its_shard_of_the_cache_where_no_other_layout_looks():
+    dirs = {rank_cache_dir("/c", mode, size, rank) for mode in MODES for size in (2, 3)
+            for rank in range(size)}
+    assert len(dirs) == 10
+    assert rank_cache_dir("/c", "tensor", 2, 1) == Path("/c/tensor-2/rank-1")
+
+
+def test_a_ranks_memory_shape_is_its_shard_of_the_model():
+    whole = ModelMemory(kv_layers=30, kv_heads=3, head_dim=64, q_heads=9, hidden=576,
+                        intermediate=1536, dtype_bytes=2, weights_bytes=10)
+    tensor = shard_memory(whole, "tensor", 3)
+    assert (tensor.kv_heads, tensor.q_heads, tensor.intermediate) == (1, 3, 512)
+    assert tensor.kv_per_token * 3 == whole.kv_per_token
+    assert shard_memory(whole, "pipeline", 4).kv_layers == 8  # the largest stage's layers
 
 
 class Recorder:
@@ -69,9 +91,12 @@ class Recorder:
     def __init__(self) -> None:
         self.calls: list[tuple] = []
         self.last_digest = 0
+        self.blocks = PrefixCache(0)
 
-    def add(self, request_id, prompt, sampling, output=None, constraint=None):
+    def add(self, request_id, prompt, sampling, cached=(), *, partial_max=None, output=None,
+            constraint=None):
         self.calls.append(("add", request_id, prompt, sampling.max_tokens, constraint))
+        return SimpleNamespace(cached_tokens=0)
 
     def abort(self, request_id):
         self.calls.append(("abort", request_id))
@@ -243,14 +268,15 @@ class Ranks:
     """``troupe serve --distributed`` as two processes on loopback, started as ``mlx.launch``
     starts them (MLX_RANK and a host file), so a test can kill one and watch the other."""
 
-    def __init__(self, tmp: Path, model: Path, mode: str, log: Path) -> None:
+    def __init__(self, tmp: Path, model: Path, mode: str, log: Path,
+                 extra: tuple[str, ...] = ()) -> None:
         ring = [free_port(), free_port()]
         hostfile = tmp / "hosts.json"
         hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ring]))
         self.port = free_port()
         args = [sys.executable, "-m", "api.cli", "serve", "--model", str(model),
                 "--distributed", mode, "--distributed-port", str(free_port()),
-                "--port", str(self.port), "--arrival-window", "0"]
+                "--port", str(self.port), "--arrival-window", "0", *extra]
         self.procs = []
         self.logs = []
         for rank in (0, 1):
@@ -399,3 +425,63 @@ def test_killing_a_follower_fails_the_answers_in_flight_and_new_requests_get_503
         assert "rank 1" in ranks.tail()
     finally:
         ranks.stop()
+
+
+def _complete(url: str, model: str, prompt: str) -> tuple[str, int]:
+    """A greedy completion's text and its prompt's cached tokens."""
+    r = httpx.post(url + "/v1/completions", timeout=120, json={
+        "model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    return body["choices"][0]["text"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def _reports(url: str) -> tuple[dict, dict]:
+    """Rank 0's scheduler report, and its follower's (rank 1) in it."""
+    actors = httpx.get(url + "/actors", timeout=10).json()
+    scheduler = next(a for a in actors if a["name"].startswith("scheduler"))["report"]
+    return scheduler, scheduler["followers"][0]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("mode,arch", [("tensor", "llama"), ("pipeline", "qwen2")])
+def test_two_ranks_hit_the_prefix_cache_together_and_find_it_on_disk_after_a_restart(
+        tmp_path, mode, arch):
+    reason = _distributed_available()
+    if reason:
+        pytest.skip(reason)
+    model = _sharded_model(tmp_path, arch)
+    name = model.name
+    cache = tmp_path / "cache"
+    extra = ("--cache-dir", str(cache), "--block-size", "16")
+    prompt = " ".join(PROMPTS) * 2  # several blocks of 16 tokens
+    ranks = Ranks(tmp_path, model, mode, tmp_path / "first", extra)
+    try:
+        ranks.wait_ready()
+        cold, cold_cached = _complete(ranks.url, name, prompt)
+        warm, warm_cached = _complete(ranks.url, name, prompt)
+        scheduler, follower = _reports(ranks.url)
+    finally:
+        codes = ranks.stop()
+    assert codes == [0, 0], ranks.tail()
+    assert cold_cached == 0 and warm_cached > 0
+    assert warm == cold
+    assert scheduler["probes"] >= 1 and scheduler["probe_timeouts"] == 0
+    assert follower["hit_tokens"] == warm_cached  # the follower started from the same cache
+    # Each rank wrote its own shard, where only a group of this layout looks.
+    for rank in (0, 1):
+        assert list((cache / f"{mode}-2" / f"rank-{rank}").rglob("*.safetensors")), rank
+
+    ranks = Ranks(tmp_path, model, mode, tmp_path / "again", extra)
+    try:
+        ranks.wait_ready()
+        again, again_cached = _complete(ranks.url, name, prompt)
+        scheduler, follower = _reports(ranks.url)
+    finally:
+        codes = ranks.stop()
+    assert codes == [0, 0], ranks.tail()
+    assert again == cold
+    assert again_cached > 0 and again_cached % 16 == 0  # whole blocks: tails stay in RAM
+    assert scheduler["disk_loads"] == 1  # rank 0 read its shard from disk
+    assert follower["disk_read_blocks"] == again_cached // 16  # and so did rank 1
+    assert follower["hit_tokens"] == again_cached

@@ -164,13 +164,16 @@ class Engine:
         *,
         output: OutputSpec | None = None,
         constraint: Any = None,
+        partial_max: int | None = None,
     ) -> Request:
         """Queue a request; it joins the batch at the next step. Raises RequestError.
 
         ``cached``: leading blocks of the prompt already computed (a prefix-cache hit); only
         the rest of the prompt is prefilled. ``output``: how to read tool calls and reasoning
         out of the answer. ``constraint``: a compiled grammar (``actors.engine.grammar.Constraint``)
-        whose mask every sampled token obeys.
+        whose mask every sampled token obeys. ``partial_max``: at most this many tokens of a
+        partial hit after the cached blocks (None: as many as RAM shares; the ranks of a
+        sharded model agree on it).
         """
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already running", "conflict")
@@ -200,7 +203,8 @@ class Engine:
         n_cached = len(cached)
         start = n_cached * self.block_size
         prefix = list(cached)
-        partial = self._partial_hit(prompt, start, cached[-1].block_hash if cached else None)
+        partial = self._partial_hit(prompt, start, cached[-1].block_hash if cached else None,
+                                    partial_max)
         if partial is not None:
             prefix.append(partial)
             start += partial.n_tokens
@@ -234,7 +238,8 @@ class Engine:
     def _encode_tag(self, tag: str) -> list[int]:
         return list(self.tokenizer.encode(tag, add_special_tokens=False))
 
-    def _partial_hit(self, prompt: list[int], start: int, parent: str | None) -> KVBlock | None:
+    def _partial_hit(self, prompt: list[int], start: int, parent: str | None,
+                     most: int | None = None) -> KVBlock | None:
         """After the whole blocks, the longest run of the prompt's next tokens that a block in
         RAM following the same parent shares (a full block of another prompt, or a tail), cut
         to that length: a shared chat template, a repeated prompt's last partial block and a
@@ -244,6 +249,8 @@ class Engine:
         if not self.caching or self.hybrid:
             return None
         room = min(self.block_size, len(prompt) - 1 - start)
+        if most is not None:
+            room = min(room, most)
         if room <= 0:
             return None
         block, n = self.blocks.best_partial(parent, prompt[start : start + room])
@@ -371,13 +378,17 @@ class Engine:
         back first and the step planned again."""
         if limit is None or self.memory is None:
             return schedule(self._state(None)), 0
+        # A sharded model runs on every rank at once: its fullest rank is the one that runs
+        # out (the others' memory as they reported it after the last step).
+        others = self.mirror.usage() if self.mirror is not None else 0
         active, cached = mx.get_active_memory(), mx.get_cache_memory()
-        plan = schedule(self._state(Memory(self.memory, active + cached, limit)))
+        plan = schedule(self._state(Memory(self.memory, max(active + cached, others), limit)))
         if cached and plan.held:
             mx.clear_cache()
             cached = mx.get_cache_memory()
-            plan = schedule(self._state(Memory(self.memory, active + cached, limit)))
-        return plan, active + cached
+            plan = schedule(self._state(Memory(self.memory, max(active + cached, others),
+                                               limit)))
+        return plan, max(active + cached, others)
 
     def _order_waiting(self) -> None:
         """Put the waiting sequences in the order they start (``schedule.start_order``); the
