@@ -15,8 +15,10 @@ is refused from a floor on its token count, before it is tokenized (``PromptBoun
 The prefill guard: with the memory monitor's latest ``MemoryLimits``, a prompt whose prefill
 would take MLX memory past the limit is refused here, before any response header (413 if it
 could never fit beside its model, 503 with Retry-After if other work holds the memory); under
-hard memory pressure every new request gets 503. A model not loaded yet is loaded through the
-engine pool (``LoadModel``) before its first request goes to its scheduler.
+hard memory pressure every new request gets 503. For a model sharded over ranks
+(``--distributed``) it counts one rank's share against the limit, which is each rank's, as the
+scheduler's gate does. A model not loaded yet is loaded through the engine pool
+(``LoadModel``) before its first request goes to its scheduler.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import Any, TypeVar
 import jinja2
 from mlx_lm.utils import load_tokenizer
 
+from actors.distributed import rank_memory_of
 from actors.engine.agent_output import (
     FALLBACK_TOOL_FORMAT,
     prompt_opens_reasoning,
@@ -266,7 +269,8 @@ class Admission(Actor):
     """Turns API requests into scheduler requests, or into a refusal with a status code.
 
     ``workers``: the threads of its pool (default ADMISSION_WORKERS; at least 2, as large
-    prompts may take all but one)."""
+    prompts may take all but one). ``distributed``: how the model is sharded ("tensor" or
+    "pipeline") over ``ranks`` processes, or None for one process."""
 
     def __init__(
         self,
@@ -276,11 +280,15 @@ class Admission(Actor):
         prefill_step_size: int = 512,
         block_size: int = 0,
         workers: int | None = None,
+        distributed: str | None = None,
+        ranks: int = 1,
     ) -> None:
         self.models = {card.id: ModelEntry(card, ref) for card, ref in models}
         self.pool_name = pool
         self.prefill_step_size = prefill_step_size
         self.block_size = block_size
+        self.distributed = distributed
+        self.ranks = ranks
         # Read when constructed (not as defaults), so a test can change the module's values.
         self.workers = max(2, workers or ADMISSION_WORKERS)
         self.large_prompt_chars = LARGE_PROMPT_CHARS
@@ -297,7 +305,8 @@ class Admission(Actor):
     async def on_start(self) -> None:
         for entry in self.models.values():
             entry.tokenizer = load_tokenizer(entry.card.path)
-            entry.memory = model_memory_of(entry.card.path)
+            entry.memory = (rank_memory_of(entry.card.path, self.distributed, self.ranks)
+                            if self.distributed else model_memory_of(entry.card.path))
             entry.tool_format = tool_format_of(entry.tokenizer)
             entry.think = think_tags_of(entry.tokenizer)
             entry.grammars = Grammars(entry.tokenizer)

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from actors.engine.config import EngineConfig
-from actors.engine.memory_estimate import ModelMemory
+from actors.engine.memory_estimate import ModelMemory, model_memory_of
 from actors.messages import OutputSpec, SamplingParams
 
 if TYPE_CHECKING:
@@ -242,13 +242,24 @@ def rank_cache_dir(base: str | Path, mode: str, size: int, rank: int) -> Path:
 def shard_memory(memory: ModelMemory, mode: str, size: int) -> ModelMemory:
     """The memory shape of one rank's shard, for its memory gate: tensor parallelism gives
     each rank 1/size of the heads and of the MLP; a pipeline stage holds the KV of its own
-    layers (the largest stage's share counted)."""
+    layers (the largest stage's share counted). ``weights_bytes`` stays as given: the
+    scheduler measures its own shard's."""
     if mode == "tensor":
         return msgspec.structs.replace(
             memory, kv_heads=math.ceil(memory.kv_heads / size),
             q_heads=math.ceil(memory.q_heads / size),
             intermediate=math.ceil(memory.intermediate / size))
     return msgspec.structs.replace(memory, kv_layers=math.ceil(memory.kv_layers / size))
+
+
+def rank_memory_of(model_dir: str | Path, mode: str, size: int) -> ModelMemory:
+    """One rank's share of the model in ``model_dir``, read from its files, for admission's
+    prefill guard: ``shard_memory``'s shape (the scheduler's gate counts the same), and 1/size
+    of the weights. That is the least the fullest rank holds (replicated embeddings, a larger
+    stage); the monitor's floor, measured on the fullest rank, counts the rest."""
+    whole = model_memory_of(model_dir)
+    return msgspec.structs.replace(shard_memory(whole, mode, size),
+                                   weights_bytes=math.ceil(whole.weights_bytes / size))
 
 
 def combine(answers: list[Supply]) -> tuple[int, list[int]]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import mlx.core as mx
+
 from actors.admission import ADMISSION_THREAD, Admission
 from actors.config import ServeConfig, model_specs
 from actors.engine import cpu_kernels
@@ -90,6 +92,9 @@ async def start_serving(system: ActorSystem, config: ServeConfig) -> ServingHand
         pool=POOL_NAME,
         prefill_step_size=config.prefill_step_size,
         block_size=config.block_size,
+        distributed=config.distributed,
+        # The group start_rank joined: its guard counts one rank's share, as the gate does.
+        ranks=mx.distributed.init().size() if config.distributed else 1,
     )
     return ServingHandles(
         admission=admission,
