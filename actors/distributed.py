@@ -57,6 +57,10 @@ CONNECT_TIMEOUT_S = 600.0
 # How long rank 0 waits for every follower's answer to a probe before it takes no cached
 # blocks for the request (a follower reading many blocks from a slow disk, or gone).
 PROBE_TIMEOUT_S = 5.0
+# How long rank 0's step may go on after a follower is lost before it counts as stuck: the
+# ring backend fails the collective in flight within about a second, but one queued after it
+# gave up can wait forever.
+STUCK_AFTER_S = 5.0
 _HEADER = struct.Struct("<I")
 
 
@@ -306,7 +310,8 @@ class Followers:
 
     ``on_supply(request_id, blocks, partials)`` gets what every follower can supply for a
     probed request (``combine``), once all have answered; nothing (0, []) when one did not
-    answer within PROBE_TIMEOUT_S or was lost. It is called on a reader or timer thread."""
+    answer within PROBE_TIMEOUT_S or was lost. ``on_lost(reason)`` is called once, when the
+    first follower is lost. Both are called on a reader or timer thread."""
 
     def __init__(self, size: int, port: int, host: str | None = None) -> None:
         self.size = size
@@ -315,6 +320,7 @@ class Followers:
         self.status: dict[int, dict[str, Any]] = {}
         self.dead: str | None = None
         self.on_supply: Callable[[str, int, list[int]], None] | None = None
+        self.on_lost: Callable[[str], None] | None = None
         self.probe_timeouts = 0
         self._socks: dict[int, socket.socket] = {}
         self._lock = threading.Lock()
@@ -503,6 +509,8 @@ class Followers:
         if first:
             log.error("%s: requests fail and new ones get 503 until the group restarts",
                       self.dead)
+            if self.on_lost is not None:
+                self.on_lost(self.dead)
         for request_id, probe in probes:  # a lost rank supplies nothing
             probe.timer.cancel()
             self._deliver(request_id, 0, [])

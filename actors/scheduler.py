@@ -29,6 +29,7 @@ import asyncio
 import json
 import logging
 import os
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -48,7 +49,7 @@ from actors.cache_messages import (
     SpillRam,
     WriteBlock,
 )
-from actors.distributed import Followers, load_shard, shard_memory
+from actors.distributed import STUCK_AFTER_S, Followers, load_shard, shard_memory
 from actors.engine.config import DEFAULTS, EngineConfig
 from actors.engine.core import Engine, RequestError
 from actors.engine.kv_blocks import KVBlock, from_numpy, to_numpy
@@ -89,6 +90,9 @@ WRITE_WAIT_S = 0.25
 PERSIST_BYTES_PER_STEP = 8 << 20
 # The longest a request (or a spill) waits for the cache index to say what is on disk.
 LOOKUP_TIMEOUT_S = 1.0
+# After a stuck step's requests got their errors, how long the process stays up so that the
+# HTTP layer writes them out before it exits.
+STUCK_EXIT_GRACE_S = 2.0
 # An idle engine's arrival window stays open while requests keep arriving, up to this many
 # windows after the first arrival.
 ARRIVAL_WINDOWS_MAX = 5
@@ -191,6 +195,7 @@ class Scheduler(Actor):
         # Requests the other ranks were asked about and not yet told to add or release.
         self._probed: set[str] = set()
         self.probes = 0
+        self._stepping = False  # inside engine.step (read by the stuck-step watchdog)
         self.write_wait_s = 0.0  # time steps spent waiting for room in the writer's queue
         # The other ranks of a sharded model (rank 0 only; actors/distributed.py).
         self.followers: Followers | None = None
@@ -270,6 +275,7 @@ class Scheduler(Actor):
                 pass  # the loop is closed: the scheduler has stopped
 
         followers.on_supply = supplied
+        followers.on_lost = self._watch_stuck
         self.followers = self.engine.mirror = followers
 
     async def on_stop(self, error: BaseException | None) -> None:
@@ -548,8 +554,12 @@ class Scheduler(Actor):
             self._deliver(engine.reset(self.followers.dead))
         if engine.has_work:
             limits = self.limits
-            events = engine.step(limit=limits.limit if limits and limits.guard else None,
-                                 floor=limits.floor if limits else 0)
+            self._stepping = True
+            try:
+                events = engine.step(limit=limits.limit if limits and limits.guard else None,
+                                     floor=limits.floor if limits else 0)
+            finally:
+                self._stepping = False
             self._last_active = time.monotonic()
             self._deliver(events)
             self._tps_window.append((time.perf_counter(), engine.generated_tokens))
@@ -559,6 +569,37 @@ class Scheduler(Actor):
             self._unsaved.extend((rid, self._epochs.get(rid, 0), blk) for rid, blk in new)
         if self._unsaved:
             await self._persist(self._take_unsaved())
+
+    def _watch_stuck(self, reason: str) -> None:
+        """A follower is lost (on a reader thread): if the step in flight has not returned
+        STUCK_AFTER_S later, its collective never will, and this thread is all that can
+        still answer. Every request in flight gets its error and the process exits 1 (as
+        mlx.launch stops the whole group when a rank dies); the log names the rank."""
+        steps = self.engine.steps
+
+        def check() -> None:
+            if not self._stepping or self.engine.steps != steps:
+                return  # the step failed and returned: the scheduler answers as usual
+            log.error("%s, and rank 0's step has not returned in %.0f s (a collective that "
+                      "will not complete): failing the requests in flight and exiting",
+                      reason, STUCK_AFTER_S)
+            # The MLX thread that owns these is blocked for good; replies are thread-safe.
+            pending = [(rid, r) for rid, r in list(self._replies.items())]
+            pending += [(rid, ld.reply) for rid, ld in list(self._loading.items())]
+            for rid, reply in pending:
+                reply.send(RequestFinished(
+                    request_id=rid, finish_reason="error",
+                    usage=Usage(prompt_tokens=0, completion_tokens=0),
+                    error=f"{reason}; the sharded model cannot run until its ranks are "
+                          "restarted", error_kind="unavailable"))
+                reply.close()
+            time.sleep(STUCK_EXIT_GRACE_S)  # the error events reach their clients first
+            logging.shutdown()
+            os._exit(1)
+
+        timer = threading.Timer(STUCK_AFTER_S, check)
+        timer.daemon = True
+        timer.start()
 
     def _take_unsaved(self, everything: bool = False) -> list[tuple[str, int, KVBlock]]:
         """The new blocks to snapshot this step: about PERSIST_BYTES_PER_STEP (at least one),
