@@ -6,7 +6,8 @@ every measurement runs in one and then the other, alternating which goes first, 
 ``--rounds`` rounds, so a shared machine's load falls on both alike. Each times, on the default
 model (``troupe pull``'s directory) in float32: a batch of 8 chat-length prompts (74 tokens)
 prefilled together, a 512-, a 1,024- and a 2,048-token prompt (512-token chunks, as the
-server prefills), and one decode step of 1, 16 and 32 sequences at 100 tokens of context. The report
+server prefills), 400 new tokens on top of 3,000 cached (an agent's later turn), and one
+decode step of 1, 16 and 32 sequences at 100 tokens of context. The report
 gives medians and the median of the per-round ratios; both processes hash the logits of a
 300-token prompt, which must be the same. On Linux it re-executes itself with OpenBLAS
 preloaded, as ``troupe serve`` does.
@@ -36,8 +37,8 @@ from harness import blas_name, resolve_default_model, same_blas_as_troupe_serve 
 CHOICES = ("mlx", "native")
 
 
-MEASUREMENTS = ("prefill_8x74", "prefill_512", "prefill_1024", "prefill_2048", "decode_b1",
-                "decode_b16", "decode_b32")
+MEASUREMENTS = ("prefill_8x74", "prefill_512", "prefill_1024", "prefill_2048",
+                "hit_400_at_3000", "decode_b1", "decode_b16", "decode_b32")
 
 
 def child(model_dir: str, choice: str, home: str) -> None:
@@ -63,6 +64,19 @@ def child(model_dir: str, choice: str, home: str) -> None:
                 mx.eval(h, [c.state for c in cache])
         return run
 
+    def hit(length: int, context: int):
+        cache = make_prompt_cache(model)
+        cached = mx.array([[(i * 11) % 5000 + 10 for i in range(context)]])
+        for i in range(0, context, 512):
+            mx.eval(model.model(cached[:, i:i + 512], cache=cache), [c.state for c in cache])
+        tokens = mx.array([[(i * 7) % 5000 + 10 for i in range(length)]])
+
+        def run() -> None:
+            mx.eval(model.model(tokens, cache=cache))
+            for c in cache:
+                c.trim(length)  # the same context every time
+        return run
+
     def decode(batch: int, context: int = 100):
         cache = make_prompt_cache(model)
         mx.eval(model(mx.array([[7] * context] * batch), cache=cache))
@@ -78,7 +92,7 @@ def child(model_dir: str, choice: str, home: str) -> None:
 
     work = {"prefill_8x74": prefill(8, 74), "prefill_512": prefill(1, 512),
             "prefill_1024": prefill(1, 1024), "prefill_2048": prefill(1, 2048),
-            "decode_b1": decode(1),
+            "hit_400_at_3000": hit(400, 3000), "decode_b1": decode(1),
             "decode_b16": decode(16), "decode_b32": decode(32)}
     for fn in work.values():
         fn()  # warm-up: kernels get built, memory allocated

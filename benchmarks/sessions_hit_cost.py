@@ -7,8 +7,10 @@ tokens already in the cache. This times, in this process on troupe's CPU kernels
 - **forward**: one forward pass of the chunk on top of the context (trimmed back after);
 - **forward, no context**: the same chunk on an empty cache: the weights' work;
 - **attention**: the layers' ``scaled_dot_product_attention`` of the chunk's queries over
-  ``context + chunk`` keys, causal (as the model calls it); the same **without a mask**; and
-  **the two products alone** (scores, then probabilities times values, no softmax).
+  ``context + chunk`` keys, causal (as the model calls it); the same **without a mask**;
+  **the two products alone** (scores, then probabilities times values, no softmax); and
+  the causal attention with **MLX's own** kernel. Each layer's call runs after the last
+  one's, as in the model.
 
 Figures are CPU time of this process per new token (the attention's summed over the
 layers), the best of ``--reps``, with OpenBLAS on one thread: on a shared machine, other jobs
@@ -57,6 +59,7 @@ def main() -> None:
     from actors.engine import cpu_kernels
     from actors.models.store import troupe_home
 
+    mlx_sdpa = mx.fast.scaled_dot_product_attention
     cpu_kernels.enable(args.kernels, troupe_home())
     model_dir = args.model or resolve_default_model()
     model, _ = load(model_dir)
@@ -83,7 +86,8 @@ def main() -> None:
           f"{os.environ['OPENBLAS_NUM_THREADS']} thread(s), CPU kernels {args.kernels}; "
           "CPU ms per new token")
     print("| context | chunk | forward | forward, no context | attention, causal | attention, "
-          "no mask | the two products alone |\n|---|---|---|---|---|---|---|")
+          "no mask | the two products alone | attention, causal, MLX's own |\n"
+          "|---|---|---|---|---|---|---|---|")
     base: dict[int, float] = {}
     for ctx in args.contexts:
         cache = make_prompt_cache(model)
@@ -108,13 +112,20 @@ def main() -> None:
             qg = q.reshape(1, kv_heads, heads // kv_heads, n, head_dim)
             kg, vg = mx.expand_dims(k, 2), mx.expand_dims(v, 2)
 
-            def layers_of(one: Callable[[], mx.array]) -> float:
-                return cpu(lambda: mx.eval([one() for _ in range(layers)]))
+            def layers_of(one: Callable[[mx.array], mx.array], q: mx.array) -> float:
+                def run() -> None:
+                    out = None
+                    for _ in range(layers):
+                        out = one(q if out is None else mx.depends(q, out))
+                    mx.eval(out)
+                return cpu(run)
 
-            causal = layers_of(lambda q=q, k=k, v=v: sdpa(q, k, v, scale=scale, mask="causal"))
-            unmasked = layers_of(lambda q=q, k=k, v=v: sdpa(q, k, v, scale=scale))
-            products = layers_of(lambda qg=qg, kg=kg, vg=vg: (qg @ kg.swapaxes(-1, -2)) @ vg)
-            cells = [whole, base[n], causal, unmasked, products]
+            causal = layers_of(lambda q, k=k, v=v: sdpa(q, k, v, scale=scale, mask="causal"), q)
+            unmasked = layers_of(lambda q, k=k, v=v: sdpa(q, k, v, scale=scale), q)
+            products = layers_of(lambda q, kg=kg, vg=vg: (q @ kg.swapaxes(-1, -2)) @ vg, qg)
+            mlx_own = layers_of(
+                lambda q, k=k, v=v: mlx_sdpa(q, k, v, scale=scale, mask="causal"), q)
+            cells = [whole, base[n], causal, unmasked, products, mlx_own]
             print(f"| {ctx} | {n} | " + " | ".join(f"{c / n * 1e3:.1f}" for c in cells) + " |",
                   flush=True)
 

@@ -40,10 +40,38 @@ def test_softmax_rows_matches_mlx_bitwise() -> None:
     assert same(cpu_kernels.softmax_rows(x), mx.softmax(x, axis=-1))
 
 
+def test_softmax_rows_with_a_mask_matches_mlx_bitwise() -> None:
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, 4, 300)).astype(np.float32) * 9
+    x[0, 0] = -np.inf  # every kept score -inf: MLX's row max is then the lowest float
+    keep = rng.random((4, 300)) < 0.6
+    keep[1] = False  # a row with nothing kept
+    x, keep = mx.array(x), mx.array(keep)
+    low = mx.array(mx.finfo(mx.float32).min, mx.float32)
+    want = mx.softmax(mx.where(keep, x, low), axis=-1, precise=True)
+    assert same(cpu_kernels.softmax_rows(x, keep), want)
+
+
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2), (9, 3)])
 @pytest.mark.parametrize("length,cached", [(1, 0), (1, 30), (2, 0), (17, 0), (5, 40), (64, 64),
-                                           (3, 1100), (40, 900)])
+                                           (3, 1100), (40, 900), (7, 3000), (40, 4000),
+                                           (200, 700)])
 def test_attention_matches_mlx_bitwise(kernels, heads, length, cached) -> None:
+    check_attention(kernels, heads, length, cached)
+
+
+# With small groups, prefill takes every way of splitting the heads: a few repeats of a KV
+# head ((64, 64)), whole KV heads ((64, 64) without GQA), and one head's rows in blocks, the
+# last one shorter ((40, 4000): a short chunk on a long context; (200, 700)).
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2), (9, 3)])
+@pytest.mark.parametrize("length,cached", [(17, 0), (64, 64), (40, 4000), (200, 700)])
+def test_attention_in_small_groups_matches_mlx_bitwise(kernels, monkeypatch, heads, length,
+                                                       cached) -> None:
+    monkeypatch.setattr(kernels, "GROUP_BYTES", 64 << 10)
+    check_attention(kernels, heads, length, cached)
+
+
+def check_attention(kernels, heads: tuple[int, int], length: int, cached: int) -> None:
     n_q, n_kv = heads
     rng = np.random.default_rng(length * 100 + cached + n_q)
     batch, dim, keys = 3, 16, length + cached
@@ -53,16 +81,46 @@ def test_attention_matches_mlx_bitwise(kernels, heads, length, cached) -> None:
 
     q = rand(batch, n_q, length, dim)
     k, v = rand(batch, n_kv, keys, dim), rand(batch, n_kv, keys, dim)
-    # a batch's left-padding mask as mlx-lm's BatchKVCache makes it, and an additive one
+    # a batch's left-padding mask as mlx-lm's BatchKVCache makes it, and an additive one; the
+    # causal mask as an array; a mask per head with rows where nothing is kept
     left = mx.array([0, 3, keys - 1])
     rows = mx.arange(keys - length, keys)[:, None] >= mx.arange(keys)[None]
     bool_mask = rows[None, None] & (left[:, None, None, None] <= mx.arange(keys))
     additive = mx.where(bool_mask, 0.0, -1e9).astype(mx.float32)
+    per_head = rng.random((1, n_q, length, keys)) < 0.7
+    per_head[0, -1, : (length + 1) // 2] = False
     original = kernels._state["sdpa"]
-    for mask in (None, "causal", bool_mask, additive):
+    for mask in (None, "causal", bool_mask, additive, rows, mx.where(rows, 0.0, -np.inf),
+                 mx.array(per_head)):
         got = kernels.attention(q, k, v, scale=dim**-0.5, mask=mask)
         want = original(q, k, v, scale=dim**-0.5, mask=mask)
-        assert same(got, want), (heads, length, cached, type(mask))
+        assert same(got, want), (heads, length, cached, mask if isinstance(mask, str)
+                                 else getattr(mask, "shape", None))
+
+
+def test_causal_attention_with_fewer_keys_than_queries_matches_mlx_bitwise(kernels) -> None:
+    # MLX's causal mask then masks every key for the first queries
+    rng = np.random.default_rng(5)
+    q = mx.array(rng.standard_normal((2, 9, 12, 16)).astype(np.float32))
+    k, v = (mx.array(rng.standard_normal((2, 3, 5, 16)).astype(np.float32)) for _ in range(2))
+    got = kernels.attention(q, k, v, scale=0.25, mask="causal")
+    assert same(got, kernels._state["sdpa"](q, k, v, scale=0.25, mask="causal"))
+
+
+def test_attention_with_infinite_scores_matches_mlx_bitwise(kernels) -> None:
+    # overflowed activations: rows whose kept scores are all -inf, and rows with NaN in them
+    rng = np.random.default_rng(6)
+    q = rng.standard_normal((1, 9, 40, 16)).astype(np.float32)
+    k = rng.standard_normal((1, 3, 4040, 16)).astype(np.float32)
+    q[0, 0, :5] = 0.0
+    q[0, 0, :5, 0] = 1.0
+    k[0, 0, :, 0] = -np.inf  # head 0's first rows: every score -inf
+    q[0, 4, 7, 3] = np.inf
+    q, k = mx.array(q), mx.array(k)
+    v = mx.array(rng.standard_normal((1, 3, 4040, 16)).astype(np.float32))
+    for mask in (None, "causal"):
+        got = kernels.attention(q, k, v, scale=0.25, mask=mask)
+        assert same(got, kernels._state["sdpa"](q, k, v, scale=0.25, mask=mask)), mask
 
 
 def test_attention_hands_decode_and_other_dtypes_to_mlx(kernels, monkeypatch) -> None:

@@ -12,10 +12,10 @@ Four changes, all measured on the default model (docs/benchmarks.md, "CPU kernel
 * **Attention's softmax in prefill.** MLX's CPU ``scaled_dot_product_attention`` falls back
   to primitives whose ``softmax`` computes each exponential through a library ``fma``; on a
   512-token prompt that softmax is most of the attention's time. For prefill (more than one
-  query), in blocks of query rows that stay in the CPU's caches, the same arithmetic runs as:
-  row max, ``exp(s - max)`` as a fused kernel, the row sum in the order MLX's softmax adds in
-  (its ``sum``, checked once to add a row in order; else the last of a ``cumsum``), then
-  ``e * (1 / sum)``.
+  query), the same arithmetic runs as: row max, ``exp(s - max)`` as a fused kernel, the row
+  sum in the order MLX's softmax adds in (its ``sum``, checked once to add a row in order;
+  else the last of a ``cumsum``), then ``e * (1 / sum)``. The heads go in groups, one after
+  the other, whose scores stay small enough for MLX's allocator to reuse their memory.
 * **Decode attention with grouped KV heads.** With one query per sequence, MLX's fallback
   multiplies each query head by its keys separately (a batch of B x heads vector products);
   the query heads that share a KV head go into one product instead (B x KV heads), with the
@@ -52,15 +52,11 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 CHOICES = ("native", "mlx")
-# Prefill attention runs on blocks of query rows (at least 16) whose scores take about this
-# much: measured fastest at 256-512 KB on 2 EPYC cores, from 512 to 4,096 keys (1 MB and
-# more: slower past 1,024 keys, and whole arrays about 4 copies of the scores).
-FUSED_BLOCK_BYTES = 512 << 10
-# ... except where all the scores take at most this much (a prefill chunk of a few dozen
-# tokens riding in a decode step, at any context): one block, whose passes run MLX's
-# contiguous kernels instead of strided ones over slices (32 query rows at 2,000 keys:
-# 16 ms a layer in two blocks, 10 ms in one, same results).
-WHOLE_SCORES_BYTES = 4 << 20
+# Prefill attention takes its heads in groups whose scores take at most this much (at least a
+# head; a larger head's softmax in blocks of rows this size): MLX's CPU allocator keeps freed
+# buffers for reuse up to 32 MB in all, and glibc maps anything over 32 MB afresh, so larger
+# arrays were mapped and faulted in anew at every layer.
+GROUP_BYTES = 8 << 20
 # -ffp-contract=off: a product and a sum round separately, as in MLX's prebuilt kernels (with
 # -march=native alone GCC fuses them into FMAs and the logits move in the last bits).
 # -fno-semantic-interposition and a high inline limit: MLX's ``simd::exp`` (and the other
@@ -140,7 +136,7 @@ def jit_env(home: Path) -> dict[str, str] | None:
 # --- attention -------------------------------------------------------------------------------
 
 
-def _fused() -> tuple[Any, Any]:
+def _fused() -> tuple[Any, Any, Any]:
     import mlx.core as mx
 
     fns = _state.get("fused")
@@ -151,31 +147,64 @@ def _fused() -> tuple[Any, Any]:
         # exception").
         fns = _state["fused"] = (
             mx.compile(lambda s, m: mx.exp(s - m), shapeless=True),
-            mx.compile(lambda e, total: e * (1.0 / total), shapeless=True),
-            mx.compile(lambda s, keep, low, m: mx.exp(mx.where(keep, s, low) - m),
+            mx.compile(lambda keep, s, low: mx.where(keep, s, low), shapeless=True),
+            mx.compile(lambda keep, s, low, m: mx.exp(mx.where(keep, s, low) - m),
                        shapeless=True),
         )
     return fns
 
 
-def softmax_rows(scores: Any, keep: Any = None) -> Any:
+def softmax_rows(scores: Any, keep: Any = None, kept: int = 0) -> Any:
     """``mx.softmax(scores, axis=-1)`` for float32, to the bit, with the exponentials fused;
-    with ``keep`` (a boolean mask), the softmax of ``where(keep, scores, lowest float)``, the
-    masked copy alive only until its row maxima are taken."""
+    with ``keep`` (a mask: boolean, or 0 and 1 as uint8), the softmax of ``where(keep, scores,
+    lowest float)``. ``kept``: how many first columns every row of a uint8 mask keeps (as in
+    a causal mask), whose maximum is then taken without the mask.
+
+    A uint8 mask goes into the exponentials' fused kernel, which the compiler vectorises; it
+    cannot vectorise loads of booleans, so a boolean mask is applied by MLX's ``where``."""
     import mlx.core as mx
 
-    shifted_exp, normalize, masked_exp = _fused()
+    shifted_exp, masked, masked_exp = _fused()
     if keep is None:
-        e = shifted_exp(scores, scores.max(axis=-1, keepdims=True))
+        e = shifted_exp(scores, _row_max(scores))
+    elif keep.dtype == mx.bool_:
+        scores = mx.where(keep, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+        e = shifted_exp(scores, _row_max(scores))
     else:
         low = mx.array(mx.finfo(scores.dtype).min, scores.dtype)
-        top = mx.where(keep, scores, low).max(axis=-1, keepdims=True)
-        e = masked_exp(scores, keep, low, top)
+        if kept > 0:  # the maximum of a row is that of its parts, in any order
+            top = mx.maximum(_row_max(scores[..., :kept]),
+                             _row_max(masked(keep[..., kept:], scores[..., kept:], low)))
+        else:
+            top = _row_max(masked(keep, scores, low))
+        e = masked_exp(keep, scores, low, top)
     if _sum_is_sequential():
         total = e.sum(axis=-1, keepdims=True)
     else:  # the last of a running sum adds in MLX's softmax's order anywhere, at a row's cost
         total = mx.cumsum(e, axis=-1)[..., -1:]
-    return normalize(e, total)
+    return e * (1.0 / total)
+
+
+# The width of the column blocks whose maxima _row_max takes first.
+MAX_WIDTH = 64
+
+
+def _row_max(x: Any) -> Any:
+    """``x.max(axis=-1, keepdims=True)``. A maximum does not depend on the order it compares
+    in, so a long row is first reduced as [n, MAX_WIDTH] over n (MLX's loop for that runs
+    across the width, vectorised; along a row it is one comparison after another), then
+    the width's maxima and any columns left over."""
+    import mlx.core as mx
+
+    keys = x.shape[-1]
+    n = keys - keys % MAX_WIDTH
+    if n < 4 * MAX_WIDTH:
+        return x.max(axis=-1, keepdims=True)
+    top = x[..., :n].reshape(*x.shape[:-1], n // MAX_WIDTH, MAX_WIDTH).max(axis=-2)
+    top = top.max(axis=-1, keepdims=True)
+    if n == keys:
+        return top
+    return mx.maximum(top, x[..., n:].max(axis=-1, keepdims=True))
 
 
 def _sum_is_sequential() -> bool:
@@ -231,38 +260,76 @@ def attention(q: Any, k: Any, v: Any, *, scale: float, mask: Any = None, sinks: 
         # at ~110 keys: 0.84 ms a layer against 0.18 ms, the same bits).
         out = softmax_rows(scores, keep) @ v
         return out.reshape(b, n_q, 1, -1)
-    if repeats > 1:
-        q = q.reshape(b, n_kv, repeats, length, dim)
-        k = mx.expand_dims(k, 2)
-        v = mx.expand_dims(v, 2)
-    keys_t = k.swapaxes(-1, -2)
+    # The heads go in groups (see GROUP_BYTES), each with its own products and softmax, one
+    # after the other. MLX's CPU matmul makes one BLAS call per head, so the products are the
+    # same calls, to the bit (rows are never split: a threaded BLAS may split a product's rows
+    # differently for a different number of rows, and round differently).
+    q = q.reshape(b, n_kv, repeats, length, dim)
+    k = mx.broadcast_to(mx.expand_dims(k, 2), (b, n_kv, repeats, keys, dim))
+    v = mx.broadcast_to(mx.expand_dims(v, 2), (b, n_kv, repeats, keys, dim))
+    boolean = isinstance(mask, str) or (mask is not None and mask.dtype == mx.bool_)
+    kept = 0
     if isinstance(mask, str):
+        kept = max(0, keys - length + 1)  # up to the first query's own key: kept by all
         mask = mx.arange(keys - length, keys)[:, None] >= mx.arange(keys)[None]
-    # The products are MLX's own calls on the whole arrays (a threaded BLAS may split a
-    # product's rows differently for a different number of rows, and round differently); the
-    # softmax between them runs on blocks of rows, one after the other, so that its passes
-    # stay in the CPU's caches and its copies of the scores stay small.
-    scores = q @ keys_t
-    row_bytes = max(1, b * n_q * keys * 4)
-    rows = length if row_bytes * length <= WHOLE_SCORES_BYTES \
-        else max(16, FUSED_BLOCK_BYTES // row_bytes)
-    probs = []
-    for start in range(0, length, rows):
-        stop = min(length, start + rows)
-        block = scores[..., start:stop, :]
-        if probs:  # after the previous block, so that block's copies are freed first
-            block = mx.depends(block, probs[-1])
-        keep = None
-        if mask is not None:
-            part = mask[..., start:stop, :] if mask.ndim >= 2 and mask.shape[-2] == length \
-                else mask
-            if part.dtype == mx.bool_:
-                keep = mx.broadcast_to(part, (b, n_q, stop - start, keys)).reshape(block.shape)
-            else:
-                block = _apply_mask(block, part, (b, n_q, stop - start, keys), block.shape)
-        probs.append(softmax_rows(block, keep))
-    p = probs[0] if len(probs) == 1 else mx.concatenate(probs, axis=-2)
-    return (p @ v).reshape(b, n_q, length, -1)
+    if mask is not None:
+        if boolean:
+            mask = mask.astype(mx.uint8)  # see softmax_rows
+        if mask.ndim >= 3:  # MLX's fallback: its heads axis is the query heads'
+            mask = mx.broadcast_to(mask, (b, n_q, length, keys)).reshape(
+                b, n_kv, repeats, length, keys)
+        # A view: a group's part of a mask shared by heads or rows is not copied.
+        mask = mx.broadcast_to(mask, (b, n_kv, repeats, length, keys))
+    outs: list[Any] = []
+    for group in _groups(b, n_kv, repeats, max(1, length * keys * 4)):
+        # After the previous group, so that its memory is free to reuse.
+        qg = q[group] if not outs else mx.depends(q[group], outs[-1])
+        scores = qg @ k[group].swapaxes(-1, -2)
+        part = None if mask is None else mask[group]
+        probs: list[Any] = []
+        for rows in _row_blocks(length, keys):
+            x = scores if rows is None else scores[..., rows, :]
+            if probs:  # likewise, after the previous block
+                x = mx.depends(x, probs[-1])
+            keep = None
+            if boolean:
+                keep = part if rows is None else part[..., rows, :]
+            elif part is not None:
+                x = x + (part if rows is None else part[..., rows, :]).astype(x.dtype)
+            probs.append(softmax_rows(x, keep, kept))
+        p = probs[0] if len(probs) == 1 else mx.concatenate(probs, axis=-2)
+        outs.append((p @ v[group]).reshape(-1, length, dim))
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs)
+    return out.reshape(b, n_q, length, dim)
+
+
+def _groups(b: int, n_kv: int, repeats: int, head: int) -> Iterator[tuple[Any, ...]]:
+    """Indices into [b, n_kv, repeats, ...] of groups of heads, in order, whose scores take at
+    most GROUP_BYTES (at least one head): all of them, whole KV heads, or repeats of one."""
+    per = max(1, GROUP_BYTES // head)
+    if per >= b * n_kv * repeats:
+        yield (slice(None),)
+    elif per >= repeats:
+        kvs = per // repeats
+        for i in range(b):
+            for kv in range(0, n_kv, kvs):
+                yield i, slice(kv, min(n_kv, kv + kvs))
+    else:
+        for i in range(b):
+            for kv in range(n_kv):
+                for r in range(0, repeats, per):
+                    yield i, kv, slice(r, min(repeats, r + per))
+
+
+def _row_blocks(length: int, keys: int) -> Iterator[slice | None]:
+    """The rows of a group's softmax, in order: all of them (None), or where one head's scores
+    take more than GROUP_BYTES, blocks of rows that take at most that."""
+    rows = max(1, GROUP_BYTES // (keys * 4))
+    if rows >= length:
+        yield None
+        return
+    for r in range(0, length, rows):
+        yield slice(r, min(length, r + rows))
 
 
 def _apply_mask(scores: Any, mask: Any, full: tuple[int, ...], shape: tuple[int, ...]) -> Any:
