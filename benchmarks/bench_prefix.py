@@ -29,6 +29,7 @@ from harness import (  # noqa: E402
     resolve_default_model,
     same_blas_as_troupe_serve,
     wait_healthy,
+    without_troupe_gemv,
 )
 
 PARAGRAPH = ("The river carved its valley over thousands of years, carrying stone from the "
@@ -143,7 +144,8 @@ async def main_async(args) -> dict:
         results["mlx_lm.server"]["repeat"] = await ttft(base, model_dir, prompt)
         results["mlx_lm.server"]["new_ending"] = await ttft(base, model_dir, new_ending)
 
-    await run_server(peer, port, logs / "prefix-mlx_lm.log", env, peer_run)
+    await run_server(peer, port, logs / "prefix-mlx_lm.log", without_troupe_gemv(env),
+                     peer_run)
     results["cached_tokens"] = dict(CACHED)
     return results
 

@@ -55,6 +55,8 @@ START_ENV = dict(os.environ)
 tempfile.gettempdir()  # cached now: the ceiling's CPU kernels later point TMPDIR at their JIT
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]  # actors.models.blas, and plot.py beside this
 
+from actors.models.blas import without_troupe_gemv  # noqa: E402  (MLX-free)
+
 TROUPE = "mlx-troupe"
 BASELINE = "mlx-troupe@baseline"  # another commit's checkout (--baseline), served the same way
 PEER = "mlx_lm.server"
@@ -448,8 +450,9 @@ async def running(name: str, model_dir: str, args: argparse.Namespace,
         # `python -m` puts its working directory first on sys.path: the baseline's checkout
         # serves its own code (this venv's packages).
         cwd = args.baseline if name == BASELINE else REPO
+        env = START_ENV if name == TROUPE else without_troupe_gemv(START_ENV)
         proc = subprocess.Popen(server_command(name, model_dir, port, cache_dir, args),
-                                stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=START_ENV)
+                                stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=env)
         spy = None
         try:
             ids = await wait_healthy(base, proc)
@@ -753,9 +756,14 @@ def same_blas_as_troupe_serve() -> None:
 
 
 def blas_name() -> str:
-    preload = os.environ.get("LD_PRELOAD", "")
-    return f"OpenBLAS ({preload.split()[0]})" if "openblas" in preload \
-        else "the default MLX links (no preload)"
+    """The BLAS this process preloads; the other servers a benchmark starts get it without
+    troupe's matrix-vector product (``without_troupe_gemv``)."""
+    preload = os.environ.get("LD_PRELOAD", "").split()
+    openblas = next((p for p in preload if "openblas" in p), None)
+    if openblas is None:
+        return "the default MLX links (no preload)"
+    gemv = any("libtroupe_gemv" in p for p in preload)
+    return f"OpenBLAS ({openblas})" + (" with troupe's matrix-vector product" if gemv else "")
 
 
 def resolve_default_model() -> str:

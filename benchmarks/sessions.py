@@ -166,9 +166,15 @@ class Server:
     starts: int = 0
     env: dict[str, str] = field(default_factory=dict)
 
+    def start_env(self) -> dict[str, str]:
+        """troupe's own BLAS preload for troupe; OpenBLAS alone for the MLX peers."""
+        if self.name == TROUPE:
+            return harness.START_ENV
+        return harness.without_troupe_gemv(harness.START_ENV)
+
     async def start(self, model_dir: str) -> None:
         self.proc = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT,
-                                     cwd=harness.REPO, env={**harness.START_ENV, **self.env})
+                                     cwd=harness.REPO, env={**self.start_env(), **self.env})
         ids = await harness.wait_healthy(self.base, self.proc)
         # mlx_lm.server loads whatever the model field names: send it the directory it serves.
         self.model = model_dir if self.name == MLX_LM or not ids else ids[0]

@@ -28,6 +28,7 @@ from typing import Any
 
 from actors.mlx_lm_private import download
 from actors.models.gguf import CONVERTER_VERSION, DTYPES, convert_gguf, default_dtype
+from actors.models.home import troupe_home
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +59,6 @@ class ResolvedModel:
     name: str
     path: Path
     source: str
-
-
-def troupe_home() -> Path:
-    """Cache root: ``$TROUPE_HOME``, default ``~/.cache/mlx-troupe``."""
-    return Path(os.environ.get("TROUPE_HOME") or "~/.cache/mlx-troupe").expanduser()
 
 
 def bundled_gguf_path() -> Path:
