@@ -27,9 +27,10 @@ rng = np.random.default_rng(7)
 for n, k in [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576), (1000, 333),
              (37, 1000), (64, 700), (5, 7), (8, 1)]:
     w = mx.array(rng.standard_normal((n, k)).astype(np.float32))
-    for _ in range(3):
-        x = mx.array(rng.standard_normal((1, k)).astype(np.float32))
-        h.update(np.array(x @ w.T).tobytes())
+    for m in (1, 2, 3, 4):  # rows: sequences in a decode step
+        for _ in range(3):
+            x = mx.array(rng.standard_normal((m, k)).astype(np.float32))
+            h.update(np.array(x @ w.T).tobytes())
 model, _ = load(str(resolve_model(None).path))
 cache = make_prompt_cache(model)
 logits = model(mx.array([[(i * 13) % 5000 + 10 for i in range(200)]]), cache=cache)
@@ -42,9 +43,9 @@ for _ in range(8):
     h.update(np.array(logits).tobytes())
 shapes = []
 try:
-    out = (ctypes.c_int * 192)()
+    out = (ctypes.c_int * 1024)()
     n = ctypes.CDLL(None).gemv_shim_shapes(out)
-    shapes = [list(out[3 * i:3 * i + 3]) for i in range(n)]
+    shapes = [list(out[4 * i:4 * i + 4]) for i in range(n)]
 except AttributeError:
     pass
 print(json.dumps({"hash": h.hexdigest(), "tokens": tokens, "shapes": shapes}))
@@ -85,15 +86,18 @@ def test_the_shim_gives_openblas_bits_and_runs_where_its_kernels_match(libraries
     assert alone["shapes"] == []  # the shim is not loaded there
     assert both["hash"] == alone["hash"]
     assert both["tokens"] == alone["tokens"]
-    handled = {(n, k): ok for n, k, ok in both["shapes"]}
-    # Every batch-1 product of the model went through the shim's check.
-    for shape in [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]:
-        assert shape in handled, both["shapes"]
+    handled = {(m, n, k): ok for m, n, k, ok in both["shapes"]}
+    # Every product of one to three rows went through the shim's check, the model's too;
+    # four rows and more stay with OpenBLAS.
+    for m in (1, 2, 3):
+        for n, k in [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]:
+            assert (m, n, k) in handled, both["shapes"]
+    assert not any(m > 3 for m, _, _ in handled)
     if _openblas_core(openblas) in ("Zen", "Haswell"):
         # The kernels it reproduces: a model's shapes pass their bit checks and run in the
         # shim. (An odd K may not: OpenBLAS's threaded driver halves a rest of K between Q
         # and 2Q without rounding it to 8, and such a shape stays with OpenBLAS.)
-        assert all(ok for (n, k), ok in handled.items() if k % 16 == 0), both["shapes"]
+        assert all(ok for (m, n, k), ok in handled.items() if k % 16 == 0), both["shapes"]
 
 
 def test_a_wrong_result_sends_the_shape_back_to_openblas(libraries, tmp_path):
@@ -111,8 +115,9 @@ def test_a_wrong_result_sends_the_shape_back_to_openblas(libraries, tmp_path):
     alone = _run([openblas])
     broken = _run([str(wrong), openblas])
     assert broken["hash"] == alone["hash"]
-    handled = {(n, k): ok for n, k, ok in broken["shapes"]}
+    handled = {(m, n, k): ok for m, n, k, ok in broken["shapes"]}
     if _openblas_core(openblas) in ("Zen", "Haswell"):
-        assert handled[(576, 1536)] == 0  # K = 1536 spans several of OpenBLAS's K blocks
-        assert handled[(576, 576)] == 0  # 576: a rest between Q and 2Q, halved
-        assert handled[(37, 1000)] == 0
+        for m in (1, 2, 3):
+            assert handled[(m, 576, 1536)] == 0  # K = 1536 spans several of OpenBLAS's blocks
+            assert handled[(m, 576, 576)] == 0  # 576: a rest between Q and 2Q, halved
+            assert handled[(m, 37, 1000)] == 0

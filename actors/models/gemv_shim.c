@@ -1,17 +1,18 @@
-/* troupe's batch-1 matrix-vector product under MLX's cblas_sgemm (Linux CPU; preloaded before
+/* troupe's matrix-vector products under MLX's cblas_sgemm (Linux CPU; preloaded before
  * OpenBLAS by actors/models/blas.py, never on macOS).
  *
  * MLX's CPU matmul calls cblas_sgemm for every float32 product, a decode step's x @ W.T included
- * (M = 1), and OpenBLAS 0.3.21's level-3 driver packs the whole weight on every such call: most
- * of a one-stream decode step went to that packing. This cblas_sgemm runs row-major
- * [1, K] x [N, K]^T (alpha 1, beta 0) as a matrix-vector product with OpenBLAS's own roundings
- * on its Zen/Haswell kernels: each output an FMA chain over k, in order, from 0, within each K
- * block of the level-3 driver (GEMM_Q = 320; a rest between Q and 2Q halved, rounded up to
- * SGEMM_UNROLL_M = 8; its threaded driver does not round, which agrees where that rest is a
- * multiple of 16, as in models), the blocks' sums added in order. Every other call goes to the next
- * cblas_sgemm (OpenBLAS). The first two calls of each shape also run OpenBLAS and compare to the
- * bit: a shape that differs (another OpenBLAS, another CPU's kernels) goes to OpenBLAS for good,
- * and that call returns OpenBLAS's result. */
+ * (M = the sequences decoding), and OpenBLAS 0.3.21's level-3 driver packs the whole weight on
+ * every such call: most of a one-stream decode step went to that packing. This cblas_sgemm runs
+ * row-major [M, K] x [N, K]^T for M of 1 to 3 (alpha 1, beta 0) as matrix-vector products, the
+ * weights read once for the M rows, with OpenBLAS's own roundings on its Zen/Haswell kernels:
+ * each output an FMA chain over k, in order, from 0, within each K block of the level-3 driver
+ * (GEMM_Q = 320; a rest between Q and 2Q halved, rounded up to SGEMM_UNROLL_M = 8; its threaded
+ * driver does not round, which agrees where that rest is a multiple of 16, as in models), the
+ * blocks' sums added in order. Every other call goes to the next cblas_sgemm (OpenBLAS). The
+ * first two calls of each shape also run OpenBLAS and compare to the bit: a shape that differs
+ * (another OpenBLAS, another CPU's kernels) goes to OpenBLAS for good, and that call returns
+ * OpenBLAS's result. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <immintrin.h>
@@ -29,8 +30,11 @@ static int disabled;
 #define GROUP 2
 #define Q 320
 #define U 8  /* SGEMM_DEFAULT_UNROLL_M (ZEN, Haswell) */
-#define SHAPES 64
-static struct { int n, k, checks, ok; } shapes[SHAPES];
+/* Products of up to this many rows (a decode step's sequences) run here: from 4 rows on,
+ * OpenBLAS's kernels sum in another order (every shape failed its check on Zen). */
+#define MAX_ROWS 3
+#define SHAPES 256
+static struct { int m, n, k, checks, ok; } shapes[SHAPES];
 static int nshapes;
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 
@@ -73,6 +77,32 @@ static inline void transpose8(__m256 *r) {
   }
 CHAIN(2)
 CHAIN(1)
+
+/* acc[m] (rows n0 .. +7 of sequence m) = FMA chain over k in [k0, k1), from 0, for MM
+ * sequences x + m * ldx at once: the weights are read once for all of them. */
+#define CHAINM(MM)                                                                      \
+  static inline void chainm##MM(const float *W, long ldw, const float *x, long ldx,       \
+                                int k0, int k1, __m256 *acc) {                            \
+    for (int m = 0; m < MM; m++) acc[m] = _mm256_setzero_ps();                           \
+    int k = k0;                                                                          \
+    for (; k + 8 <= k1; k += 8) {                                                        \
+      __m256 r[8];                                                                       \
+      for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(W + i * ldw + k);               \
+      transpose8(r);                                                                     \
+      for (int j = 0; j < 8; j++)                                                        \
+        for (int m = 0; m < MM; m++)                                                     \
+          acc[m] = _mm256_fmadd_ps(r[j], _mm256_broadcast_ss(x + m * ldx + k + j), acc[m]); \
+    }                                                                                    \
+    for (; k < k1; k++) {                                                                \
+      float col[8];                                                                      \
+      for (int i = 0; i < 8; i++) col[i] = W[i * ldw + k];                               \
+      __m256 c = _mm256_loadu_ps(col);                                                   \
+      for (int m = 0; m < MM; m++)                                                       \
+        acc[m] = _mm256_fmadd_ps(c, _mm256_broadcast_ss(x + m * ldx + k), acc[m]);       \
+    }                                                                                    \
+  }
+CHAINM(2)
+CHAINM(3)
 
 static int blocks(int K, int *out) {
   int n = 0;
@@ -119,41 +149,85 @@ static void gemv_t(const float *W, long ldw, const float *x, float *y, int N, in
   }
 }
 
+/* Y[m, :] = X[m, :] @ W^T for 2 or 3 rows m, each output as gemv_t makes it. */
+static void gemv_rows(const float *W, long ldw, const float *X, long ldx, float *Y, long ldy,
+                      int mm, int N, int K) {
+  int bl[K / Q + 2], nb = blocks(K, bl);
+  int n = 0;
+  for (; n + 8 <= N; n += 8) {
+    __m256 tot[3], acc[3];
+    for (int m = 0; m < 3; m++) tot[m] = _mm256_setzero_ps();  /* K >= 1: overwritten */
+    for (int b = 0, k0 = 0; b < nb; k0 += bl[b++]) {
+      if (mm == 2) chainm2(W + n * ldw, ldw, X, ldx, k0, k0 + bl[b], acc);
+      else chainm3(W + n * ldw, ldw, X, ldx, k0, k0 + bl[b], acc);
+      for (int m = 0; m < mm; m++) tot[m] = b ? _mm256_add_ps(tot[m], acc[m]) : acc[m];
+    }
+    for (int m = 0; m < mm; m++) _mm256_storeu_ps(Y + m * ldy + n, tot[m]);
+  }
+  for (; n < N; n++)
+    for (int m = 0; m < mm; m++) {
+      float tot = 0.0f;
+      for (int b = 0, k0 = 0; b < nb; k0 += bl[b++]) {
+        float acc = 0.0f;
+        for (int k = k0; k < k0 + bl[b]; k++) acc = fmaf(W[n * ldw + k], X[m * ldx + k], acc);
+        tot = b ? tot + acc : acc;
+      }
+      Y[m * ldy + n] = tot;
+    }
+}
+
+/* C[M, N] = A[M, K] @ B[N, K]^T, M <= MAX_ROWS. */
+static void small_gemm(const float *A, long lda, const float *B, long ldb, float *C, long ldc,
+                       int M, int N, int K) {
+  if (M == 1) gemv_t(B, ldb, A, C, N, K);
+  else gemv_rows(B, ldb, A, lda, C, ldc, M, N, K);
+}
+
 void cblas_sgemm(int order, int ta, int tb, int M, int N, int K, float alpha, const float *A,
                  int lda, const float *B, int ldb, float beta, float *C, int ldc) {
   if (!real_sgemm) {
     real_sgemm = (sgemm_fn)dlsym(RTLD_NEXT, "cblas_sgemm");
     disabled = getenv("TROUPE_GEMV_OFF") != NULL;
   }
-  /* 101 row-major, 111 no transpose, 112 transpose: C[1, N] = A[1, K] @ B[N, K]^T */
-  if (order == 101 && ta == 111 && tb == 112 && M == 1 && alpha == 1.0f && beta == 0.0f
-      && K >= 1 && N >= 1 && !disabled) {
+  /* 101 row-major, 111 no transpose, 112 transpose: C[M, N] = A[M, K] @ B[N, K]^T */
+  if (order == 101 && ta == 111 && tb == 112 && M >= 1 && M <= MAX_ROWS && alpha == 1.0f
+      && beta == 0.0f && K >= 1 && N >= 1 && lda >= K && ldb >= K && ldc >= N && !disabled) {
     int s, check = 0;
     pthread_mutex_lock(&lock);
-    for (s = 0; s < nshapes && (shapes[s].n != N || shapes[s].k != K); s++) {}
+    for (s = 0; s < nshapes && (shapes[s].m != M || shapes[s].n != N || shapes[s].k != K); s++) {}
     if (s == nshapes && nshapes < SHAPES) {
-      shapes[s].n = N; shapes[s].k = K; shapes[s].checks = 0; shapes[s].ok = 1; nshapes++;
+      shapes[s].m = M; shapes[s].n = N; shapes[s].k = K; shapes[s].checks = 0; shapes[s].ok = 1;
+      nshapes++;
     }
     int ok = s < nshapes && shapes[s].ok;
     if (ok && shapes[s].checks < 2) { check = 1; shapes[s].checks++; }
     pthread_mutex_unlock(&lock);
     if (ok) {
-      gemv_t(B, ldb, A, C, N, K);
+      small_gemm(A, lda, B, ldb, C, ldc, M, N, K);
       if (!check) return;
-      float *want = malloc(sizeof(float) * N);
-      real_sgemm(order, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, want, N);
-      if (memcmp(want, C, sizeof(float) * N)) {
-        pthread_mutex_lock(&lock); shapes[s].ok = 0; pthread_mutex_unlock(&lock);
-        memcpy(C, want, sizeof(float) * N);
+      float *want = malloc(sizeof(float) * M * N);
+      if (want) {
+        real_sgemm(order, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, want, N);
+        int same = 1;
+        for (int m = 0; m < M && same; m++)
+          same = !memcmp(want + (long)m * N, C + (long)m * ldc, sizeof(float) * N);
+        if (!same) {
+          pthread_mutex_lock(&lock); shapes[s].ok = 0; pthread_mutex_unlock(&lock);
+          for (int m = 0; m < M; m++)
+            memcpy(C + (long)m * ldc, want + (long)m * N, sizeof(float) * N);
+        }
+        free(want);
+        return;
       }
-      free(want);
-      return;
     }
   }
   real_sgemm(order, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
 
-int gemv_shim_shapes(int *out) {  /* (n, k, ok) triples, for tests */
-  for (int s = 0; s < nshapes; s++) { out[3*s] = shapes[s].n; out[3*s+1] = shapes[s].k; out[3*s+2] = shapes[s].ok; }
+int gemv_shim_shapes(int *out) {  /* (m, n, k, ok) for each shape seen, for tests */
+  for (int s = 0; s < nshapes; s++) {
+    out[4 * s] = shapes[s].m; out[4 * s + 1] = shapes[s].n; out[4 * s + 2] = shapes[s].k;
+    out[4 * s + 3] = shapes[s].ok;
+  }
   return nshapes;
 }
