@@ -48,7 +48,7 @@ import subprocess
 import sys
 import time
 from collections import Counter, defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -1733,15 +1733,22 @@ class Soak:
         }
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """The q-th percentile by linear interpolation, rounded to ms; None for no values."""
+def interpolated_percentile(values: Iterable[float], q: float) -> float | None:
+    """The q-th percentile by linear interpolation; None for no values (the benchmarks'
+    harness uses it too)."""
     ordered = sorted(values)
     if not ordered:
         return None
     pos = q / 100 * (len(ordered) - 1)
     lo = int(pos)
     hi = min(lo + 1, len(ordered) - 1)
-    return round(ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo), 3)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile of seconds, rounded to ms; None for no values."""
+    value = interpolated_percentile(values, q)
+    return None if value is None else round(value, 3)
 
 
 # --- writing the report ----------------------------------------------------------------------

@@ -42,7 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -56,6 +56,7 @@ tempfile.gettempdir()  # cached now: the ceiling's CPU kernels later point TMPDI
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]  # actors.models.blas, and plot.py beside this
 
 from actors.models.blas import without_troupe_gemv  # noqa: E402  (MLX-free)
+from api.soak import interpolated_percentile as percentile  # noqa: E402
 
 TROUPE = "mlx-troupe"
 BASELINE = "mlx-troupe@baseline"  # another commit's checkout (--baseline), served the same way
@@ -85,17 +86,6 @@ Messages = list[dict[str, str]]
 
 
 # --- statistics ----------------------------------------------------------------------------
-
-
-def percentile(values: Iterable[float], q: float) -> float | None:
-    """The q-th percentile by linear interpolation; None for no values."""
-    ordered = sorted(values)
-    if not ordered:
-        return None
-    pos = q / 100 * (len(ordered) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def median_tree(trees: list[Any]) -> Any:
