@@ -22,7 +22,6 @@ from typing import Any
 import msgspec
 
 from actors.config import ServeConfig
-from actors.models import blas
 from api.server import HttpServer, serve_http
 from runtime import ActorSystem
 
@@ -95,6 +94,8 @@ def _maybe_preload_openblas(choice: str) -> None:
     """Re-execute this command with OpenBLAS preloaded when MLX would otherwise run on the
     reference BLAS of the mlx-cpu wheel (prefill about 25x slower). Before MLX is imported:
     a preload only works at process start."""
+    from actors.models import blas  # lazy (api/ loads only messages and config at import)
+
     os.environ[blas.CHOICE_ENV] = choice
     plan = blas.preload_command(["-m", "api.cli", *sys.argv[1:]])
     if plan is not None:
@@ -299,6 +300,7 @@ def parse_size(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``troupe`` argument parser (serve, pull, actors, bench)."""
+    from actors.models import blas  # MLX-free: the --blas choices
     parser = argparse.ArgumentParser(prog="troupe", description="mlx-troupe: an LLM server for MLX")
     commands = parser.add_subparsers(dest="command", required=True)
 
