@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Container, Iterator, Sequence
 from typing import Any
 
+from actors.engine.hot_cache import HOT_ENTRIES, HotCaches
 from actors.engine.kv_blocks import KVBlock, common_prefix
 from actors.engine.lru import Lru
 
@@ -31,13 +32,17 @@ class PrefixCache:
     prompt can take the longest shared run of tokens from any block that follows the same
     parent (a partial hit).
 
+    Besides the blocks, the last few finished sequences' caches are kept whole (``hot``,
+    ``actors/engine/hot_cache.py``) within the same budget: they give way first when a block
+    needs room, and all go when memory is short (``spill``, ``drop_hot``).
+
     Only the MLX thread calls it. ``len``, ``nbytes`` and ``stats()`` may be read from another
     thread (the scheduler's report): they are plain ints kept as blocks come and go, never a
     walk over the blocks.
     """
 
     def __init__(self, max_bytes: int, *, block_size: int = 0,
-                 evict_burst: int = EVICT_BURST) -> None:
+                 evict_burst: int = EVICT_BURST, hot_entries: int = HOT_ENTRIES) -> None:
         if evict_burst < 1:
             raise ValueError(f"evict_burst must be at least 1, got {evict_burst}")
         self.max_bytes = max_bytes
@@ -49,6 +54,7 @@ class PrefixCache:
         self._lru = Lru()
         self.hit_tokens = self.miss_tokens = 0
         self.evicted = self.spilled = 0
+        self.hot = HotCaches(hot_entries)
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -127,7 +133,9 @@ class PrefixCache:
         self._children.setdefault(block.parent_hash, {})[h] = block
         self._place(h, block.parent_hash, block.nbytes)
         self._below(h)
-        excess = self._lru.nbytes - self.max_bytes
+        excess = self._lru.nbytes + self.hot.nbytes - self.max_bytes
+        if excess > 0 and len(self.hot):
+            excess -= self.hot.evict(excess)  # the hot caches make room first
         victims: list[str] = []
         for v in self._lru:
             if excess <= 0 or len(victims) >= self.evict_burst:
@@ -150,7 +158,9 @@ class PrefixCache:
         return victims
 
     def spill(self, hashes: Sequence[str]) -> int:
-        """Free these blocks (memory pressure); how many were here."""
+        """Free these blocks (memory pressure), and every hot cache first; how many blocks
+        were here."""
+        self.hot.clear()
         spilled = sum(self._remove(h) for h in hashes)
         self.spilled += spilled
         return spilled
@@ -167,7 +177,24 @@ class PrefixCache:
             "ram_hit_rate": self.hit_tokens / looked_up if looked_up else 0.0,
             "ram_evicted": self.evicted,
             "ram_spilled": self.spilled,
+            **self.hot.stats(),
         }
+
+    # -- the hot caches -------------------------------------------------------------------------
+
+    def keep_hot(self, tokens: Sequence[int], cache: list[Any]) -> bool:
+        """Keep a finished sequence's whole cache in what the blocks leave of the budget;
+        False if it did not fit."""
+        return self.hot.put(tokens, cache, self.max_bytes - self._lru.nbytes)
+
+    def take_hot(self, prompt: Sequence[int], start: int) -> list[Any] | None:
+        """A hot cache holding the prompt's first ``start`` tokens and room for all of it,
+        no longer held here (``HotCaches.take``); None if none serves."""
+        return self.hot.take(prompt, start)
+
+    def drop_hot(self) -> int:
+        """Drop every hot cache (memory is short, or the batch was reset); how many."""
+        return self.hot.clear()
 
     # -- internals ----------------------------------------------------------------------------
 
