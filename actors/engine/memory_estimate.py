@@ -10,11 +10,10 @@ The model of a prefill, calibrated against MLX's own peak counter on CPU (docs/m
   batch holds as many slots as the longest one.
 - **the transient of one prefill chunk**: the attention scores of a chunk of ``L`` tokens over
   a context of ``S`` tokens, ``q_heads x L x S x dtype`` per sequence, materialised once plus
-  the softmax (``SCORE_FACTOR``), and the per-token working set of one layer (projections and
-  MLP activations, ``WORK_PER_TOKEN`` hidden/intermediate widths at float32). troupe's CPU
-  attention takes the heads in groups of at most ``cpu_kernels.GROUP_BYTES`` of scores, so its
-  scores stop growing with the context (``native_scores``). Only one layer's transient is
-  alive at a time: MLX frees a layer's temporaries before the next layer's.
+  the softmax (``SCORE_FACTOR``; ``NATIVE_SCORE_FACTOR`` with troupe's CPU attention), and
+  the per-token working set of one layer (projections and MLP activations, ``WORK_PER_TOKEN``
+  hidden/intermediate widths at float32). Only one layer's transient is alive at a time: MLX
+  frees a layer's temporaries before the next layer's.
 - **the prefix cache** (when on) copies a prompt's full blocks out of the batch: at the cut,
   the sequence's KV is extracted (a copy, freed at once) and the blocks sliced from it (a copy
   kept in RAM until evicted).
@@ -37,11 +36,10 @@ KV_STEP = 256
 # Attention scores are materialised once (on CPU MLX's SDPA is not fused) and the softmax
 # makes a partial second copy: measured 1.11x the scores on the default model; 1.15 for margin.
 SCORE_FACTOR = 1.15
-# troupe's CPU attention (actors/engine/cpu_kernels.py) holds one group of heads' scores at a
-# time (a head's scores and its probabilities where one head is larger than a group), plus
-# the causal mask and the layer's cache as it grows (``native_scores``): measured up to 1.0x
-# that on the default model (512-token chunks over 512 to 8,192 tokens); 1.15 for margin.
-NATIVE_SCORE_FACTOR = 1.15
+# troupe's CPU attention (actors/engine/cpu_kernels.py) keeps the scores whole for MLX's
+# products and adds its softmax's blocks and their concatenation: measured about 3.0x the
+# scores on the default model (chunks over 512 to 2,560 tokens); 3.2 for margin.
+NATIVE_SCORE_FACTOR = 3.2
 # One layer's live activations per prompt token of a chunk, in units of (hidden, intermediate)
 # widths: q/k/v/o projections, residuals and norms ~8 x hidden; gate, up, their product and
 # the activation ~5 x intermediate. Measured ~45 KB/token on the default model (hidden 576,
@@ -214,39 +212,24 @@ def kv_bytes(m: ModelMemory, tokens: int, batch: int = 1) -> int:
     return batch * tokens * m.kv_per_token
 
 
-def native_scores(m: ModelMemory, *, chunk: int, context: int, batch: int = 1) -> int:
-    """What troupe's CPU attention holds at once for a chunk: one group of heads' scores (at
-    most ``GROUP_BYTES``; a head larger than that, its scores and probabilities), the causal
-    mask (boolean, then uint8) and one layer's KV copied as its cache grows."""
-    from actors.engine.cpu_kernels import GROUP_BYTES  # MLX-free until it is enabled
+def score_factor() -> float:
+    """How many copies of the attention scores a prefill chunk holds with this process's
+    attention: troupe's CPU kernels, or MLX's."""
+    from actors.engine import cpu_kernels  # MLX-free until it is enabled
 
-    head = chunk * context * 4  # the kernel sizes its groups in float32
-    total = batch * m.q_heads * head
-    held = 2 * head if head > GROUP_BYTES else min(total, GROUP_BYTES)
-    kv_layer = m.kv_per_token // max(1, m.kv_layers)
-    return held + 2 * chunk * context + batch * context * kv_layer
+    return NATIVE_SCORE_FACTOR if cpu_kernels.enabled() else SCORE_FACTOR
 
 
 def prefill_transient(m: ModelMemory, *, chunk: int, context: int, batch: int = 1,
-                      factor: float | None = None, native: bool | None = None) -> int:
+                      factor: float | None = None) -> int:
     """Temporaries of one prefill chunk of ``chunk`` tokens attending over ``context`` tokens
-    (the chunk included), for ``batch`` sequences padded to the same shape: ``factor`` copies
-    of the scores, of MLX's attention or of troupe's (``native``; default: the attention in
-    use, and its factor)."""
+    (the chunk included), for ``batch`` sequences padded to the same shape; ``factor`` copies
+    of the scores (default: those of the attention in use, ``score_factor()``)."""
     if chunk <= 0 or batch <= 0:
         return 0
-    if native is None:
-        from actors.engine import cpu_kernels  # MLX-free until it is enabled
-
-        native = cpu_kernels.enabled()
-    if native:
-        scores = native_scores(m, chunk=chunk, context=context, batch=batch)
-    else:
-        scores = batch * m.q_heads * chunk * context * m.dtype_bytes
-    if factor is None:
-        factor = NATIVE_SCORE_FACTOR if native else SCORE_FACTOR
+    scores = batch * m.q_heads * chunk * context * m.dtype_bytes
     work = batch * chunk * (WORK_HIDDEN * m.hidden + WORK_INTERMEDIATE * m.intermediate)
-    return int(scores * factor) + work * WORK_BYTES
+    return int(scores * (score_factor() if factor is None else factor)) + work * WORK_BYTES
 
 
 def prompt_need(
