@@ -13,6 +13,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from engine_helpers import engine_config
+from engine_helpers import greedy as engine_greedy
+from engine_helpers import run as run_all
 from mlx_lm import load
 
 from actors.engine import core
@@ -21,7 +23,7 @@ from actors.engine.hot_cache import HOT_ENTRIES
 from actors.engine.kv_blocks import common_prefix
 from actors.engine.memory_estimate import model_memory
 from actors.engine.prefix import model_fingerprint
-from actors.messages import RequestFinished, SamplingParams, TokensGenerated
+from actors.messages import RequestFinished, SamplingParams
 from actors.scheduler import weights_profile
 
 BLOCK = 16
@@ -50,7 +52,7 @@ def make_engine(tiny, hot: bool = True, memory: bool = False, **settings) -> Eng
 
 
 def greedy(n: int = 12) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    return engine_greedy(n, ignore_eos=True)
 
 
 def cached_for(engine: Engine, prompt: list[int]) -> list:
@@ -60,14 +62,8 @@ def cached_for(engine: Engine, prompt: list[int]) -> list:
 def run(engine: Engine, rid: str, prompt: list[int], n: int = 12) -> tuple[list[int], int]:
     """One request to its end, with the prompt's blocks in RAM: (tokens, cached tokens)."""
     engine.add(rid, prompt, greedy(n), cached=cached_for(engine, prompt))
-    tokens, cached = [], None
-    while engine.has_work:
-        for ev in engine.step():
-            if isinstance(ev, TokensGenerated):
-                tokens += ev.token_ids
-            elif isinstance(ev, RequestFinished):
-                cached = ev.usage.cached_tokens
-    return tokens, cached
+    done = run_all(engine)[rid]
+    return done["tokens"], done["finish"].usage.cached_tokens
 
 
 @pytest.fixture
