@@ -55,7 +55,7 @@ START_ENV = dict(os.environ)
 tempfile.gettempdir()  # cached now: the ceiling's CPU kernels later point TMPDIR at their JIT
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]  # actors.models.blas, and plot.py beside this
 
-from actors.models.blas import without_troupe_gemv  # noqa: E402  (MLX-free)
+from actors.models.blas import GEMV_LIB, without_troupe_gemv  # noqa: E402  (MLX-free)
 from api.soak import interpolated_percentile as percentile  # noqa: E402
 
 TROUPE = "mlx-troupe"
@@ -752,7 +752,7 @@ def blas_name() -> str:
     openblas = next((p for p in preload if "openblas" in p), None)
     if openblas is None:
         return "the default MLX links (no preload)"
-    gemv = any("libtroupe_gemv" in p for p in preload)
+    gemv = any(GEMV_LIB in p for p in preload)
     return f"OpenBLAS ({openblas})" + (" with troupe's matrix-vector product" if gemv else "")
 
 

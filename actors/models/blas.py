@@ -30,6 +30,8 @@ REEXEC_MARK = "TROUPE_BLAS_PRELOADED"
 CHOICE_ENV = "TROUPE_BLAS"
 CHOICES = ("auto", "openblas", "bundled")
 GEMV_SOURCE = Path(__file__).with_name("gemv_shim.c")
+# Its built library's name begins so: how a preload list or a process's maps are read for it.
+GEMV_LIB = "libtroupe_gemv"
 # Its kernels: AVX2 and FMA, the roundings of OpenBLAS's Zen/Haswell sgemm (checked per shape).
 GEMV_FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-shared", "-fPIC")
 
@@ -75,7 +77,7 @@ def gemv_shim(cache_dir: Path | None = None) -> Path | None:
     cache_dir = cache_dir or troupe_home() / "jit"
     key = hashlib.blake2b(GEMV_SOURCE.read_bytes() + " ".join(GEMV_FLAGS).encode(),
                           digest_size=8).hexdigest()
-    lib = cache_dir / f"libtroupe_gemv-{key}.so"
+    lib = cache_dir / f"{GEMV_LIB}-{key}.so"
     if lib.exists():
         return lib
     try:
@@ -95,7 +97,7 @@ def loaded_blas() -> str:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
         return "the platform's default BLAS"
-    shim = " with troupe's batch-1 matrix-vector product" if "libtroupe_gemv" in maps else ""
+    shim = " with troupe's batch-1 matrix-vector product" if GEMV_LIB in maps else ""
     for line in maps.splitlines():
         if "libopenblas" in line:
             return f"OpenBLAS ({line.split()[-1]}){shim}"
@@ -141,5 +143,5 @@ def without_troupe_gemv(env: dict[str, str]) -> dict[str, str]:
     """``env`` with troupe's matrix-vector product taken out of ``LD_PRELOAD`` (OpenBLAS
     stays): what another server is started with in a benchmark, which compares servers on
     the same BLAS, not on troupe's own kernels."""
-    kept = [p for p in env.get("LD_PRELOAD", "").split() if "libtroupe_gemv" not in p]
+    kept = [p for p in env.get("LD_PRELOAD", "").split() if GEMV_LIB not in p]
     return {**env, "LD_PRELOAD": " ".join(kept)}
