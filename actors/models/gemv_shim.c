@@ -115,6 +115,17 @@ static int blocks(int K, int *out) {
   return n;
 }
 
+/* One output of a row left over after the groups of 8: the same chains, one at a time. */
+static float dot(const float *w, const float *x, const int *bl, int nb) {
+  float tot = 0.0f;
+  for (int b = 0, k0 = 0; b < nb; k0 += bl[b++]) {
+    float acc = 0.0f;
+    for (int k = k0; k < k0 + bl[b]; k++) acc = fmaf(w[k], x[k], acc);
+    tot = b ? tot + acc : acc;
+  }
+  return tot;
+}
+
 static void gemv_t(const float *W, long ldw, const float *x, float *y, int N, int K) {
   int bl[K / Q + 2], nb = blocks(K, bl);
   int n = 0;
@@ -137,15 +148,7 @@ static void gemv_t(const float *W, long ldw, const float *x, float *y, int N, in
     }
     _mm256_storeu_ps(y + n, tot);
   }
-  for (; n < N; n++) {
-    float tot = 0.0f;
-    for (int b = 0, k0 = 0; b < nb; k0 += bl[b++]) {
-      float acc = 0.0f;
-      for (int k = k0; k < k0 + bl[b]; k++) acc = fmaf(W[n * ldw + k], x[k], acc);
-      tot = b ? tot + acc : acc;
-    }
-    y[n] = tot;
-  }
+  for (; n < N; n++) y[n] = dot(W + n * ldw, x, bl, nb);
 }
 
 /* Y[m, :] = X[m, :] @ W^T for 2 or 3 rows m, each output as gemv_t makes it. */
@@ -164,15 +167,7 @@ static void gemv_rows(const float *W, long ldw, const float *X, long ldx, float 
     for (int m = 0; m < mm; m++) _mm256_storeu_ps(Y + m * ldy + n, tot[m]);
   }
   for (; n < N; n++)
-    for (int m = 0; m < mm; m++) {
-      float tot = 0.0f;
-      for (int b = 0, k0 = 0; b < nb; k0 += bl[b++]) {
-        float acc = 0.0f;
-        for (int k = k0; k < k0 + bl[b]; k++) acc = fmaf(W[n * ldw + k], X[m * ldx + k], acc);
-        tot = b ? tot + acc : acc;
-      }
-      Y[m * ldy + n] = tot;
-    }
+    for (int m = 0; m < mm; m++) Y[m * ldy + n] = dot(W + n * ldw, X + m * ldx, bl, nb);
 }
 
 /* C[M, N] = A[M, K] @ B[N, K]^T, M <= MAX_ROWS. */
