@@ -5,7 +5,9 @@ of ``--turns`` turns (benchmarks/sessions_workload.py): a shared ~1,500-token sy
 with OpenAI ``tools``, then turns that add a user message or a tool call and its result
 (100-600 tokens), each answered with up to ``--max-tokens`` tokens that stay in the history,
 until the context reaches ~6,000 tokens. Streaming, greedy; each session sends its next turn
-when the last one is answered.
+when the last one is answered. The model's template has no tool format: troupe writes the
+tools into the prompt, and the peers, whose templates would drop them, get that same
+conversation as text (``request_prompt``), so every server computes the same prompt.
 
 - **Restart**: once every session has had turn ``--restart-after`` (6), the server is stopped
   and started again on the same cache directory: troupe's next turn reads its blocks from
@@ -135,6 +137,20 @@ def fresh_connections() -> aiohttp.ClientSession:
     request on it failed with "Server disconnected")."""
     return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600),
                                  connector=aiohttp.TCPConnector(limit=0, force_close=True))
+
+
+def request_prompt(name: str, messages: list[dict[str, Any]], work: scripts.Workload
+                   ) -> dict[str, Any]:
+    """The conversation as each server gets it. troupe gets OpenAI ``tools`` and writes them
+    into the prompt itself (actors/tool_prompt.py) since the model's template has no tool
+    format. The peers' templates drop ``tools`` without a word (llama.cpp's prompt is the
+    same 954 tokens with or without them), so they get the conversation as troupe writes
+    it: every server then computes the same prompt, and every model sees its tools."""
+    if name == TROUPE:
+        return {"messages": messages, "tools": work.tools}
+    from actors.tool_prompt import with_tools_in_prompt
+
+    return {"messages": with_tools_in_prompt(messages, work.tools)}
 
 
 def history_after(answer: Answer) -> list[dict[str, Any]]:
@@ -329,7 +345,7 @@ async def run_sessions(server: Server, work: scripts.Workload, plan: Plan, model
                     before = {a: await server.report(a) for a in ("scheduler", "ssd_writer",
                                                                   "cache_index")}
                 messages += turn.messages
-                body = {"model": server.model, "messages": messages, "tools": work.tools,
+                body = {"model": server.model, **request_prompt(server.name, messages, work),
                         "max_tokens": plan.max_tokens, "temperature": 0, "stream": True,
                         "stream_options": {"include_usage": True}}
                 a = await stream_turn(http, url, body)
@@ -467,6 +483,9 @@ def summarize(turns: list[dict[str, Any]], plan: Plan) -> dict[str, Any]:
     return {
         "first_turn_ttft": ttft(lambda r: r["turn"] == 1),
         "ttft_median": ttft(lambda r: r["turn"] >= 2),
+        # The whole answer, what an agent waits for before it acts: a server that stalls the
+        # streams to prefill sooner shows a lower TTFT and a longer turn.
+        "turn_median": median([r["duration"] for r in shared if r["turn"] >= 2]),
         "pre_restart_ttft": ttft(lambda r: 2 <= r["turn"] <= r_after) if r_after else None,
         "restart_turn_ttft": ttft(lambda r: r["turn"] == r_after + 1) if r_after else None,
         "post_restart_ttft": ttft(lambda r: r["turn"] > r_after) if r_after else None,
@@ -536,9 +555,9 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         "| sessions | server | turn 1 TTFT (s) | median TTFT, turns 2-"
         f"{turns} (s) | before the restart, 2-{r_after} | restart turn ({r_after + 1}) "
-        f"| after, {r_after + 1}-{turns} | prompt tokens computed / sent | session busy (s) "
-        "| errors |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| after, {r_after + 1}-{turns} | median whole turn, 2-{turns} (s) "
+        "| prompt tokens computed / sent | session busy (s) | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         m = r["summary"]
@@ -548,7 +567,8 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(
             f"| {r['sessions']} | {r['server']} | {s_(m['first_turn_ttft'])} "
             f"| **{s_(m['ttft_median'])}** | {s_(m['pre_restart_ttft'])} "
-            f"| {s_(m['restart_turn_ttft'])} | {s_(m['post_restart_ttft'])} | {computed} "
+            f"| {s_(m['restart_turn_ttft'])} | {s_(m['post_restart_ttft'])} "
+            f"| {s_(m.get('turn_median'))} | {computed} "
             f"| {harness.fmt(m['session_busy_s'], 0)} | {m['errors']} |")
     for n in sorted({r["sessions"] for r in runs}):
         at = [r for r in runs if r["sessions"] == n]

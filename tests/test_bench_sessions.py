@@ -161,3 +161,24 @@ def test_streamed_tool_call_deltas_fold_into_whole_calls_and_get_answered() -> N
     assert kept[0]["tool_calls"][0]["id"] == "c1" and kept[1]["tool_call_id"] == "c1"
     assert sessions.history_after(sessions.Answer(sent=0.0, content="hi")) == [
         {"role": "assistant", "content": "hi"}]
+
+
+def test_peers_get_the_tools_as_troupe_writes_them_and_troupe_gets_openai_tools() -> None:
+    tools = sessions_workload.TOOLS[:2]
+    work = sessions_workload.Workload({"role": "system", "content": "Be brief."}, tools, [], 0)
+    messages = [work.system, {"role": "user", "content": "find it"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function",
+                     "function": {"name": "grep", "arguments": '{"pattern": "x"}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "a.py:1"}]
+    assert sessions.request_prompt(sessions.TROUPE, messages, work) == {
+        "messages": messages, "tools": tools}
+    peer = sessions.request_prompt(sessions.LLAMACPP, messages, work)
+    assert set(peer) == {"messages"}
+    system, user, call, result = peer["messages"]
+    assert system["content"].startswith("Be brief.")
+    assert all(t["function"]["name"] in system["content"] for t in tools)
+    assert call == {"role": "assistant",
+                    "content": '<tool_call>\n{"name": "grep", "arguments": {"pattern": "x"}}'
+                               '\n</tool_call>'}
+    assert result == {"role": "user", "content": "<tool_response>\na.py:1\n</tool_response>"}
