@@ -1,6 +1,7 @@
 """Engine level: long prompts that arrive together are prefilled one after the other, shortest
-first (actors/engine/schedule.py, ``start_order`` and ``startable``), on the tiny random
-model; short ones still together; the tokens are those of each prompt alone."""
+first by size class and in arrival order within one (actors/engine/schedule.py,
+``start_order`` and ``startable``), on the tiny random model; short ones still together; the
+tokens are those of each prompt alone."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from engine_helpers import encode, engine_config, greedy, run
 from reference import PROMPTS
 
 from actors.engine.core import Engine
-from actors.engine.schedule import LONG_PROMPT, StepPlan
+from actors.engine.schedule import LONG_PROMPT, StepPlan, size_class
 from actors.messages import TokensGenerated
 
 SENTENCE = "The quick brown fox jumps over the lazy dog. "
@@ -18,10 +19,14 @@ QUESTION = "What is the capital of France? The capital of France is Paris. "
 
 
 def long_prompts(tok: Any) -> dict[str, list[int]]:
-    """Three long prompts, in arrival order, none in order of length; each fits one step."""
+    """Three long prompts, in arrival order, none in order of length; each fits a step of
+    1,024 tokens. "middle" and "short" are of one size class (257-512 tokens), "long" of the
+    next."""
     text, other = encode(tok, SENTENCE * 120), encode(tok, QUESTION * 80)
-    prompts = {"long": text[:460], "short": other[:300], "middle": text[7:387]}
-    assert all(LONG_PROMPT < len(p) < 512 for p in prompts.values())
+    prompts = {"long": text[:900], "middle": text[7:387], "short": other[:300]}
+    assert all(LONG_PROMPT < len(p) <= 1024 for p in prompts.values())
+    assert size_class(len(prompts["middle"])) == size_class(len(prompts["short"])) \
+        < size_class(len(prompts["long"]))
     return prompts
 
 
@@ -47,13 +52,14 @@ def first_token_steps(engine: Engine, prompts: dict[str, list[int]]
 def test_long_prompts_added_together_get_first_tokens_one_after_another_shortest_first(
         loaded):
     model, tok = loaded
-    engine = Engine(model, tok, engine_config(prefill_step_size=512))
+    engine = Engine(model, tok, engine_config(prefill_step_size=1024))
     assert engine.runner.mixed  # the step that prefills a prompt samples its first token
     prompts = long_prompts(tok)
     first, prefilled = first_token_steps(engine, prompts)
-    assert first == {"short": 0, "middle": 1, "long": 2}
+    # The smaller class first, and in it the first to arrive (not the shorter).
+    assert first == {"middle": 0, "short": 1, "long": 2}
     # Each step prefilled one prompt: the same work as all three in one step, in turns.
-    assert prefilled == [len(prompts[r]) for r in ("short", "middle", "long")]
+    assert prefilled == [len(prompts[r]) for r in ("middle", "short", "long")]
 
 
 def test_short_prompts_added_together_are_still_prefilled_in_one_step(loaded):
