@@ -63,6 +63,21 @@ def test_while_decoding_the_prefill_is_held_to_the_interleave_times_a_decode_ste
                           decode_s=0.1, token_s=0.001)).budget == 200
 
 
+def test_as_many_sequences_waiting_for_a_first_token_as_streams_get_whole_chunks():
+    timings = dict(decode_s=0.1, token_s=0.001)  # a budget of 100 tokens
+    # Answers decoding while as many agents' turns wait, or more: the turns go at full speed.
+    for decoding in (1, 2):
+        plan = schedule(state(**timings, decoding=decoding, prefilling=[seq(1, 600)],
+                              waiting=[seq(2, 500)]))
+        assert (plan.budget, plan.chunk) == (None, 512)
+    assert schedule(state(**timings, decoding=1, prefilling=[seq(1, 2000)])).budget is None
+    # More streams than prompts: the streams keep their share.
+    plan = schedule(state(**timings, decoding=3, prefilling=[seq(1, 600)],
+                          waiting=[seq(2, 500)]))
+    assert (plan.budget, plan.chunk) == (100, 100)  # the second waits its turn
+    assert schedule(state(**timings, decoding=8, prefilling=[seq(1, 2000)])).budget == 100
+
+
 def test_the_budget_waits_for_measurements_and_is_off_with_interleave_zero():
     decoding = dict(decoding=3, prefilling=[seq(1, 2000)])
     assert schedule(state(**decoding, decode_s=None, token_s=0.001)).budget is None
@@ -81,11 +96,12 @@ def test_the_budget_never_falls_below_the_floor_nor_passes_the_chunk_size():
 
 
 def test_the_budget_is_shared_by_the_sequences_prefilling_and_those_joining():
-    timings = dict(decoding=2, decode_s=0.2, token_s=0.001)  # a budget of 200 tokens
+    # Three streams, more than the prompts: a budget of 200 tokens.
+    timings = dict(decoding=3, decode_s=0.2, token_s=0.001)
     plan = schedule(state(**timings, prefilling=[seq(1, 5000)], waiting=[seq(2, 2000)]))
     assert (plan.budget, plan.chunk) == (200, 100)
     # No batch slot left: the waiting one does not join, so it takes no share.
-    full = EngineConfig(prefill_step_size=512, prefill_interleave=1.0, max_batch_size=2)
+    full = EngineConfig(prefill_step_size=512, prefill_interleave=1.0, max_batch_size=3)
     plan = schedule(state(config=full, **timings, prefilling=[seq(1, 5000)],
                           waiting=[seq(2, 2000)]))
     assert plan.chunk == 200
@@ -95,7 +111,7 @@ def test_the_budget_is_shared_by_the_sequences_prefilling_and_those_joining():
 
 
 def test_a_short_prompt_is_never_split_but_the_end_of_a_long_one_is_not_short():
-    timings = dict(decoding=2, decode_s=0.05, token_s=0.001)  # a budget of 50 tokens
+    timings = dict(decoding=3, decode_s=0.05, token_s=0.001)  # a budget of 50 tokens
     chat = seq(2, 150)  # within SHORT_PROMPT budgets
     assert chat.whole <= SHORT_PROMPT * 50
     plan = schedule(state(**timings, prefilling=[seq(1, 5000)], waiting=[chat]))

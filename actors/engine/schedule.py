@@ -188,13 +188,27 @@ def prefill_budget(state: StepState) -> int | None:
     While sequences decode, the step's prefill is held to ``prefill_interleave`` times a
     decode step, from the measured time of a decode step and of one prompt token (which grows
     with the context, so it is re-measured every step): a 2,000-token prompt then arrives
-    without stalling the streams. With nothing decoding, prefill runs flat out."""
+    without stalling the streams. With nothing decoding, prefill runs flat out, and so it does
+    while as many sequences wait for their first token as there are streams, or more
+    (``first_tokens_first``)."""
     cfg = state.config
-    if (cfg.prefill_interleave <= 0 or not state.decoding
+    if (cfg.prefill_interleave <= 0 or not state.decoding or first_tokens_first(state)
             or state.decode_s is None or state.token_s is None):
         return None
     tokens = int(cfg.prefill_interleave * state.decode_s / state.token_s)
     return max(min_chunk(cfg, state.mixed), min(tokens, cfg.prefill_step_size))
+
+
+def first_tokens_first(state: StepState) -> bool:
+    """Whether as many sequences wait for their first token (prefilling, or waiting to start)
+    as there are streams decoding, or more: the step then prefills whole chunks, the streams'
+    tokens riding in it. Held to the budget, a step's few prompt tokens cost over twice a
+    whole chunk's per token (a forward pass's fixed cost, paid every step): four agents'
+    sessions (answers decoding while other turns wait) waited 31.2 s for a first token
+    (median) with the budget always on, 18.5 s with this rule, 9.6 s with whole chunks
+    always; the streams keep their share while they outnumber the prompts (a long prompt
+    arriving while eight chats stream). docs/benchmarks.md, "Agent sessions"."""
+    return len(state.prefilling) + len(state.waiting) >= state.decoding
 
 
 def chunk_for(budget: int, work: list[Pending], state: StepState) -> int:
