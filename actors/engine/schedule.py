@@ -29,17 +29,6 @@ SHORT_PROMPT = 4
 # prefill, not after the whole round's), while short ones are batched, which is what makes
 # them cheap.
 LONG_PROMPT = 256
-# "Shortest first" among long prompts goes by size class, powers of two (257-512, 513-1,024,
-# ...), and by arrival within a class. Putting a much shorter prompt first is what saves time;
-# between turns of about the same size it saves little and the longest of them waited behind
-# every later, slightly shorter one (agents' turns of 530-680 tokens: a 675-token turn waited
-# 62 s while later ones went first).
-
-
-def size_class(tokens: int) -> int:
-    """The size class of a long prompt of ``tokens`` tokens to prefill: 257-512 one class,
-    513-1,024 the next, and so on."""
-    return (max(tokens, 1) - 1).bit_length()
 # A sequence that has waited while others prefilled this many full steps of prompt tokens
 # (prefill_step_size each) starts first, whatever its length: none starves behind a stream
 # of shorter prompts. Counted in tokens, not time, so every rank of a sharded model agrees.
@@ -131,6 +120,17 @@ def schedule(state: StepState) -> StepPlan:
     return StepPlan(fail=fail, reject=reject, admit=admit, budget=budget, chunk=chunk, held=held)
 
 
+# "Shortest first" among long prompts goes by size class, powers of two (257-512, 513-1,024,
+# ...), and by arrival within a class. Putting a much shorter prompt first is what saves time;
+# between turns of about the same size it saves little and the longest of them waited behind
+# every later, slightly shorter one (agents' turns of 530-680 tokens: a 675-token turn waited
+# 62 s while later ones went first).
+def size_class(tokens: int) -> int:
+    """The size class of a long prompt of ``tokens`` tokens to prefill: 257-512 one class,
+    513-1,024 the next, and so on."""
+    return (max(tokens, 1) - 1).bit_length()
+
+
 def starved(config: EngineConfig, waited: int) -> bool:
     """Whether a sequence that waited while ``waited`` prompt tokens were prefilled goes
     first."""
@@ -202,7 +202,7 @@ def prefill_budget(state: StepState) -> int | None:
 def first_tokens_first(state: StepState) -> bool:
     """Whether as many sequences wait for their first token (prefilling, or waiting to start)
     as there are streams decoding, or more: the step then prefills whole chunks, the streams'
-    tokens riding in it. Held to the budget, a step's few prompt tokens cost over twice a
+    tokens riding in it. Held to the budget, a step's few prompt tokens cost 1.6-1.8x a
     whole chunk's per token (a forward pass's fixed cost, paid every step): four agents'
     sessions (answers decoding while other turns wait) waited 31.2 s for a first token
     (median) with the budget always on, 18.5 s with this rule, 9.6 s with whole chunks
