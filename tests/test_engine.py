@@ -263,8 +263,10 @@ def test_a_short_prompt_is_never_split_even_beside_a_long_one(loaded):
     model, tok = loaded
     engine = Engine(model, tok, engine_config(prefill_step_size=512, prefill_interleave=1.0))
     fix_budget(engine, 32)
-    engine.add("decoder", encode(tok, PROMPTS[0]), greedy(400, ignore_eos=True))
-    while not len(engine.runner.gen._generation_batch):
+    # Three streams, more than the two prompts: the budget holds (schedule.first_tokens_first).
+    for i in range(3):
+        engine.add(f"decoder{i}", encode(tok, PROMPTS[i]), greedy(400, ignore_eos=True))
+    while len(engine.runner.gen._generation_batch) < 3:
         engine.step()
     long_prompt = encode(tok, " ".join(PROMPTS) * 3)
     short = encode(tok, " ".join(reversed(PROMPTS)))[:40]
