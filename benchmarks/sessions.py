@@ -56,6 +56,8 @@ import harness  # noqa: E402  (beside this file: the harness's helpers)
 import sessions_peers as peers  # noqa: E402
 import sessions_workload as scripts  # noqa: E402
 
+from actors.tool_prompt import with_tools_in_prompt  # noqa: E402  (json only; the path is set)
+
 TROUPE, MLX_LM, VLLM, LLAMACPP = "mlx-troupe", "mlx_lm.server", "vllm-mlx", "llama.cpp"
 ALIASES = {"troupe": TROUPE, TROUPE: TROUPE, "mlx_lm": MLX_LM, MLX_LM: MLX_LM,
            "vllm-mlx": VLLM, "vllm_mlx": VLLM, "llama.cpp": LLAMACPP, "llamacpp": LLAMACPP}
@@ -148,8 +150,6 @@ def request_prompt(name: str, messages: list[dict[str, Any]], work: scripts.Work
     it: every server then computes the same prompt, and every model sees its tools."""
     if name == TROUPE:
         return {"messages": messages, "tools": work.tools}
-    from actors.tool_prompt import with_tools_in_prompt
-
     return {"messages": with_tools_in_prompt(messages, work.tools)}
 
 
@@ -265,8 +265,6 @@ def predicted_contexts(tokenizer: Any, work: scripts.Workload, max_tokens: int
                        ) -> list[list[int]]:
     """Each session's context after each turn (prompt and a full answer), as troupe renders
     the tools for a template without a tool format, the answers counted at ``max_tokens``."""
-    from actors.tool_prompt import with_tools_in_prompt
-
     filler = tokenizer.decode(tokenizer.encode(" ok" * max_tokens,
                                                add_special_tokens=False)[:max_tokens])
     out = []
