@@ -20,8 +20,7 @@ import io
 import itertools
 import os
 import re
-import zlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +30,7 @@ import msgspec
 import numpy as np
 import safetensors.numpy
 from safetensors import SafetensorError
+from zlib_ng import zlib_ng
 
 from actors.cache_messages import FORMAT_VERSION, BlockData
 
@@ -44,8 +44,9 @@ _temp_counter = itertools.count()
 _json = msgspec.json.Decoder()
 # The checksum's algorithm, recorded before its value ("crc32:<8 hex digits>"). CRC-32, as
 # storage engines use for their blocks: it is there against bit rot and stray writes, not
-# tampering (whoever can write a block can write its checksum), and zlib's ran 4.6x faster than
-# blake2b here (1.6 GB/s against 0.35): a few ms per block on a disk hit, without the GIL.
+# tampering (whoever can write a block can write its checksum). zlib-ng's (the same CRC-32 as
+# zlib's, with the CPU's carry-less multiply) ran 3.4x faster than Python's zlib here (12 GB/s
+# against 3.6) and zlib's 4.6x faster than blake2b: ~8 ms for a 2,000-token disk hit's 92 MB.
 CHECKSUM_ALGORITHM = "crc32"
 
 SkipReason = Literal["partial", "corrupt", "foreign", "version"]
@@ -109,9 +110,29 @@ def data_checksum(tensors: Mapping[str, np.ndarray]) -> str:
     for name in sorted(tensors):
         array = np.ascontiguousarray(tensors[name])
         # Name, dtype and shape first: the same bytes under another name or shape differ.
-        crc = zlib.crc32(f"{name}\0{array.dtype.name}\0{array.shape}\0".encode(), crc)
-        crc = zlib.crc32(array.data, crc)
+        crc = zlib_ng.crc32(f"{name}\0{array.dtype.name}\0{array.shape}\0".encode(), crc)
+        crc = zlib_ng.crc32(array.data, crc)
     return f"{CHECKSUM_ALGORITHM}:{crc:08x}"
+
+
+def prefetch(paths: Iterable[Path]) -> None:
+    """Ask the kernel to start reading these files into the page cache, all at once (Linux's
+    ``posix_fadvise``; elsewhere nothing): a chain's files read one after the other then come
+    from memory. Read cold one by one, 31 files of 3 MB took ~140 ms here; prefetched, ~70 ms,
+    as fast as one file of their size."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue  # the read that follows says what is wrong
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
 
 def encode_block(block: BlockData, fingerprint: str) -> bytes:

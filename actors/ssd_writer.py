@@ -321,6 +321,8 @@ class SsdWriter(Actor):
         never sent, so the scheduler prefills its tokens again."""
         blocks: list[BlockData] = []
         forget: list[str] = []
+        block_store.prefetch(block_store.block_path(self.cache_dir, h) for h in hashes
+                             if block_store.valid_hash(h))
         for h in hashes:
             if not block_store.valid_hash(h):
                 self.read_missing += 1  # no such file can exist

@@ -9,6 +9,7 @@ test, across a restart on the tiny model, is in ``test_prefix_serving.py``.
 from __future__ import annotations
 
 import logging
+import zlib
 from pathlib import Path
 
 import msgspec
@@ -72,6 +73,27 @@ def test_the_checksum_covers_names_dtypes_and_shapes_in_a_fixed_order() -> None:
     wide = np.arange(16, dtype=np.float16)
     assert block_store.data_checksum({"x": wide[::2]}) == \
         block_store.data_checksum({"x": np.ascontiguousarray(wide[::2])})
+
+
+def test_the_checksum_is_zlibs_crc32_so_files_written_before_zlib_ng_still_read(
+    tmp_path: Path,
+) -> None:
+    tensors = {"0.keys": np.arange(64, dtype=np.float32).reshape(1, 2, 2, 16),
+               "0.values": np.ones((1, 2, 2, 16), np.float32)}
+    crc = 0
+    for name in sorted(tensors):
+        crc = zlib.crc32(f"{name}\0float32\0{tensors[name].shape}\0".encode(), crc)
+        crc = zlib.crc32(tensors[name].tobytes(), crc)
+    assert block_store.data_checksum(tensors) == f"crc32:{crc:08x}"
+    # A file written with the standard library's CRC, then read through prefetch.
+    block = make_block(n_tokens=8)
+    data = block_store.encode_block(block, FP)
+    path = block_store.block_path(tmp_path, block.block_hash)
+    block_store.write_atomic(path, data, "t")
+    block_store.prefetch([tmp_path / "missing.safetensors", path])  # a missing file: no error
+    got = block_store.decode_block(path.read_bytes(), FP, block.block_hash)
+    for name, array in block.tensors.items():
+        np.testing.assert_array_equal(got.tensors[name], array)
 
 
 def test_a_file_of_format_version_1_is_left_alone_and_a_file_without_a_checksum_is_corrupt(
