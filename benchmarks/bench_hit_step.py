@@ -15,6 +15,14 @@ process (other jobs on a shared machine stretch the wall time, not this):
 - **finish, hot** / **finish, blocks**: the step in which the repeated prompt's request
   ends (its cache cut into blocks, and with the hot caches on, kept whole:
   **of which keeping it whole**, ``PrefixCache.keep_hot``'s CPU time).
+- **a disk hit** (after the repetitions): the prompt's blocks written as the SSD writer writes
+  them (``block_store.encode_block``, under ``--disk-dir``), dropped from RAM and from the
+  page cache (``posix_fadvise``), then read back as a restarted server reads them:
+  prefetched, each file read and checked (``block_store.decode_block``) as the SSD writer
+  does (**read and checked**, wall time, **of which CPU**), made MLX arrays (**to MLX**, the
+  scheduler's ``from_numpy``), and the first step from those blocks; beside **the disk's
+  read speed**, one file of their size read cold, so that the hit can be set against "one
+  decode step plus its bytes' read time".
 
 Each repetition runs both ways, alternating; the figures are medians over ``--reps``.
 
@@ -73,6 +81,9 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=2000, help="tokens of the long prompt")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--kernels", default="native", help="troupe's --cpu-kernels: native or mlx")
+    p.add_argument("--disk-dir", default=None,
+                   help="where the disk hit's block files go (default: a temporary directory "
+                        "under the current one, so on the disk the cache would use)")
     args = p.parse_args()
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before the re-execution keeps it
     same_blas_as_troupe_serve()
@@ -152,6 +163,85 @@ def main() -> None:
         if len(v) <= 2 * args.reps:
             print(f"- {k}: {', '.join(f'{x:.0f}' for x in v)}")
     print(f"\nhot store: {hot.stats()}")
+    disk_hit(engine, ids, args, decode)
+
+
+def drop_pages(path: Path) -> None:
+    """Drop a file's pages from the page cache (as after a reboot, or under memory pressure)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def disk_hit(engine: Any, ids: list[int], args: argparse.Namespace, decode: float) -> None:
+    """The repeat from blocks read back from disk files, against a decode step plus the
+    files' read time at the disk's measured speed (see the module's docstring)."""
+    import tempfile
+
+    from actors import block_store
+    from actors.engine.kv_blocks import from_numpy, to_numpy
+
+    engine.blocks.hot.max_entries = 0
+    engine.blocks.drop_hot()
+    hashes = engine.prompt_hashes(ids)
+    blocks = engine.blocks.lookup(hashes)
+    rows: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory(prefix="hit-disk-", dir=args.disk_dir or ".") as d:
+        paths = []
+        for b in blocks:
+            path = block_store.block_path(Path(d), b.block_hash)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(block_store.encode_block(to_numpy(b), engine.fingerprint))
+            paths.append(path)
+        os.sync()
+        size = sum(p.stat().st_size for p in paths)
+        probe = Path(d) / "speed"
+        probe.write_bytes(os.urandom(size))
+        os.sync()
+        for rep in range(args.reps):
+            engine.blocks.spill([b.block_hash for b in blocks])
+            assert not engine.blocks.lookup(hashes), "the blocks are still in RAM"
+            for path in paths:
+                drop_pages(path)
+            # As the SSD writer reads a chain (``SsdWriter._read``): prefetched, then each
+            # file read and checked in turn.
+            wall, cpu = time.perf_counter(), time.process_time()
+            block_store.prefetch(paths)
+            datas = [block_store.decode_block(path.read_bytes(), engine.fingerprint,
+                                              b.block_hash)
+                     for path, b in zip(paths, blocks, strict=True)]
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            began = time.process_time()
+            for data, b in zip(datas, blocks, strict=True):
+                block = from_numpy(data, engine.kinds, engine.state_sizes)
+                block.tokens = b.tokens
+                engine.blocks.store(block)
+            cpu_mlx = time.process_time() - began
+            _, steps = run(engine, f"disk-{rep}", ids, 4)
+            drop_pages(probe)
+            speed_wall = time.perf_counter()
+            probe.read_bytes()
+            speed_wall = time.perf_counter() - speed_wall
+            for k, v in (("read and checked (wall ms)", wall * 1e3),
+                         ("of which CPU (ms)", cpu * 1e3),
+                         ("to MLX (CPU ms)", cpu_mlx * 1e3), ("first step (CPU ms)", steps[0]),
+                         ("disk read speed (MB/s)", size / speed_wall / 1e6)):
+                rows.setdefault(k, []).append(v)
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    at_speed = size / (med["disk read speed (MB/s)"] * 1e6) * 1e3
+    total = med["read and checked (wall ms)"] + med["to MLX (CPU ms)"] \
+        + med["first step (CPU ms)"]
+    print(f"\n# A disk hit: {len(blocks)} blocks, {size / 1e6:.1f} MB in files "
+          f"(medians of {args.reps})\n")
+    print("| part | median | samples |")
+    print("|---|---|---|")
+    for k, v in rows.items():
+        print(f"| {k} | {med[k]:.1f} | {', '.join(f'{x:.0f}' for x in v)} |")
+    print(f"\nthe hit, all parts: {total:.1f} ms; the goal, a decode step ({decode:.1f} CPU ms) "
+          f"+ 10% + the files' read time at the disk's speed ({at_speed:.1f} ms): "
+          f"{decode * 1.1 + at_speed:.1f} ms")
 
 
 if __name__ == "__main__":
