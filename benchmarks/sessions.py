@@ -11,7 +11,9 @@ conversation as text (``request_prompt``), so every server computes the same pro
 
 - **Restart**: once every session has had turn ``--restart-after`` (6), the server is stopped
   and started again on the same cache directory: troupe's next turn reads its blocks from
-  disk; a server without a disk tier pays a cold turn.
+  disk; a server without a disk tier pays a cold turn. With ``--no-restart`` (the control for
+  the after/before figure) the sessions still wait for each other there and the report splits
+  there, but the server goes on: the later turns' longer context without the disk tier.
 - **Idle**: with two or more sessions, the last one sits out after turn ``--idle-at`` - 1 (the
   turn after the restart) until the others have finished, then plays its remaining turns
   alone. troupe gets a ``--cache-ram-max`` sized so that the others' growth evicts part of the
@@ -300,6 +302,7 @@ class Plan:
     restart_after: int  # 0: no restart
     idle_at: int  # the idle session's first turn after its idle; 0: none
     max_tokens: int
+    restart: bool = True  # False: the barrier after ``restart_after`` without the restart
 
 
 async def run_sessions(server: Server, work: scripts.Workload, plan: Plan, model_dir: str,
@@ -316,6 +319,10 @@ async def run_sessions(server: Server, work: scripts.Workload, plan: Plan, model
 
     async def restart() -> None:
         await harness.quiesce([server.proc.pid])  # blocks still going to disk land first
+        if not plan.restart:
+            print(f"    {server.name}: no restart (the control)", flush=True)
+            restarted.set()
+            return
         t0 = time.perf_counter()
         await server.stop()
         await server.start(model_dir)
@@ -501,9 +508,10 @@ def summarize(turns: list[dict[str, Any]], plan: Plan) -> dict[str, Any]:
     }
 
 
-def goals(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def goals(runs: list[dict[str, Any]], control: bool = False) -> list[dict[str, Any]]:
     """The issue's goals: troupe's median TTFT (turns 2-T) at most 0.5x the best peer's at
-    every N; after the restart at most 1.5x its own pre-restart median."""
+    every N; after the restart at most 1.5x its own pre-restart median (with ``control``, a
+    run without the restart: the same ratio, reported, not a goal)."""
     rows = []
     for n in sorted({r["sessions"] for r in runs}):
         at = {r["server"]: r["summary"] for r in runs if r["sessions"] == n}
@@ -518,6 +526,11 @@ def goals(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             rows.append({"goal": f"n={n}: median TTFT turns 2+ vs the best peer ({best}) ≤ 0.5x",
                          "value": value, "holds": None if value is None else value <= 0.5})
         value = harness.ratio(t["post_restart_ttft"], t["pre_restart_ttft"])
+        if control:
+            rows.append({"goal": f"n={n}: median TTFT after the barrier vs before, no restart "
+                                 "(the control)", "value": value, "holds": None,
+                         "control": True})
+            continue
         rows.append({"goal": f"n={n}: median TTFT after the restart vs before ≤ 1.5x",
                      "value": value, "holds": None if value is None else value <= 1.5})
     return rows
@@ -540,19 +553,22 @@ def merged_line(meta: dict[str, Any]) -> list[str]:
 def markdown(report: dict[str, Any]) -> str:
     meta, runs = report["meta"], report["runs"]
     r_after, turns = meta["restart_after"], meta["turns"]
+    event = "barrier" if meta.get("no_restart") else "restart"
+    split = (f"no restart (the control): the sessions wait for each other after turn {r_after}"
+             if meta.get("no_restart") else f"restart after turn {r_after or 'none'}")
     lines = [
         f"Model `{meta['model']}`, BLAS {meta['blas']}, {meta['cpus']} CPUs ({meta['cpu']}); "
         f"{turns} turns a session, a {meta['system_tokens_rendered']}-token system prompt and "
         f"tools shared by all sessions, messages of {meta['message_tokens'][0]}-"
         f"{meta['message_tokens'][1]} tokens, answers of up to {meta['max_tokens']} tokens, "
         f"context ~{meta['context_tokens']} tokens at the last turn; seed {meta['seed']}; "
-        f"restart after turn {r_after or 'none'}. Load average "
+        f"{split}. Load average "
         f"{harness.fmt(meta['loadavg_start'])} at start, {harness.fmt(meta['loadavg_end'])} at "
         f"end; {meta['wall_s'] / 60:.1f} min.",
         *merged_line(meta),
         "",
         "| sessions | server | turn 1 TTFT (s) | median TTFT, turns 2-"
-        f"{turns} (s) | before the restart, 2-{r_after} | restart turn ({r_after + 1}) "
+        f"{turns} (s) | before the {event}, 2-{r_after} | {event} turn ({r_after + 1}) "
         f"| after, {r_after + 1}-{turns} | median whole turn, 2-{turns} (s) "
         "| prompt tokens computed / sent | session busy (s) | errors |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
@@ -581,7 +597,7 @@ def markdown(report: dict[str, Any]) -> str:
                 tok = "–" if p["sent"] is None else \
                     f"{harness.fmt(p['computed'], 0)} / {harness.fmt(p['sent'], 0)}"
                 cells.append(f"{s_(p['ttft'])} ({tok})")
-            mark = " (restart)" if r_after and t == r_after + 1 else ""
+            mark = f" ({event})" if r_after and t == r_after + 1 else ""
             lines.append(f"| {t}{mark} | " + " | ".join(cells) + " |")
     idle = [r for r in runs if r.get("idle")]
     if idle:
@@ -597,7 +613,8 @@ def markdown(report: dict[str, Any]) -> str:
                          f"| {tokens} | {i.get('disk_blocks_read', '–')} | {evicted} |")
     lines += ["", "| goal | measured | holds |", "|---|---|---|"]
     for g in report["goals"]:
-        holds = {True: "yes", False: "**no**", None: "not measured"}[g["holds"]]
+        holds = "(the control)" if g.get("control") else \
+            {True: "yes", False: "**no**", None: "not measured"}[g["holds"]]
         lines.append(f"| {g['goal']} | {harness.fmt(g['value'], 3)} | {holds} |")
     return "\n".join(lines) + "\n"
 
@@ -623,8 +640,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
                     color=COLOURS.get(r["server"]), label=r["server"])
         if r_after:
             ax.axvline(r_after + 0.5, color="gray", linestyle="--", linewidth=1)
-            ax.text(r_after + 0.6, 0.97, "restart", transform=ax.get_xaxis_transform(),
-                    fontsize=7, color="gray", va="top")
+            ax.text(r_after + 0.6, 0.97,
+                    "no restart" if report["meta"].get("no_restart") else "restart",
+                    transform=ax.get_xaxis_transform(), fontsize=7, color="gray", va="top")
         ax.set_yscale("log")
         ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
         ax.yaxis.set_major_formatter(plain)
@@ -647,7 +665,8 @@ def write_report(out: Path, meta: dict[str, Any], runs: list[dict[str, Any]]
                  ) -> dict[str, Any]:
     order = [TROUPE, *PEERS]
     runs = sorted(runs, key=lambda r: (r["sessions"], order.index(r["server"])))
-    report = {"meta": meta, "runs": runs, "goals": goals(runs)}
+    report = {"meta": meta, "runs": runs,
+              "goals": goals(runs, control=bool(meta.get("no_restart")))}
     (out / "sessions.json").write_text(json.dumps(report, indent=2))
     (out / "sessions.md").write_text(markdown(report))
     plot(report, out / "sessions.png")
@@ -678,6 +697,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--restart-after", type=int, default=6,
                    help="restart the server once every session has had this turn (0: never)")
+    p.add_argument("--no-restart", action="store_true",
+                   help="the control for the after/before figure: the sessions wait for each "
+                        "other after --restart-after and the report splits there, but the "
+                        "server is not restarted")
     p.add_argument("--idle-at", type=int,
                    help="the idle session's first turn after its idle (default: two turns "
                         "after the restart; 0: no idle session)")
@@ -746,7 +769,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             system_tokens=args.system_tokens, context_tokens=args.context_tokens,
             message_tokens=args.message_tokens, max_tokens=args.max_tokens, tools=args.tools)
         idle_at = args.idle_at if n > 1 else 0
-        plan = Plan(args.turns, args.restart_after, idle_at, args.max_tokens)
+        plan = Plan(args.turns, args.restart_after, idle_at, args.max_tokens,
+                    restart=not args.no_restart)
         contexts = predicted_contexts(tokenizer, work, args.max_tokens)
         budget = ram_budget(contexts, idle_at, work.system_tokens, bpt) if idle_at \
             else None

@@ -182,3 +182,17 @@ def test_peers_get_the_tools_as_troupe_writes_them_and_troupe_gets_openai_tools(
                     "content": '<tool_call>\n{"name": "grep", "arguments": {"pattern": "x"}}'
                                '\n</tool_call>'}
     assert result == {"role": "user", "content": "<tool_response>\na.py:1\n</tool_response>"}
+
+
+def test_the_control_without_a_restart_reports_the_same_split_as_no_goal(
+        replay: Path, tmp_path: Path) -> None:
+    saved = json.loads((replay / "sessions.json").read_text())
+    meta = {**saved["meta"], "no_restart": True}
+    report = sessions.write_report(tmp_path, meta, saved["runs"])
+    (split,) = [g for g in report["goals"] if "after" in g["goal"]]
+    assert split["control"] and split["holds"] is None
+    md = (tmp_path / "sessions.md").read_text()
+    assert "no restart (the control): the sessions wait for each other after turn 1" in md
+    assert "| 2 (barrier) |" in md and "before the barrier, 2-1" in md
+    assert "(the control) |" in md and "≤ 1.5x" not in md
+    assert sessions.parse_args(["--no-restart"]).no_restart
