@@ -1,7 +1,7 @@
-"""Engine level: long prompts that arrive together are prefilled one after the other, shortest
-first by size class and in arrival order within one (actors/engine/schedule.py,
-``start_order`` and ``startable``), on the tiny random model; short ones still together; the
-tokens are those of each prompt alone."""
+"""Engine level: long prompts that arrive together are prefilled one after the other, in
+arrival order except that a prompt with half the tokens of the one ahead goes first
+(actors/engine/schedule.py, ``start_order`` and ``startable``), on the tiny random model; short
+ones still together; the tokens are those of each prompt alone."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from engine_helpers import encode, engine_config, greedy, run
 from reference import PROMPTS
 
 from actors.engine.core import Engine
-from actors.engine.schedule import LONG_PROMPT, StepPlan, size_class
+from actors.engine.schedule import LONG_PROMPT, StepPlan
 from actors.messages import TokensGenerated
 
 SENTENCE = "The quick brown fox jumps over the lazy dog. "
@@ -20,13 +20,13 @@ QUESTION = "What is the capital of France? The capital of France is Paris. "
 
 def long_prompts(tok: Any) -> dict[str, list[int]]:
     """Three long prompts, in arrival order, none in order of length; each fits a step of
-    1,024 tokens. "middle" and "short" are of one size class (257-512 tokens), "long" of the
-    next."""
+    1,024 tokens. "middle" and "short" have at most half the tokens of "long", and "short" more
+    than half of "middle"'s."""
     text, other = encode(tok, SENTENCE * 120), encode(tok, QUESTION * 80)
     prompts = {"long": text[:900], "middle": text[7:387], "short": other[:300]}
     assert all(LONG_PROMPT < len(p) <= 1024 for p in prompts.values())
-    assert size_class(len(prompts["middle"])) == size_class(len(prompts["short"])) \
-        < size_class(len(prompts["long"]))
+    n = {k: len(p) for k, p in prompts.items()}
+    assert 2 * n["middle"] <= n["long"] and 2 * n["short"] > n["middle"] > n["short"]
     return prompts
 
 
@@ -56,7 +56,7 @@ def test_long_prompts_added_together_get_first_tokens_one_after_another_shortest
     assert engine.runner.mixed  # the step that prefills a prompt samples its first token
     prompts = long_prompts(tok)
     first, prefilled = first_token_steps(engine, prompts)
-    # The smaller class first, and in it the first to arrive (not the shorter).
+    # The first of the much shorter ones, then the other (not much shorter than it).
     assert first == {"middle": 0, "short": 1, "long": 2}
     # Each step prefilled one prompt: the same work as all three in one step, in turns.
     assert prefilled == [len(prompts[r]) for r in ("middle", "short", "long")]

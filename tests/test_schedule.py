@@ -24,7 +24,6 @@ from actors.engine.schedule import (
     StepState,
     Waiting,
     schedule,
-    size_class,
     start_order,
 )
 
@@ -166,9 +165,9 @@ def test_long_prompts_arriving_together_start_one_at_a_time_shortest_first():
     # Four agent turns of 300-600 new tokens, in arrival order (uids) 1..4.
     lengths = {1: 600, 2: 300, 3: 500, 4: 400}
     assert min(lengths.values()) > LONG_PROMPT
-    # By size class (257-512, then 513-1,024), in arrival order within one.
-    assert order(*lengths.items()) == [2, 3, 4, 1]
-    waiting = [seq(uid, lengths[uid]) for uid in (2, 4, 3, 1)]
+    # In arrival order, except that one with half the tokens of the turn ahead goes first.
+    assert order(*lengths.items()) == [2, 1, 3, 4]
+    waiting = [seq(uid, lengths[uid]) for uid in (2, 1, 3, 4)]
     assert starting(waiting=waiting) == 1
     # The first is still prefilling (the end of it): the next waits for it ...
     plan = schedule(state(prefilling=[seq(2, 100, whole=300, in_cache=200)],
@@ -203,11 +202,16 @@ def test_a_long_prompt_starts_beside_one_with_twice_its_tokens_left():
 
 
 def test_a_much_shorter_prompt_goes_first_and_one_about_as_long_keeps_its_place():
-    assert [size_class(n) for n in (256, 257, 512, 513, 1024, 1025)] == [8, 9, 9, 10, 10, 11]
     # A 675-token turn that came first is not passed by later turns of 530-660 tokens ...
     assert order((1, 675), (2, 530), (3, 660), (4, 600)) == [1, 2, 3, 4]
     # ... but is by a 300-token one, and a 2,000-token one waits for all of them.
     assert order((1, 2000), (2, 675), (3, 530), (4, 300)) == [4, 2, 3, 1]
+    # No edges between sizes: 533 tokens wait for none of 480 or 300 tokens (size classes
+    # put both first, and such turns waited 80-106 s at 8 sessions), only for half or less.
+    assert order((1, 533), (2, 480), (3, 300)) == [1, 2, 3]
+    assert order((1, 533), (2, 480), (3, 266)) == [3, 1, 2]
+    # Halving again: each goes before the one it has half the tokens of.
+    assert order((1, 2000), (2, 900), (3, 400), (4, 1100)) == [3, 2, 1, 4]
 
 
 def test_a_starved_sequence_goes_first_and_starts_whatever_its_length():

@@ -120,17 +120,6 @@ def schedule(state: StepState) -> StepPlan:
     return StepPlan(fail=fail, reject=reject, admit=admit, budget=budget, chunk=chunk, held=held)
 
 
-# "Shortest first" among long prompts goes by size class, powers of two (257-512, 513-1,024,
-# ...), and by arrival within a class. Putting a much shorter prompt first is what saves time;
-# between turns of about the same size it saves little and the longest of them waited behind
-# every later, slightly shorter one (agents' turns of 530-680 tokens: a 675-token turn waited
-# 62 s while later ones went first).
-def size_class(tokens: int) -> int:
-    """The size class of a long prompt of ``tokens`` tokens to prefill: 257-512 one class,
-    513-1,024 the next, and so on."""
-    return (max(tokens, 1) - 1).bit_length()
-
-
 def starved(config: EngineConfig, waited: int) -> bool:
     """Whether a sequence that waited while ``waited`` prompt tokens were prefilled goes
     first."""
@@ -141,17 +130,33 @@ def start_order(waiting: list[Waiting], config: EngineConfig) -> list[int]:
     """The uids of the waiting sequences in the order they start (the plan's ``admit``
     counts from the front): the starved first, oldest first; then short prompts in arrival
     order, as they always were (they are batched, so their order matters only when prefill
-    slots run out); then long ones, shortest first by ``size_class``, oldest first within a
-    class."""
+    slots run out); then long ones by ``much_shorter_first``."""
+    starving = sorted((w for w in waiting if starved(config, w.waited)), key=lambda w: w.uid)
+    rest = [w for w in waiting if not starved(config, w.waited)]
+    short = sorted((w for w in rest if w.remaining <= LONG_PROMPT), key=lambda w: w.uid)
+    long = much_shorter_first([w for w in rest if w.remaining > LONG_PROMPT])
+    return [w.uid for w in (*starving, *short, *long)]
 
-    def key(w: Waiting) -> tuple[int, int, int]:
-        if starved(config, w.waited):
-            return (0, 0, w.uid)
-        if w.remaining <= LONG_PROMPT:
-            return (1, 0, w.uid)
-        return (2, size_class(w.remaining), w.uid)
 
-    return [w.uid for w in sorted(waiting, key=key)]
+def much_shorter_first(waiting: list[Waiting]) -> list[Waiting]:
+    """Long prompts in arrival order, except that one with at most half the tokens of the
+    prompt it would wait behind goes before it (the oldest such, and before that one, the
+    oldest with half of its tokens, and so on). Putting a much shorter prompt first is what
+    saves time; between turns of about the same size it saves little, and the longest of them
+    waited behind every later, slightly shorter one: agents' turns of 500-600 tokens waited
+    80-106 s (8 sessions; median 24 s) behind later turns of 300-500, first with pure
+    shortest-first, then with size classes (powers of two), whose edges made 513 tokens wait
+    behind 512. Half is the margin ``startable`` keeps for a prompt started beside another."""
+    rest = sorted(waiting, key=lambda w: w.uid)
+    order: list[Waiting] = []
+    while rest:
+        pick = rest[0]
+        while (shorter := next((w for w in rest if 2 * w.remaining <= pick.remaining),
+                               None)) is not None:
+            pick = shorter
+        order.append(pick)
+        rest.remove(pick)
+    return order
 
 
 def startable(config: EngineConfig, prefilling: list[Pending], waiting: list[Pending],
