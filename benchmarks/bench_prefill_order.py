@@ -1,5 +1,5 @@
-"""Agents' turns arriving together: long prompts prefilled one after the other, shortest
-first, against all of them together.
+"""Agents' turns arriving together: long prompts prefilled one after the other (in
+``schedule.start_order``'s order), against all of them together.
 
 ``--sessions`` conversations each have a ``--context``-token history in the prefix cache; then
 every session sends its next turn at once (``--turns`` new tokens each, different lengths), as
