@@ -145,7 +145,8 @@ def much_shorter_first(waiting: list[Waiting]) -> list[Waiting]:
     saves time; between turns of about the same size it saves little, and the longest of them
     waited behind every later, slightly shorter one. Pure shortest-first made a 675-token turn
     wait 62 s (4 agents' sessions); size classes (powers of two), whose edges put 512 tokens
-    before 513, made turns of 519-594 tokens wait 95-155 s at 8 sessions (median 22-23 s).
+    before 513, made two or three of the four turns of 519-594 tokens wait 95-155 s at 8
+    sessions (median 22-23 s).
     Half is the margin ``startable`` keeps for a prompt started beside another."""
     rest = sorted(waiting, key=lambda w: w.uid)
     order: list[Waiting] = []
