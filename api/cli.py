@@ -70,16 +70,15 @@ async def serve(config: ServeConfig) -> None:
     try:
         # Lazy: the serving actors import MLX, which the rest of this module must not.
         from actors.engine import cpu_kernels
-        from actors.models.blas import huge_pages_in_use, loaded_blas
+        from actors.models.blas import loaded_blas
         from actors.serving import start_serving
 
         async with ActorSystem() as system:
             handles = await start_serving(system, config)
             async with serve_http(system, config, handles) as server:
                 model = ", ".join(card.id for card in handles.models) or config.model
-                log.info("serving %s on %s (BLAS: %s; CPU kernels: %s%s)", model, server.url,
-                         loaded_blas(), cpu_kernels.describe(),
-                         "; malloc: huge pages" if huge_pages_in_use() else "")
+                log.info("serving %s on %s (BLAS: %s; CPU kernels: %s)", model, server.url,
+                         loaded_blas(), cpu_kernels.describe())
                 await stop.wait()
                 log.info(
                     "shutting down: finishing in-flight requests (up to %.0fs)",

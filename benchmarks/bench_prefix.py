@@ -25,11 +25,11 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import (  # noqa: E402
-    for_other_servers,
     free_port,
     resolve_default_model,
     same_blas_as_troupe_serve,
     wait_healthy,
+    without_troupe_gemv,
 )
 
 PARAGRAPH = ("The river carved its valley over thousands of years, carrying stone from the "
@@ -144,7 +144,7 @@ async def main_async(args) -> dict:
         results["mlx_lm.server"]["repeat"] = await ttft(base, model_dir, prompt)
         results["mlx_lm.server"]["new_ending"] = await ttft(base, model_dir, new_ending)
 
-    await run_server(peer, port, logs / "prefix-mlx_lm.log", for_other_servers(env),
+    await run_server(peer, port, logs / "prefix-mlx_lm.log", without_troupe_gemv(env),
                      peer_run)
     results["cached_tokens"] = dict(CACHED)
     return results

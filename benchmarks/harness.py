@@ -55,11 +55,7 @@ START_ENV = dict(os.environ)
 tempfile.gettempdir()  # cached now: the ceiling's CPU kernels later point TMPDIR at their JIT
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]  # actors.models.blas, and plot.py beside this
 
-from actors.models.blas import (  # noqa: E402  (MLX-free)
-    GEMV_LIB,
-    for_other_servers,
-    huge_pages_in_use,
-)
+from actors.models.blas import GEMV_LIB, without_troupe_gemv  # noqa: E402  (MLX-free)
 from api.soak import interpolated_percentile as percentile  # noqa: E402
 
 TROUPE = "mlx-troupe"
@@ -444,7 +440,7 @@ async def running(name: str, model_dir: str, args: argparse.Namespace,
         # `python -m` puts its working directory first on sys.path: the baseline's checkout
         # serves its own code (this venv's packages).
         cwd = args.baseline if name == BASELINE else REPO
-        env = START_ENV if name == TROUPE else for_other_servers(START_ENV)
+        env = START_ENV if name == TROUPE else without_troupe_gemv(START_ENV)
         proc = subprocess.Popen(server_command(name, model_dir, port, cache_dir, args),
                                 stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=env)
         spy = None
@@ -750,16 +746,14 @@ def same_blas_as_troupe_serve() -> None:
 
 
 def blas_name() -> str:
-    """The BLAS this process preloads (and glibc's huge pages, where asked for); the other
-    servers a benchmark starts get it without troupe's own (``for_other_servers``)."""
+    """The BLAS this process preloads; the other servers a benchmark starts get it without
+    troupe's matrix-vector product (``without_troupe_gemv``)."""
     preload = os.environ.get("LD_PRELOAD", "").split()
     openblas = next((p for p in preload if "openblas" in p), None)
-    pages = ", malloc with huge pages" if huge_pages_in_use() else ""
     if openblas is None:
-        return f"the default MLX links (no preload){pages}"
+        return "the default MLX links (no preload)"
     gemv = any(GEMV_LIB in p for p in preload)
-    return (f"OpenBLAS ({openblas})" + (" with troupe's matrix-vector product" if gemv else "")
-            + pages)
+    return f"OpenBLAS ({openblas})" + (" with troupe's matrix-vector product" if gemv else "")
 
 
 def resolve_default_model() -> str:

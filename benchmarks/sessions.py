@@ -185,10 +185,10 @@ class Server:
     env: dict[str, str] = field(default_factory=dict)
 
     def start_env(self) -> dict[str, str]:
-        """troupe's own preload and settings for troupe; OpenBLAS alone for the MLX peers."""
+        """troupe's own BLAS preload for troupe; OpenBLAS alone for the MLX peers."""
         if self.name == TROUPE:
             return harness.START_ENV
-        return harness.for_other_servers(harness.START_ENV)
+        return harness.without_troupe_gemv(harness.START_ENV)
 
     async def start(self, model_dir: str) -> None:
         self.proc = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT,

@@ -52,62 +52,41 @@ def test_preload_is_planned_only_when_it_helps(monkeypatch, tmp_path):
     monkeypatch.setattr(blas, "find_openblas", lambda: fake)
     monkeypatch.setattr(blas, "gemv_shim", lambda cache_dir=None: shim)
     monkeypatch.setattr(blas, "bundled_reference_blas", lambda: tmp_path / "libblas-x.so.3")
-    monkeypatch.setattr(blas.sys, "platform", "linux")
-    for key in (blas.REEXEC_MARK, blas.CHOICE_ENV, "LD_PRELOAD", "GLIBC_TUNABLES"):
+    for key in (blas.REEXEC_MARK, blas.CHOICE_ENV, "LD_PRELOAD"):
         monkeypatch.delenv(key, raising=False)
 
-    # auto: troupe's matrix-vector product first (MLX binds to its cblas_sgemm), then
-    # OpenBLAS; glibc's huge pages with them
+    # auto: troupe's matrix-vector product first (MLX binds to its cblas_sgemm), then OpenBLAS
     command, env = blas.preload_command(["-m", "api.cli", "serve"])
     assert command == [sys.executable, "-m", "api.cli", "serve"]
     assert env["LD_PRELOAD"] == f"{shim} {fake}"
     assert env[blas.REEXEC_MARK] == f"{shim} {fake}"
-    assert env["GLIBC_TUNABLES"] == blas.HUGE_PAGES
 
     monkeypatch.setenv(blas.CHOICE_ENV, "openblas")  # OpenBLAS alone
     assert blas.preload_command(["x"])[1]["LD_PRELOAD"] == str(fake)
-    monkeypatch.setenv(blas.CHOICE_ENV, "bundled")  # the BLAS's opt-out: huge pages alone
-    env = blas.preload_command(["x"])[1]
-    assert "LD_PRELOAD" not in env and env["GLIBC_TUNABLES"] == blas.HUGE_PAGES
-    monkeypatch.setenv(blas.REEXEC_MARK, "")  # ...re-executed once
+    monkeypatch.setenv(blas.CHOICE_ENV, "bundled")  # the opt-out
     assert blas.preload_command(["x"]) is None
-    monkeypatch.delenv(blas.REEXEC_MARK)
     monkeypatch.delenv(blas.CHOICE_ENV)
 
     # OpenBLAS preloaded by hand (or by a benchmark): the shim goes in front, the rest stays.
     monkeypatch.setenv("LD_PRELOAD", f"{fake} /lib/other.so")
     assert blas.preload_command(["x"])[1]["LD_PRELOAD"] == f"{shim} {fake} /lib/other.so"
-    monkeypatch.setenv("LD_PRELOAD", f"{shim} {fake}")  # already there: huge pages alone
-    env = blas.preload_command(["x"])[1]
-    assert env["LD_PRELOAD"] == f"{shim} {fake}" and env["GLIBC_TUNABLES"] == blas.HUGE_PAGES
-    # The user's own tunables stay; their own hugetlb choice, either way, too.
-    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
-    assert blas.preload_command(["x"])[1]["GLIBC_TUNABLES"] == (
-        f"glibc.malloc.arena_max=2:{blas.HUGE_PAGES}")
-    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=0")
-    assert blas.preload_command(["x"]) is None  # nothing left to change
+    monkeypatch.setenv("LD_PRELOAD", f"{shim} {fake}")  # already there: nothing to do
+    assert blas.preload_command(["x"]) is None
     monkeypatch.delenv("LD_PRELOAD")
-    monkeypatch.delenv("GLIBC_TUNABLES")
     monkeypatch.setenv(blas.REEXEC_MARK, f"{shim} {fake}")  # already tried: never loop
     assert blas.preload_command(["x"]) is None
     monkeypatch.delenv(blas.REEXEC_MARK)
 
     monkeypatch.setattr(blas, "gemv_shim", lambda cache_dir=None: None)  # cannot be built
     assert blas.preload_command(["x"])[1]["LD_PRELOAD"] == str(fake)
-    monkeypatch.setattr(blas, "bundled_reference_blas", lambda: None)  # not MLX on the CPU
-    assert blas.preload_command(["x"]) is None
-    monkeypatch.setattr(blas, "bundled_reference_blas", lambda: tmp_path / "libblas-x.so.3")
-    monkeypatch.setattr(blas.sys, "platform", "darwin")  # Metal: nothing changes
+    monkeypatch.setattr(blas, "bundled_reference_blas", lambda: None)  # nothing to replace
     assert blas.preload_command(["x"]) is None
 
 
-def test_other_servers_of_a_benchmark_get_openblas_without_troupes_own():
-    env = {"LD_PRELOAD": "/j/libtroupe_gemv-1.so /usr/lib/libopenblas.so.0", "X": "1",
-           "GLIBC_TUNABLES": blas.HUGE_PAGES}
-    assert blas.for_other_servers(env) == {"LD_PRELOAD": "/usr/lib/libopenblas.so.0",
-                                           "X": "1"}
-    env["GLIBC_TUNABLES"] = f"glibc.malloc.arena_max=2:{blas.HUGE_PAGES}"
-    assert blas.for_other_servers(env)["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2"
+def test_other_servers_of_a_benchmark_get_openblas_without_the_shim():
+    env = {"LD_PRELOAD": "/j/libtroupe_gemv-1.so /usr/lib/libopenblas.so.0", "X": "1"}
+    assert blas.without_troupe_gemv(env) == {"LD_PRELOAD": "/usr/lib/libopenblas.so.0",
+                                             "X": "1"}
 
 
 def test_the_mlx_cpu_wheel_is_recognised_as_reference_blas():

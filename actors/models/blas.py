@@ -5,9 +5,8 @@ The ``mlx-cpu`` wheel bundles the reference (netlib) BLAS. Preloading Debian's O
 a 512-token prefill of the default model went from about 100 s to about 4 s, with the same
 greedy output (docs/benchmarks.md). In front of OpenBLAS goes troupe's batch-1 matrix-vector
 product (``gemv_shim.c``, built here once with ``gcc``): a one-stream decode step about 2x
-faster, the same bits. The same re-execution asks glibc for huge pages under large
-allocations (``HUGE_PAGES``). This module only inspects files and environment variables (and
-runs ``gcc``): it never imports MLX, so the CLI can decide before MLX is loaded.
+faster, the same bits. This module only inspects files and environment variables (and runs
+``gcc``): it never imports MLX, so the CLI can decide before MLX is loaded.
 """
 
 from __future__ import annotations
@@ -35,12 +34,6 @@ GEMV_SOURCE = Path(__file__).with_name("gemv_shim.c")
 GEMV_LIB = "libtroupe_gemv"
 # Its kernels: AVX2 and FMA, the roundings of OpenBLAS's Zen/Haswell sgemm (checked per shape).
 GEMV_FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-shared", "-fPIC")
-
-# glibc's tunable for transparent huge pages under malloc (glibc 2.35+; older ones ignore it).
-# MLX's CPU allocator takes every buffer past its small cache from malloc, and a fresh 4 KB
-# page costs a fault: building a 2,000-token hit's 94 MB cache took ~15,000 of them, ~45 ms;
-# with it, ~30 faults and ~15 ms. Prefill over 3,000 cached tokens: ~11% less CPU per token.
-HUGE_PAGES = "glibc.malloc.hugetlb=1"
 
 OPENBLAS_GLOBS = (
     "/usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0",
@@ -114,19 +107,6 @@ def loaded_blas() -> str:
     return "the platform's default BLAS"
 
 
-def huge_pages_in_use() -> bool:
-    """Whether this process's malloc asks for huge pages: ``HUGE_PAGES`` (or the hugetlb
-    tunable's other "on" value) in its environment, under a glibc that knows the tunable."""
-    tunables = os.environ.get("GLIBC_TUNABLES", "").split(":")
-    if not any(t in (HUGE_PAGES, "glibc.malloc.hugetlb=2") for t in tunables):
-        return False
-    try:
-        name, version = os.confstr("CS_GNU_LIBC_VERSION").split()
-        return name == "glibc" and tuple(map(int, version.split(".")[:2])) >= (2, 35)
-    except (ValueError, OSError, AttributeError):
-        return False
-
-
 def wanted_preload(choice: str | None = None) -> list[str]:
     """The libraries to preload for ``choice`` (default ``$TROUPE_BLAS``, else auto), in
     order: troupe's matrix-vector product first (its ``cblas_sgemm`` is the one MLX binds to;
@@ -144,50 +124,24 @@ def wanted_preload(choice: str | None = None) -> list[str]:
     return [str(p) for p in (shim, openblas) if p is not None]
 
 
-def huge_pages_tunables(env: dict[str, str]) -> str | None:
-    """``env``'s ``GLIBC_TUNABLES`` with ``HUGE_PAGES`` added, or None where it is not
-    wanted: not Linux, not the mlx-cpu wheel (MLX not on the CPU), or the malloc hugetlb
-    tunable already set either way (the user's own choice stands)."""
-    if not sys.platform.startswith("linux") or bundled_reference_blas() is None:
-        return None
-    have = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t]
-    if any(t.split("=")[0] == HUGE_PAGES.split("=")[0] for t in have):
-        return None
-    return ":".join([*have, HUGE_PAGES])
-
-
 def preload_command(argv: list[str]) -> tuple[list[str], dict[str, str]] | None:
-    """The command and environment to re-execute with ``wanted_preload()`` and
-    ``huge_pages_tunables``, or None when neither changes anything or this process is
-    already the re-execution (never loop)."""
+    """The command and environment to re-execute with ``wanted_preload()``, or None when it
+    is empty, already preloaded, or already tried (never loop)."""
     env = dict(os.environ)
     wanted = wanted_preload()
-    if env.get(REEXEC_MARK) == " ".join(wanted):
-        return None
     have = env.get("LD_PRELOAD", "").split()
-    preload = bool(wanted) and wanted != [p for p in have if p in wanted]
-    if preload:
-        env["LD_PRELOAD"] = " ".join([*wanted, *(p for p in have if p not in wanted)])
-    tunables = huge_pages_tunables(env)
-    if tunables is not None:
-        env["GLIBC_TUNABLES"] = tunables
-    if not preload and tunables is None:
+    if not wanted or env.get(REEXEC_MARK) == " ".join(wanted):
         return None
+    if wanted == [p for p in have if p in wanted]:
+        return None  # already preloaded, in this order
+    env["LD_PRELOAD"] = " ".join([*wanted, *(p for p in have if p not in wanted)])
     env[REEXEC_MARK] = " ".join(wanted)
     return [sys.executable, *argv], env
 
 
-def for_other_servers(env: dict[str, str]) -> dict[str, str]:
-    """``env`` without what is troupe's own: its matrix-vector product out of ``LD_PRELOAD``
-    (OpenBLAS stays) and ``HUGE_PAGES`` out of ``GLIBC_TUNABLES``. What another server is
-    started with in a benchmark, which compares servers on the same BLAS, not on troupe's own
-    kernels and settings."""
+def without_troupe_gemv(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with troupe's matrix-vector product taken out of ``LD_PRELOAD`` (OpenBLAS
+    stays): what another server is started with in a benchmark, which compares servers on
+    the same BLAS, not on troupe's own kernels."""
     kept = [p for p in env.get("LD_PRELOAD", "").split() if GEMV_LIB not in p]
-    out = {**env, "LD_PRELOAD": " ".join(kept)}
-    if "GLIBC_TUNABLES" in env:
-        tunables = [t for t in env["GLIBC_TUNABLES"].split(":") if t and t != HUGE_PAGES]
-        if tunables:
-            out["GLIBC_TUNABLES"] = ":".join(tunables)
-        else:
-            del out["GLIBC_TUNABLES"]
-    return out
+    return {**env, "LD_PRELOAD": " ".join(kept)}
