@@ -12,7 +12,9 @@ from safetensors.numpy import save_file
 from actors.engine.memory_estimate import (
     HARD,
     KV_STEP,
+    NATIVE_SCORE_FACTOR,
     OK,
+    SCORE_FACTOR,
     SOFT,
     Member,
     ModelMemory,
@@ -20,11 +22,11 @@ from actors.engine.memory_estimate import (
     default_memory_limit,
     model_memory,
     model_memory_of,
-    native_scores_held,
     plan_step,
     prefill_transient,
     pressure_level,
     prompt_need,
+    score_factor,
     step_need,
 )
 
@@ -92,76 +94,33 @@ def test_transient_matches_what_mlx_measured_on_the_default_model():
     # chunk over 512, 1536 and 2560 tokens of context took 33.4, 53.6 and 74.6 MB beyond the KV.
     m = model_memory(LLAMA, dtype_bytes=4)
     for context, measured in ((512, 33.4), (1536, 53.6), (2560, 74.6)):
-        estimate = prefill_transient(m, chunk=512, context=context, native=False) / MB
+        estimate = prefill_transient(m, chunk=512, context=context, factor=SCORE_FACTOR) / MB
         assert measured <= estimate <= 1.25 * measured, (context, estimate)
     # Four sequences at once: measured 129.5 MB for a 512-token chunk over 512 tokens.
-    four = prefill_transient(m, chunk=512, context=512, batch=4, native=False) / MB
+    four = prefill_transient(m, chunk=512, context=512, batch=4, factor=SCORE_FACTOR) / MB
     assert 129.5 <= four <= 1.25 * 129.5
 
 
 def test_transient_with_troupes_cpu_attention_matches_what_mlx_measured():
-    # The same measurement with actors/engine/cpu_kernels.py's attention (its heads in groups
-    # of at most GROUP_BYTES of scores), 2026-11-27 (benchmarks/bench_prefill_memory.py): MB
-    # beyond the KV of a 512-token chunk, by sequences and context. It grows with the largest group's scores, not with all of
-    # them: 8,192 tokens of context took 116.9 MB, where every head's scores are 151 MB.
+    # The same measurement with actors/engine/cpu_kernels.py's attention: 47.5, 103.1 and 161.4 MB,
+    # and 182.6 MB for four sequences.
     m = model_memory(LLAMA, dtype_bytes=4)
-    for batch, context, measured in ((1, 512, 49.1), (1, 1536, 46.4), (1, 2560, 48.0),
-                                     (1, 3072, 56.4), (1, 4096, 74.2), (1, 4608, 69.9),
-                                     (1, 6144, 86.9), (1, 8192, 116.9)):
+    for context, batch, measured in ((512, 1, 47.5), (1536, 1, 103.1), (2560, 1, 161.4),
+                                     (512, 4, 182.6)):
         estimate = prefill_transient(m, chunk=512, context=context, batch=batch,
-                                     native=True) / MB
-        assert measured <= estimate <= 1.45 * measured, (context, batch, estimate)
-    # More sequences: their activations dominate, which the formula counts generously.
-    for batch, context, measured in ((2, 2560, 50.9), (4, 512, 91.5), (8, 512, 154.4)):
-        estimate = prefill_transient(m, chunk=512, context=context, batch=batch,
-                                     native=True) / MB
-        assert measured <= estimate <= 1.7 * measured, (context, batch, estimate)
+                                     factor=NATIVE_SCORE_FACTOR) / MB
+        assert measured <= estimate <= 1.25 * measured, (context, batch, estimate)
 
 
-def test_native_groups_are_the_kernels_groups(monkeypatch):
+def test_the_factor_follows_the_attention_in_use():
     from actors.engine import cpu_kernels
 
-    m = model_memory(LLAMA, dtype_bytes=4)  # 9 query heads over 3 KV heads
-    head = 512 * 512 * 4  # 1 MiB: 8 heads fit in 8 MiB, so two KV heads' three repeats
-    assert native_scores_held(m, chunk=512, context=512) == 6 * head
-    assert native_scores_held(m, chunk=64, context=512) == 9 * 64 * 512 * 4  # all of them
-    assert native_scores_held(m, chunk=512, context=1536) == 2 * 3 * head  # two repeats
-    big = 512 * 8192 * 4  # over GROUP_BYTES: one head, its softmax in blocks of rows
-    assert native_scores_held(m, chunk=512, context=8192) == big
-    assert native_scores_held(m, chunk=512, context=8192, batch=4) == big
-    # The same groups the kernel forms: the largest of _groups' for these shapes.
-    for chunk, context, batch in ((512, 512, 1), (512, 1536, 1), (64, 512, 1), (512, 512, 4),
-                                  (100, 3000, 2)):
-        per_head = chunk * context * 4
-        groups = list(cpu_kernels._groups(batch, 3, 3, per_head))
-        sizes = [_group_heads(g, batch) * per_head for g in groups]
-        assert native_scores_held(m, chunk=chunk, context=context, batch=batch) == max(sizes)
-
-
-def _group_heads(group: tuple, batch: int) -> int:
-    """How many heads one of ``cpu_kernels._groups``' index tuples covers ([b, kv, repeats])."""
-    sizes = [batch, 3, 3]
-    for axis, index in enumerate(group):
-        if isinstance(index, slice):
-            sizes[axis] = len(range(*index.indices(sizes[axis])))
-        else:
-            sizes[axis] = 1
-    return sizes[0] * sizes[1] * sizes[2]
-
-
-def test_the_estimate_follows_the_attention_in_use():
-    from actors.engine import cpu_kernels
-
-    m = model_memory(LLAMA, dtype_bytes=4)
     was = cpu_kernels.enabled()
     try:
         cpu_kernels.disable()
-        mlx = prefill_transient(m, chunk=512, context=4096)
-        assert mlx == prefill_transient(m, chunk=512, context=4096, native=False)
+        assert score_factor() == SCORE_FACTOR
         cpu_kernels.enable("native")
-        native = prefill_transient(m, chunk=512, context=4096)
-        assert native == prefill_transient(m, chunk=512, context=4096, native=True)
-        assert native < mlx  # groups of heads, not every head's scores at once
+        assert score_factor() == NATIVE_SCORE_FACTOR
     finally:
         if not was:
             cpu_kernels.disable()

@@ -10,8 +10,7 @@ The model of a prefill, calibrated against MLX's own peak counter on CPU (docs/m
   batch holds as many slots as the longest one.
 - **the transient of one prefill chunk**: the attention scores of a chunk of ``L`` tokens over
   a context of ``S`` tokens, ``q_heads x L x S x dtype`` per sequence, materialised once plus
-  the softmax (``SCORE_FACTOR``); with troupe's CPU attention, a few copies of one group of
-  heads' scores at a time (``NATIVE_GROUP_FACTOR``, ``native_scores_held``), and
+  the softmax (``SCORE_FACTOR``; ``NATIVE_SCORE_FACTOR`` with troupe's CPU attention), and
   the per-token working set of one layer (projections and MLP activations, ``WORK_PER_TOKEN``
   hidden/intermediate widths at float32). Only one layer's transient is alive at a time: MLX
   frees a layer's temporaries before the next layer's.
@@ -37,13 +36,10 @@ KV_STEP = 256
 # Attention scores are materialised once (on CPU MLX's SDPA is not fused) and the softmax
 # makes a partial second copy: measured 1.11x the scores on the default model; 1.15 for margin.
 SCORE_FACTOR = 1.15
-# troupe's CPU attention (actors/engine/cpu_kernels.py) takes the heads in groups of at most
-# GROUP_BYTES of scores (one head's whole scores where they are larger) and holds a few
-# copies of one group at a time, not of every head's scores: measured 2.7 to 5.4x the
-# largest group's scores beyond the activations (MLX's peak counter, the default model,
-# 512-token chunks over 512 to 8,192 tokens, 1 to 8 sequences); 6.5 for margin
-# (benchmarks/bench_prefill_memory.py).
-NATIVE_GROUP_FACTOR = 6.5
+# troupe's CPU attention (actors/engine/cpu_kernels.py) keeps the scores whole for MLX's
+# products and adds its softmax's blocks and their concatenation: measured about 3.0x the
+# scores on the default model (chunks over 512 to 2,560 tokens); 3.2 for margin.
+NATIVE_SCORE_FACTOR = 3.2
 # One layer's live activations per prompt token of a chunk, in units of (hidden, intermediate)
 # widths: q/k/v/o projections, residuals and norms ~8 x hidden; gate, up, their product and
 # the activation ~5 x intermediate. Measured ~45 KB/token on the default model (hidden 576,
@@ -216,45 +212,24 @@ def kv_bytes(m: ModelMemory, tokens: int, batch: int = 1) -> int:
     return batch * tokens * m.kv_per_token
 
 
-def native_scores_held(m: ModelMemory, *, chunk: int, context: int, batch: int = 1) -> int:
-    """Bytes of scores troupe's CPU attention holds at once for a chunk: its largest group
-    of heads, as ``cpu_kernels._groups`` forms them (whole KV heads, or repeats of one, never
-    across sequences unless everything fits), or one head's scores where they exceed
-    ``GROUP_BYTES`` (its softmax then runs in blocks of rows). Sized in float32, as the
-    kernel sizes its groups."""
-    from actors.engine.cpu_kernels import GROUP_BYTES  # MLX-free at import
+def score_factor() -> float:
+    """How many copies of the attention scores a prefill chunk holds with this process's
+    attention: troupe's CPU kernels, or MLX's."""
+    from actors.engine import cpu_kernels  # MLX-free until it is enabled
 
-    head = max(1, chunk * context * 4)
-    heads = batch * m.q_heads
-    repeats = max(1, m.q_heads // max(1, m.kv_heads))
-    if head >= GROUP_BYTES:
-        return head
-    per = GROUP_BYTES // head
-    if per >= heads:
-        return heads * head
-    if per >= repeats:
-        return (per // repeats) * repeats * head
-    return per * head
+    return NATIVE_SCORE_FACTOR if cpu_kernels.enabled() else SCORE_FACTOR
 
 
 def prefill_transient(m: ModelMemory, *, chunk: int, context: int, batch: int = 1,
-                      native: bool | None = None) -> int:
+                      factor: float | None = None) -> int:
     """Temporaries of one prefill chunk of ``chunk`` tokens attending over ``context`` tokens
-    (the chunk included), for ``batch`` sequences padded to the same shape, with troupe's
-    CPU attention (``native``) or MLX's (default: the one in use)."""
+    (the chunk included), for ``batch`` sequences padded to the same shape; ``factor`` copies
+    of the scores (default: those of the attention in use, ``score_factor()``)."""
     if chunk <= 0 or batch <= 0:
         return 0
-    if native is None:
-        from actors.engine import cpu_kernels  # MLX-free until it is enabled
-
-        native = cpu_kernels.enabled()
-    if native:
-        scores = NATIVE_GROUP_FACTOR * native_scores_held(m, chunk=chunk, context=context,
-                                                          batch=batch)
-    else:
-        scores = SCORE_FACTOR * batch * m.q_heads * chunk * context * m.dtype_bytes
+    scores = batch * m.q_heads * chunk * context * m.dtype_bytes
     work = batch * chunk * (WORK_HIDDEN * m.hidden + WORK_INTERMEDIATE * m.intermediate)
-    return int(scores) + work * WORK_BYTES
+    return int(scores * (score_factor() if factor is None else factor)) + work * WORK_BYTES
 
 
 def prompt_need(
