@@ -3,9 +3,9 @@
 Loads the model (default: the bundled one, ``troupe pull``'s directory) with troupe's CPU
 attention (``--kernels native``) or MLX's (``mlx``), fills mlx-lm's cache with the context
 but the last ``--chunk`` tokens, then runs that chunk with MLX's peak counter reset and
-reports the peak beyond the start, less what the KV grew by: the transient
-``memory_estimate.prefill_transient`` estimates, printed beside it. In MB (10^6 bytes). On
-Linux it re-executes itself with OpenBLAS preloaded, as ``troupe serve`` does.
+reports the peak less what is held after it (the grown KV, the chunk's output): the
+transient ``memory_estimate.prefill_transient`` estimates, printed beside it. In MB (10^6
+bytes). On Linux it re-executes itself with OpenBLAS preloaded, as ``troupe serve`` does.
 
     .venv/bin/python benchmarks/bench_prefill_memory.py
     .venv/bin/python benchmarks/bench_prefill_memory.py --kernels mlx --shapes 1x512,1x2560
