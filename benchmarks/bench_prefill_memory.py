@@ -61,12 +61,12 @@ def main() -> None:
         tokens = mx.array([[(i * 7 + b) % 5000 + 10 for i in range(context)]
                            for b in range(batch)])
         start = context - args.chunk
+        # Hidden states only, as the engine's prefill runs it (no logits for a whole chunk).
         for i in range(0, start, args.chunk):
             end = min(start, i + args.chunk)
-            mx.eval(model(tokens[:, i:end], cache=cache), [c.state for c in cache])
+            mx.eval(model.model(tokens[:, i:end], cache=cache), [c.state for c in cache])
         mx.clear_cache()
         mx.reset_peak_memory()
-        # The hidden states, as the engine's prefill runs it (no logits for the whole chunk).
         out = model.model(tokens[:, start:], cache=cache)
         mx.eval(out, [c.state for c in cache])
         measured = (mx.get_peak_memory() - mx.get_active_memory()) / MB
