@@ -12,6 +12,9 @@ context and memory checks, loading the model, the send to the scheduler, the cou
 back on the actor's thread, which then gives the answer. A prompt that cannot fit the context
 is refused from a floor on its token count, before it is tokenized (``PromptBound``).
 
+A request's model name is resolved here (``_model``): a served model's id, then an alias
+(``--alias``); with one model served, any other name is served by it.
+
 The prefill guard: with the memory monitor's latest ``MemoryLimits``, a prompt whose prefill
 would take MLX memory past the limit is refused here, before any response header (413 if it
 could never fit beside its model, 503 with Retry-After if other work holds the memory); under
@@ -30,10 +33,12 @@ import logging
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from types import TracebackType
 from typing import Any, TypeVar
 
 import jinja2
+import msgspec
 from mlx_lm.utils import load_tokenizer
 
 from actors.distributed import rank_memory_of
@@ -92,6 +97,11 @@ ADMISSION_WORKERS = 4
 LARGE_PROMPT_CHARS = 32_768
 # A graceful stop lets the admissions under way finish within this long, then cancels them.
 STOP_WAIT_S = 10.0
+# With one model served, the first use of each other name is logged once: for this many names
+# at the most, each kept to this many characters (a client sending random names cannot grow
+# the set, nor the log, without bound).
+LOGGED_NAMES = 64
+LOGGED_NAME_CHARS = 200
 
 
 # -- a floor on a prompt's tokens, without tokenizing it ----------------------------------------
@@ -270,7 +280,9 @@ class Admission(Actor):
 
     ``workers``: the threads of its pool (default ADMISSION_WORKERS; at least 2, as large
     prompts may take all but one). ``distributed``: how the model is sharded ("tensor" or
-    "pipeline") over ``ranks`` processes, or None for one process."""
+    "pipeline") over ``ranks`` processes, or None for one process. ``aliases``: other names
+    (or glob patterns, tried in order) of served models, by the model id each names; one
+    naming a model not served is a ValueError."""
 
     def __init__(
         self,
@@ -282,8 +294,18 @@ class Admission(Actor):
         workers: int | None = None,
         distributed: str | None = None,
         ranks: int = 1,
+        aliases: dict[str, str] | None = None,
     ) -> None:
         self.models = {card.id: ModelEntry(card, ref) for card, ref in models}
+        aliases = aliases or {}
+        for name, model in aliases.items():
+            if model not in self.models:
+                served = ", ".join(self.models)
+                raise ValueError(f"--alias {name}={model}: no model {model!r} is served "
+                                 f"(served: {served})")
+        self.exact_aliases = {n: m for n, m in aliases.items() if not _is_pattern(n)}
+        self.pattern_aliases = [(n, m) for n, m in aliases.items() if _is_pattern(n)]
+        self.logged_names: set[str] = set()
         self.pool_name = pool
         self.prefill_step_size = prefill_step_size
         self.block_size = block_size
@@ -360,7 +382,11 @@ class Admission(Actor):
                 tools = self._tools(msg.tools, ToolChoice())
                 self._defer(self._count_tokens(entry, msg, tools))
             case ListModels():
-                return [entry.card for entry in self.models.values()]
+                # The served models, then an alias's card for each name that is not a pattern.
+                cards = [entry.card for entry in self.models.values()]
+                return cards + [msgspec.structs.replace(self.models[model].card, id=name,
+                                                        alias_of=model)
+                                for name, model in self.exact_aliases.items()]
             case MemoryLimits():
                 self.limits = msg
             case _:
@@ -455,14 +481,37 @@ class Admission(Actor):
     # -- checks on the actor's thread ---------------------------------------------------------
 
     def _model(self, name: str) -> ModelEntry:
+        """The model a request names: a served model's id, else an alias (exact names, then
+        patterns in the order given), else, with one model served, that model (agents send
+        their own provider's names: claude-..., gpt-5-codex)."""
         entry = self.models.get(name)
-        if entry is None and len(self.models) == 1 and name in ("", "default"):
+        if entry is not None:
+            return entry
+        model = self.exact_aliases.get(name) or next(
+            (model for pattern, model in self.pattern_aliases if fnmatchcase(name, pattern)),
+            None)
+        if model is not None:
+            return self.models[model]
+        if len(self.models) == 1:
             entry = next(iter(self.models.values()))
-        if entry is None:
-            served = ", ".join(sorted(self.models))
-            raise _refusal("unknown_model", f"model {name!r} is not served here (served: {served})",
-                           param="model", code="model_not_found")
-        return entry
+            self._log_name(name, entry.card.id)
+            return entry
+        served = ", ".join(sorted(self.models))
+        aliases = [*self.exact_aliases.items(), *self.pattern_aliases]
+        named = "; aliases: " + ", ".join(f"{n} -> {m}" for n, m in aliases) if aliases else ""
+        raise _refusal("unknown_model",
+                       f"model {name!r} is not served here (served: {served}{named})",
+                       param="model", code="model_not_found")
+
+    def _log_name(self, name: str, model: str) -> None:
+        """Log the first use of a name that is not the one model's own, once per name."""
+        name = name[:LOGGED_NAME_CHARS]
+        if name in self.logged_names or len(self.logged_names) >= LOGGED_NAMES:
+            return
+        self.logged_names.add(name)
+        last = ("; further new names are not logged"
+                if len(self.logged_names) == LOGGED_NAMES else "")
+        log.info("model name %r is served by %s, the one model served%s", name, model, last)
 
     def _tools(self, tools: list[dict] | None, choice: ToolChoice) -> list[dict] | None:
         """The request's tools, checked (OpenAI's function shape), or None when there are none
@@ -614,6 +663,11 @@ class Admission(Actor):
 
 def _refusal(kind: ErrorKind, message: str, **kw: Any) -> AdmissionError:
     return AdmissionError(kind, message, **kw)
+
+
+def _is_pattern(name: str) -> bool:
+    """Whether an alias is a glob pattern (``fnmatch``'s), not a name."""
+    return any(c in name for c in "*?[")
 
 
 def _check_context(entry: ModelEntry, n_tokens: int, sampling: SamplingParams,

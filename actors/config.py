@@ -14,6 +14,10 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     # A model, or several (an engine pool: the first is loaded at start, the others on their
     # first request). None: the bundled default model.
     model: str | list[str] | None = None
+    # Other names of served models: a name, or a glob pattern (``claude-*-haiku-*``), mapped to
+    # a served model's id; patterns are tried in this order, after the names. With one model
+    # served, every name is served by it anyway.
+    aliases: dict[str, str] = {}
     host: str = "127.0.0.1"
     port: int = 8000
     # The engine's settings (actors/engine/config.py holds each one's default and meaning).

@@ -130,11 +130,15 @@ class ListModels(Message, frozen=True, kw_only=True):
 
 
 class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
+    """A served model. ``alias_of``: on the card admission lists for an alias (``--alias``),
+    the id of the model the alias names (the rest is that model's)."""
+
     id: str
     context_length: int
     source: str
     path: str
     fingerprint: str = ""
+    alias_of: str | None = None
 
 
 class Admitted(msgspec.Struct, frozen=True, kw_only=True):

@@ -93,6 +93,7 @@ async def start_serving(system: ActorSystem, config: ServeConfig) -> ServingHand
         prefill_step_size=config.prefill_step_size,
         block_size=config.block_size,
         distributed=config.distributed,
+        aliases=config.aliases,
         # The group start_rank joined: its guard counts one rank's share, as the gate does.
         ranks=mx.distributed.init().size() if config.distributed else 1,
     )

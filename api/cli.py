@@ -278,6 +278,28 @@ class _CommaList(argparse.Action):
         setattr(namespace, self.dest, items)
 
 
+class _Aliases(argparse.Action):
+    """Collect ``--alias NAME=MODEL`` repeats into a dict, in the order given (the order in
+    which glob patterns are tried)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        name, equals, model = str(values).partition("=")
+        name, model = name.strip(), model.strip()
+        if not equals or not name or not model:
+            parser.error(f"{option_string} wants NAME=MODEL, not {values!r}")
+        aliases = dict(getattr(namespace, self.dest, None) or {})
+        if name in aliases:
+            parser.error(f"{option_string} {name!r} is given twice")
+        aliases[name] = model
+        setattr(namespace, self.dest, aliases)
+
+
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -316,6 +338,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=opt,
         help="model directory, .gguf file or Hugging Face repo id (default: the bundled model); "
         "repeat it to serve several models, each loaded on its first request",
+    )
+    serve_cmd.add_argument(
+        "--alias",
+        dest="aliases",
+        action=_Aliases,
+        metavar="NAME=MODEL",
+        default=opt,
+        help="serve requests naming NAME with MODEL, a served model's id (repeatable; NAME may "
+        "be a glob pattern such as 'claude-*-haiku-*'); with one model served, every name is "
+        "served by it",
     )
     serve_cmd.add_argument("--host", default=opt, help=f"default: {_DEFAULTS.host}")
     serve_cmd.add_argument("--port", type=int, default=opt, help=f"default: {_DEFAULTS.port}")

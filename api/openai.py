@@ -249,6 +249,7 @@ class ModelObject(msgspec.Struct, kw_only=True):
     object: str
     created: int
     owned_by: str
+    root: str  # the served model that answers to this id (itself, or an alias's model)
 
 
 class ModelList(msgspec.Struct, kw_only=True):
@@ -677,10 +678,11 @@ class OpenAIRoutes:
         )
 
     async def models(self, request: web.Request) -> web.Response:
-        """``GET /v1/models``."""
+        """``GET /v1/models``: the served models, then one entry per alias name."""
         cards: list[ModelCard] = await ask_admission(self.admission, ListModels())
         data = [
-            ModelObject(id=card.id, object="model", created=self.created, owned_by="mlx-troupe")
+            ModelObject(id=card.id, object="model", created=self.created, owned_by="mlx-troupe",
+                        root=card.alias_of or card.id)
             for card in cards
         ]
         body = _encoder.encode(ModelList(object="list", data=data))

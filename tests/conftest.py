@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -36,6 +38,17 @@ def loaded(tiny_model_dir: Path):
     from mlx_lm import load
 
     return load(str(tiny_model_dir))
+
+
+@pytest.fixture(scope="session")
+def tiny_short_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny llama under another name ("tiny-short"), with a context of 64 tokens."""
+    out = tmp_path_factory.mktemp("tiny-short") / "tiny-short"
+    shutil.copytree(tiny_model_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    config["max_position_embeddings"] = 64
+    (out / "config.json").write_text(json.dumps(config))
+    return out
 
 
 @pytest.fixture(scope="session")

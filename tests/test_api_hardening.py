@@ -729,7 +729,7 @@ async def test_logs_never_hold_the_api_key_or_a_prompt(
     assert KEY not in text and prompt not in text
 
 
-async def test_the_model_field_never_loads_a_path_or_a_repo(
+async def test_the_model_field_never_loads_a_path_or_a_repo_it_names_the_one_model(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import actors.models.store
@@ -747,13 +747,16 @@ async def test_the_model_field_never_loads_a_path_or_a_repo(
         url = stack.server.url
         async with aiohttp.ClientSession() as session:
             before = await (await session.get(f"{url}/actors/engine_pool")).json()
+            # With one model served, a name is only a name: the one model serves it.
             for model in ("/etc/passwd", "../x", "org/repo", str(tiny_model_dir),
                           stack.model_path, "../" + stack.model):
-                for path, body in (("/v1/chat/completions", chat(model=model)),
-                                   ("/v1/completions", {"model": model, "prompt": "hi"}),
-                                   ("/v1/messages", {**chat(model=model), "max_tokens": 3})):
+                for path, body in (("/v1/chat/completions", chat(model=model, max_tokens=2)),
+                                   ("/v1/completions", {"model": model, "prompt": "hi",
+                                                        "max_tokens": 2}),
+                                   ("/v1/messages", {**chat(model=model), "max_tokens": 2})):
                     resp = await session.post(f"{url}{path}", json=body)
-                    assert resp.status == 404, (model, path, await resp.text())
+                    assert resp.status == 200, (model, path, await resp.text())
+                    assert (await resp.json())["model"] == stack.model
             after = await (await session.get(f"{url}/actors/engine_pool")).json()
             resp = await session.post(f"{url}/v1/chat/completions",
                                       json=chat(model=stack.model, max_tokens=2))

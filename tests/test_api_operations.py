@@ -25,7 +25,7 @@ from http_stack import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from api.cli import build_parser
+from api.cli import build_parser, serve_config
 from api.shutdown import INFLIGHT
 from runtime import Actor, Message
 
@@ -220,6 +220,26 @@ def test_allowed_origins_flag_takes_comma_lists_and_keeps_the_singular_alias() -
     ])
     assert args.allowed_origins == ["http://a.local", "http://b.local", "http://c.local"]
     assert not hasattr(build_parser().parse_args(["serve"]), "allowed_origins")
+
+
+def test_alias_flag_collects_names_and_patterns_in_order() -> None:
+    args = build_parser().parse_args([
+        "serve", "--alias", "gpt-5-codex=qwen", "--alias", "claude-*haiku*=small",
+        "--alias", "claude-*=qwen",
+    ])
+    aliases = serve_config(args).aliases
+    assert list(aliases.items()) == [("gpt-5-codex", "qwen"), ("claude-*haiku*", "small"),
+                                     ("claude-*", "qwen")]
+    assert serve_config(build_parser().parse_args(["serve"])).aliases == {}
+
+
+@pytest.mark.parametrize("value", ["claude", "=qwen", "claude=", "a=b --alias a=c"])
+def test_a_bad_alias_flag_is_a_usage_error(value: str,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["serve", *f"--alias {value}".split()])
+    assert exited.value.code == 2
+    assert "--alias" in capsys.readouterr().err
 
 
 def test_api_key_flag_defaults_to_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from pathlib import Path
 
 import aiohttp
@@ -15,6 +16,7 @@ import pytest
 from mlx_lm import load
 from reference import PROMPTS, detokenize, reference_tokens
 
+import actors.admission as admission_module
 from actors.config import ServeConfig
 from actors.serving import start_serving
 from api.app import create_app
@@ -27,8 +29,9 @@ def reference(tiny_model_dir: Path):
     return tok, lambda prompt, max_tokens: reference_tokens(model, tok, prompt, max_tokens)
 
 
-async def serve(aiohttp_client, model_dir: Path, **overrides):
-    config = ServeConfig(model=str(model_dir), **overrides)
+async def serve(aiohttp_client, model_dir: Path | list[str], **overrides):
+    model = model_dir if isinstance(model_dir, list) else str(model_dir)
+    config = ServeConfig(model=model, **overrides)
     system = ActorSystem()
     await system.__aenter__()
     handles = await start_serving(system, config)
@@ -155,15 +158,121 @@ async def test_full_scheduler_queue_answers_429_with_retry_after(aiohttp_client,
     assert (await refused.json())["error"]["type"] == "rate_limit_error"
 
 
-async def test_context_overflow_and_unknown_model_are_refused(aiohttp_client, tiny_model_dir):
+# --- the model names agents send -------------------------------------------------------------
+
+
+def chat_body(model: str, text: str = "Paris", **extra) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": text}],
+            "temperature": 0, **extra}
+
+
+async def test_any_model_name_is_served_by_the_one_model_which_the_answer_names(
+    aiohttp_client, tiny_model_dir
+):
+    client, _, handles = await serve(aiohttp_client, tiny_model_dir)
+    model = handles.models[0].id
+    user = [{"role": "user", "content": "Paris"}]
+    cases = [
+        ("/v1/chat/completions", chat_body("claude-sonnet-4-5-20250929", max_tokens=3)),
+        ("/v1/completions", completion_body("/etc/passwd", "Paris", 3)),
+        ("/v1/messages", {"model": "claude-opus-4-1", "max_tokens": 3, "messages": user}),
+        ("/v1/responses", {"model": "gpt-5-codex", "input": "Paris", "max_output_tokens": 3}),
+    ]
+    for path, body in cases:
+        resp = await client.post(path, json=body)
+        data = await resp.json()
+        assert resp.status == 200, (path, data)
+        assert data["model"] == model, path
+    counts = []
+    for name in ("claude-haiku-4-5-20251001", model):
+        resp = await client.post("/v1/messages/count_tokens", json={"model": name,
+                                                                    "messages": user})
+        assert resp.status == 200, await resp.text()
+        counts.append((await resp.json())["input_tokens"])
+    assert counts[0] == counts[1] > 0
+
+
+async def test_an_unknown_names_first_use_is_logged_once(aiohttp_client, tiny_model_dir, caplog):
+    caplog.set_level(logging.INFO, logger="actors.admission")
+    client, _, handles = await serve(aiohttp_client, tiny_model_dir)
+    model = handles.models[0].id
+    for name in ("gpt-5-codex", "gpt-5-codex", model, "claude-haiku-4-5"):
+        resp = await client.post("/v1/chat/completions", json=chat_body(name, max_tokens=2))
+        assert resp.status == 200, await resp.text()
+    lines = [r.getMessage() for r in caplog.records if r.name == "actors.admission"
+             and "is served by" in r.getMessage()]
+    assert lines == [f"model name 'gpt-5-codex' is served by {model}, the one model served",
+                     f"model name 'claude-haiku-4-5' is served by {model}, the one model served"]
+
+
+async def test_the_names_logged_are_bounded(aiohttp_client, tiny_model_dir, caplog, monkeypatch):
+    monkeypatch.setattr(admission_module, "LOGGED_NAMES", 2)
+    caplog.set_level(logging.INFO, logger="actors.admission")
+    client, system, _ = await serve(aiohttp_client, tiny_model_dir)
+    for name in ("a", "b", "c", "a", "d"):
+        resp = await client.post("/v1/messages/count_tokens", json={
+            "model": name, "messages": [{"role": "user", "content": "Paris"}]})
+        assert resp.status == 200
+    lines = [r.getMessage() for r in caplog.records if "is served by" in r.getMessage()]
+    assert len(lines) == 2 and lines[1].endswith("further new names are not logged")
+    assert system.find("admission")._cell.instance.logged_names == {"a", "b"}
+
+
+# Two models in the pool: exact names first, then the patterns in the order given.
+ALIASES = {"claude-haiku-special": "tiny-short", "gpt-5-codex": "tiny-llama",
+           "claude-*haiku*": "tiny-llama", "claude-*": "tiny-short"}
+
+
+async def test_aliases_route_names_between_two_models(aiohttp_client, tiny_model_dir,
+                                                      tiny_short_dir):
+    client, _, handles = await serve(aiohttp_client, [str(tiny_model_dir), str(tiny_short_dir)],
+                                     aliases=ALIASES)
+    assert [card.id for card in handles.models] == ["tiny-llama", "tiny-short"]
+    expected = {"tiny-short": "tiny-short", "gpt-5-codex": "tiny-llama",
+                "claude-haiku-special": "tiny-short",  # an exact name before any pattern
+                "claude-haiku-4-5-20251001": "tiny-llama",  # the first pattern that matches
+                "claude-sonnet-4-5-20250929": "tiny-short"}
+    for name, model in expected.items():
+        resp = await client.post("/v1/chat/completions", json=chat_body(name, max_tokens=2))
+        data = await resp.json()
+        assert resp.status == 200, (name, data)
+        assert data["model"] == model, name
+
+    for path, body in (("/v1/chat/completions", chat_body("gpt-4o", max_tokens=2)),
+                       ("/v1/messages/count_tokens", {"model": "gpt-4o", "messages": [
+                           {"role": "user", "content": "Paris"}]})):
+        resp = await client.post(path, json=body)
+        data = await resp.json()
+        assert resp.status == 404, data
+        message = data["error"]["message"]
+        assert "'gpt-4o'" in message and "tiny-llama, tiny-short" in message
+        assert "claude-*haiku* -> tiny-llama" in message
+
+
+async def test_models_lists_the_alias_names_but_not_the_patterns(aiohttp_client, tiny_model_dir,
+                                                                 tiny_short_dir):
+    client, _, _ = await serve(aiohttp_client, [str(tiny_model_dir), str(tiny_short_dir)],
+                               aliases=ALIASES)
+    data = (await (await client.get("/v1/models")).json())["data"]
+    assert [(m["id"], m["root"]) for m in data] == [
+        ("tiny-llama", "tiny-llama"), ("tiny-short", "tiny-short"),
+        ("claude-haiku-special", "tiny-short"), ("gpt-5-codex", "tiny-llama")]
+
+
+async def test_an_alias_to_a_model_not_served_fails_at_start(tiny_model_dir):
+    config = ServeConfig(model=str(tiny_model_dir), aliases={"claude-*": "tiny-missing"})
+    async with ActorSystem() as system:
+        with pytest.raises(ValueError, match="--alias claude-\\*=tiny-missing: no model "
+                                             "'tiny-missing' is served \\(served: tiny-llama\\)"):
+            await start_serving(system, config)
+
+
+async def test_context_overflow_is_refused(aiohttp_client, tiny_model_dir):
     client, _, handles = await serve(aiohttp_client, tiny_model_dir)
     model = handles.models[0].id
     resp = await client.post("/v1/completions", json=completion_body(model, "Paris", 5000))
     data = await resp.json()
     assert resp.status == 400 and data["error"]["param"] == "max_tokens"
-    resp = await client.post("/v1/completions", json=completion_body("nope", "Paris", 5))
-    data = await resp.json()
-    assert resp.status == 404 and data["error"]["param"] == "model"
     resp = await client.post("/v1/completions", json=completion_body(model, "Paris", 3))
     assert resp.status == 200
 
