@@ -10,7 +10,8 @@ next message at once. The templating, tokenizing and grammar compiling run in a 
 pool the actor owns (the fast tokenizer releases the GIL while it encodes); the rest (the
 context and memory checks, loading the model, the send to the scheduler, the counters) runs
 back on the actor's thread, which then gives the answer. A prompt that cannot fit the context
-is refused from a floor on its token count, before it is tokenized (``PromptBound``).
+is refused from a floor on its token count, before it is tokenized (``PromptBound``); one that
+fits but whose ``max_tokens`` does not is served with ``max_tokens`` cut to the room left.
 
 A request's model name is resolved here (``_model``): a served model's id, then an alias
 (``--alias``); with one model served, any other name is served by it.
@@ -371,7 +372,7 @@ class Admission(Actor):
                 else:
                     tokens = list(msg.prompt)
                     # The exact length first: the range check below is then O(context).
-                    _check_context(entry, len(tokens), msg.sampling, "prompt", exact=True)
+                    _check_context(entry, len(tokens), "prompt", exact=True)
                     vocab = len(entry.tokenizer)
                     if any(t < 0 or t >= vocab for t in tokens):
                         raise _refusal("invalid", f"prompt token ids must be in [0, {vocab})",
@@ -444,7 +445,7 @@ class Admission(Actor):
         args = (tools, msg.tool_choice, msg.response_format, msg.thinking_budget)
         # One trip to the pool for a short prompt; a large one comes back to wait its turn.
         prepared = await self._work(_chat_short, entry, msg.messages, msg.chat_template_kwargs,
-                                    msg.sampling, self.large_prompt_chars, *args)
+                                    self.large_prompt_chars, *args)
         if isinstance(prepared, _Prompt):
             prepared = await self._large_turn(_prepare_chat, entry, prepared, *args)
         tokens, output, constraint = prepared
@@ -454,12 +455,12 @@ class Admission(Actor):
     async def _admit_text(self, entry: ModelEntry, msg: AdmitCompletion,
                           prompt: str) -> AdmissionTicket:
         if len(prompt) <= self.large_prompt_chars:
-            tokens, constraint = await self._work(_prepare_text, entry, prompt, msg.sampling,
+            tokens, constraint = await self._work(_prepare_text, entry, prompt,
                                                   msg.response_format)
         else:
-            await self._work(_check_floor, entry, prompt, msg.sampling, "prompt")
+            await self._work(_check_floor, entry, prompt, "prompt")
             tokens, constraint = await self._large_turn(_prepare_text, entry, prompt,
-                                                        msg.sampling, msg.response_format)
+                                                        msg.response_format)
         return await self._admit(entry, msg.request_id, tokens, msg.sampling, "prompt",
                                  constraint=constraint)
 
@@ -553,7 +554,8 @@ class Admission(Actor):
     ) -> AdmissionTicket:
         if not tokens:
             raise _refusal("invalid", "the prompt is empty", param=prompt_param)
-        _check_context(entry, len(tokens), sampling, prompt_param, exact=True)
+        _check_context(entry, len(tokens), prompt_param, exact=True)
+        sampling, output = _fit_answer(entry, len(tokens), sampling, output, request_id)
         self._check_memory(entry, len(tokens), prompt_param)
         request = AddRequest(request_id=request_id, prompt_tokens=tokens, sampling=sampling,
                              output=output, constraint=constraint)
@@ -670,28 +672,44 @@ def _is_pattern(name: str) -> bool:
     return any(c in name for c in "*?[")
 
 
-def _check_context(entry: ModelEntry, n_tokens: int, sampling: SamplingParams,
-                   prompt_param: str, *, exact: bool) -> None:
+def _check_context(entry: ModelEntry, n_tokens: int, prompt_param: str, *,
+                   exact: bool) -> None:
     """Refuse a prompt of ``n_tokens`` (``exact``, or at least that many) that leaves no room
-    for ``max_tokens`` in the context."""
+    in the context for one token of answer (a ``max_tokens`` over the room is cut instead:
+    ``_fit_answer``)."""
     limit = entry.card.context_length
-    if n_tokens + sampling.max_tokens > limit:
+    if n_tokens >= limit:
         has = "has" if exact else "has at least"
         raise _refusal(
             "invalid",
-            f"this model's context is {limit} tokens; the prompt {has} {n_tokens} and "
-            f"max_tokens asks for {sampling.max_tokens}",
-            param="max_tokens" if n_tokens < limit else prompt_param,
-            code="context_length_exceeded",
+            f"this model's context is {limit} tokens; the prompt {has} {n_tokens}, which "
+            f"leaves no room for an answer: shorten it",
+            param=prompt_param, code="context_length_exceeded",
         )
 
 
-def _check_floor(entry: ModelEntry, text: str, sampling: SamplingParams,
-                 prompt_param: str) -> None:
+def _fit_answer(entry: ModelEntry, n_tokens: int, sampling: SamplingParams,
+                output: OutputSpec | None, request_id: str
+                ) -> tuple[SamplingParams, OutputSpec | None]:
+    """``max_tokens`` cut to the room the prompt of ``n_tokens`` leaves in the context, and a
+    thinking budget kept below it (Anthropic's rule, on the cut value). Agents send a
+    ``max_tokens`` of their own provider's models (Claude Code: 32000) whatever the model."""
+    room = entry.card.context_length - n_tokens
+    if sampling.max_tokens <= room:
+        return sampling, output
+    log.debug("%s: max_tokens %d cut to the %d tokens left in the context", request_id,
+              sampling.max_tokens, room)
+    sampling = msgspec.structs.replace(sampling, max_tokens=room)
+    if output is not None and output.thinking_budget is not None \
+            and output.thinking_budget >= room:
+        output = msgspec.structs.replace(output, thinking_budget=max(1, room - 1))
+    return sampling, output
+
+
+def _check_floor(entry: ModelEntry, text: str, prompt_param: str) -> None:
     """Refuse, without tokenizing it, a text whose floor of tokens cannot fit."""
     if entry.bound is not None:
-        _check_context(entry, entry.bound.fewest_tokens(text), sampling, prompt_param,
-                       exact=False)
+        _check_context(entry, entry.bound.fewest_tokens(text), prompt_param, exact=False)
 
 
 def _render_chat(entry: ModelEntry, messages: list[dict], tools: list[dict] | None,
@@ -726,23 +744,23 @@ _Prepared = tuple[list[int], OutputSpec | None, Constraint | None]
 
 
 def _chat_short(entry: ModelEntry, messages: list[dict], extra: dict | None,
-                sampling: SamplingParams, large: int, tools: list[dict] | None,
+                large: int, tools: list[dict] | None,
                 choice: ToolChoice, fmt: OutputFormat | None, thinking_budget: int | None,
                 ) -> _Prepared | _Prompt:
     """The chat rendered for generation, refused if its floor of tokens cannot fit; prepared
     at once if it has at most ``large`` characters, else returned to wait its turn."""
     prompt = _render_chat(entry, messages, tools, extra, True)
-    _check_floor(entry, prompt.text, sampling, "messages")
+    _check_floor(entry, prompt.text, "messages")
     if len(prompt.text) > large:
         return prompt
     return _prepare_chat(entry, prompt, tools, choice, fmt, thinking_budget)
 
 
-def _prepare_text(entry: ModelEntry, prompt: str, sampling: SamplingParams,
+def _prepare_text(entry: ModelEntry, prompt: str,
                   fmt: OutputFormat | None) -> tuple[list[int], Constraint | None]:
     """A completion prompt's tokens and its grammar, refused first if its floor of tokens
     cannot fit."""
-    _check_floor(entry, prompt, sampling, "prompt")
+    _check_floor(entry, prompt, "prompt")
     return _encode(entry, prompt, True), _format_constraint(entry, fmt)
 
 

@@ -208,6 +208,28 @@ def test_anthropic_agent_loop_any_tool_then_tool_result_then_text(server: str) -
     assert text.strip()
 
 
+# The SDK warns that this model name is deprecated: it is the name Claude Code sends.
+@pytest.mark.filterwarnings("ignore:The model 'claude-sonnet-4-5-20250929' is deprecated")
+def test_claude_codes_first_turn_is_served_by_the_default_model(server: str) -> None:
+    client = anthropic.Anthropic(base_url=server, api_key="unused", timeout=300)
+    ask = [{"role": "user", "content": "Say hello."}]
+    count = client.messages.count_tokens(model="claude-haiku-4-5-20251001", messages=ask)
+    assert count.input_tokens > 0
+    # Claude Code's shape: max_tokens 32000, past the model's 8192 tokens, with a thinking
+    # budget just below it. The room left may be thousands of tokens: read the first events.
+    with client.messages.stream(model="claude-sonnet-4-5-20250929", max_tokens=32000,
+                                thinking={"type": "enabled", "budget_tokens": 31999},
+                                messages=ask, extra_body={"temperature": 0}) as stream:
+        events = []
+        for event in stream:
+            events.append(event)
+            if event.type == "content_block_delta":
+                break
+    assert events[0].type == "message_start"
+    assert events[0].message.model == MODEL
+    assert events[-1].type == "content_block_delta"
+
+
 def test_responses_api_call_then_output_then_text(client: openai.OpenAI) -> None:
     tools = [{"type": "function", "name": t["function"]["name"],
               "description": t["function"]["description"],

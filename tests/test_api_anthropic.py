@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +28,14 @@ from http_stack import (
 )
 from mlx_lm.utils import load_tokenizer
 
+from actors.admission import Admission
+from actors.config import ServeConfig
 from actors.messages import (
+    AddRequest,
     AdmitChat,
     Admitted,
     CountTokens,
+    ModelCard,
     OutputFormat,
     RequestFinished,
     SamplingParams,
@@ -40,6 +45,8 @@ from actors.messages import (
     Usage,
 )
 from api.anthropic import MessagesRenderer, MessagesRequest
+from api.app import create_app
+from runtime import Actor, ActorSystem
 
 MESSAGES = "/v1/messages"
 COUNT = "/v1/messages/count_tokens"
@@ -765,3 +772,98 @@ async def test_stop_sequence_on_real_stack_is_reported_and_cut(
             assert cut.content[0].text == text[: text.index(stop)]
         finally:
             await ant.close()
+
+
+# --- Claude Code's requests: its model names, and a max_tokens past the context ---------------
+
+
+async def test_claude_codes_request_is_served_with_max_tokens_cut_to_the_room_left(
+    tiny_short_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TROUPE_HOME", str(tmp_path))
+    async with real_stack(tiny_short_dir) as stack:  # a 64-token context
+        ant = anthropic.AsyncAnthropic(base_url=stack.server.url, api_key="x", max_retries=0)
+        try:
+            # Streamed, as Claude Code asks (the client refuses 32000 tokens unstreamed).
+            async with ant.messages.stream(
+                model="claude-sonnet-4-6", max_tokens=32000,
+                thinking={"type": "enabled", "budget_tokens": 31999},
+                messages=[{"role": "user", "content": "The quick brown fox"}],
+                extra_body=GREEDY,
+            ) as stream:
+                message = await stream.get_final_message()
+            assert message.model == stack.model == "tiny-short"
+            assert message.stop_reason == "max_tokens"
+            usage = message.usage
+            assert usage.input_tokens + usage.cache_read_input_tokens + usage.output_tokens == 64
+            count = await ant.messages.count_tokens(
+                model="claude-haiku-4-5-20251001",
+                messages=[{"role": "user", "content": "The quick brown fox"}])
+            assert 0 < count.input_tokens < 64
+        finally:
+            await ant.close()
+
+
+class Recorder(Actor):
+    """A scheduler that records each request it is sent and finishes it at once."""
+
+    def __init__(self) -> None:
+        self.added: list[AddRequest] = []
+
+    async def handle(self, msg: Any) -> Any:
+        assert isinstance(msg, AddRequest)
+        self.added.append(msg)
+        reply = self.take_reply()
+        reply.send(RequestFinished(request_id=msg.request_id, finish_reason="length",
+                                   usage=Usage(prompt_tokens=len(msg.prompt_tokens),
+                                               completion_tokens=0)))
+        reply.close()
+
+
+@pytest.fixture(scope="module")
+def thinking_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny llama's files with <think> and </think> in its tokenizer (mlx-lm reads them as
+    its reasoning tags): for admission only, which never runs the model."""
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("thinking") / "thinking"
+    shutil.copytree(tiny_model_dir, out)
+    tok = AutoTokenizer.from_pretrained(str(out))
+    tok.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})
+    tok.save_pretrained(str(out))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("max_tokens", "budget", "cut"),
+    [
+        (32000, 31999, "both"),  # Claude Code's: max_tokens cut to the room, the budget below it
+        (32000, 10, "max_tokens"),  # a budget that fits the room is kept
+        (20, 10, None),  # within the room: nothing is cut
+    ],
+)
+async def test_a_thinking_budget_is_kept_below_the_cut_max_tokens(
+    aiohttp_client: Any, thinking_model_dir: Path, max_tokens: int, budget: int,
+    cut: str | None,
+) -> None:
+    async with ActorSystem() as system:
+        scheduler = await system.spawn(Recorder, name="scheduler")
+        card = ModelCard(id="thinking", context_length=64, source="local",
+                         path=str(thinking_model_dir))
+        admission = await system.spawn(Admission, name="admission", thread="admission",
+                                       models=[(card, scheduler)], pool=None)
+        client = await aiohttp_client(create_app(system=system, admission=admission,
+                                                 config=ServeConfig()))
+        resp = await client.post(MESSAGES, json=body(
+            "The quick brown fox", model="claude-opus-4-1", max_tokens=max_tokens,
+            thinking={"type": "enabled", "budget_tokens": budget}))
+        data = await resp.json()
+        assert resp.status == 200, data
+        assert (data["model"], data["stop_reason"]) == ("thinking", "max_tokens")
+        [request] = scheduler._cell.instance.added  # type: ignore[attr-defined]
+        room = 64 - len(request.prompt_tokens)
+        assert request.output is not None and request.output.think == ("<think>", "</think>")
+        expected = {"both": (room, room - 1), "max_tokens": (room, budget),
+                    None: (max_tokens, budget)}[cut]
+        assert (request.sampling.max_tokens, request.output.thinking_budget) == expected
+        await client.close()

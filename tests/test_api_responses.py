@@ -1,4 +1,5 @@
-"""OpenAI's Responses API (``POST /v1/responses``) against a scripted admission actor.
+"""OpenAI's Responses API (``POST /v1/responses``) against a scripted admission actor, and at
+the end Codex's request shape on the real stack.
 
 No model here: ``ScriptedAdmission`` (tests/http_stack.py) plays the script the last message's
 text names: the default "Hello world", "tool-call" (text, then two whole calls), "reasoning"
@@ -10,13 +11,22 @@ against its pydantic models, which parsing alone does not do.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import http_stack
 import openai
 import pytest
 from aiohttp.test_utils import TestClient
-from http_stack import BUSY_MODEL, MODEL, REASONING, TOOL_CALLS, TOOL_TEXT, Scripted
+from http_stack import (
+    BUSY_MODEL,
+    MODEL,
+    REASONING,
+    TOOL_CALLS,
+    TOOL_TEXT,
+    Scripted,
+    real_stack,
+)
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
@@ -650,3 +660,25 @@ async def test_openai_client_sees_refusals_as_errors(openai_client: openai.Async
     assert caught.value.param == "previous_response_id"
     with pytest.raises(openai.NotFoundError):
         await openai_client.responses.create(model="no-such-model", input="hello")
+
+
+# --- Codex's requests on the real stack (the tiny model) ---------------------------------------
+
+
+async def test_codex_request_is_served_with_max_output_tokens_cut_to_the_room_left(
+    tiny_short_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TROUPE_HOME", str(tmp_path))
+    async with real_stack(tiny_short_dir) as stack:  # a 64-token context
+        client = openai.AsyncOpenAI(base_url=f"{stack.server.url}/v1", api_key="x",
+                                    max_retries=0)
+        try:
+            response = await client.responses.create(
+                model="gpt-5-codex", input="The quick brown fox", max_output_tokens=32000,
+                temperature=0)
+        finally:
+            await client.close()
+    assert response.model == stack.model == "tiny-short"
+    assert response.status == "incomplete"
+    assert response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage.input_tokens + response.usage.output_tokens == 64

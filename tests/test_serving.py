@@ -267,14 +267,47 @@ async def test_an_alias_to_a_model_not_served_fails_at_start(tiny_model_dir):
             await start_serving(system, config)
 
 
-async def test_context_overflow_is_refused(aiohttp_client, tiny_model_dir):
-    client, _, handles = await serve(aiohttp_client, tiny_model_dir)
+# --- max_tokens beyond the context ------------------------------------------------------------
+
+
+async def test_max_tokens_over_the_room_left_is_cut_to_it(aiohttp_client, tiny_short_dir):
+    # A 64-token context: every answer below runs to the room its prompt leaves.
+    client, _, handles = await serve(aiohttp_client, tiny_short_dir)
     model = handles.models[0].id
-    resp = await client.post("/v1/completions", json=completion_body(model, "Paris", 5000))
-    data = await resp.json()
-    assert resp.status == 400 and data["error"]["param"] == "max_tokens"
-    resp = await client.post("/v1/completions", json=completion_body(model, "Paris", 3))
-    assert resp.status == 200
+    cases = [
+        ("/v1/chat/completions", chat_body(model, max_tokens=32000, ignore_eos=True)),
+        ("/v1/chat/completions", chat_body(model, max_completion_tokens=64, ignore_eos=True)),
+        ("/v1/chat/completions", chat_body(model, ignore_eos=True)),  # --default-max-tokens
+        ("/v1/completions", completion_body(model, "The quick brown fox", 32000,
+                                            ignore_eos=True)),
+        ("/v1/completions", completion_body(model, list(range(10, 73)), 32000,
+                                            ignore_eos=True)),  # 63 tokens: room for one
+    ]
+    for path, body in cases:
+        resp = await client.post(path, json=body)
+        data = await resp.json()
+        assert resp.status == 200, (path, data)
+        usage = data["usage"]
+        assert usage["completion_tokens"] == 64 - usage["prompt_tokens"] > 0, (path, usage)
+        assert data["choices"][0]["finish_reason"] == "length"
+
+
+async def test_a_prompt_that_alone_fills_the_context_is_still_refused(aiohttp_client,
+                                                                      tiny_short_dir):
+    client, _, handles = await serve(aiohttp_client, tiny_short_dir)
+    model = handles.models[0].id
+    cases = [
+        ("/v1/completions", completion_body(model, list(range(10, 74)), 1), "prompt"),
+        ("/v1/chat/completions", chat_body(model, "Paris " * 80, max_tokens=1), "messages"),
+        ("/v1/completions", completion_body(model, "Paris " * 80, 1), "prompt"),
+    ]
+    for path, body, param in cases:
+        resp = await client.post(path, json=body)
+        data = await resp.json()
+        assert resp.status == 400, (path, data)
+        assert (data["error"]["code"], data["error"]["param"]) == ("context_length_exceeded",
+                                                                   param)
+        assert "context is 64 tokens" in data["error"]["message"]
 
 
 async def test_scheduler_runs_on_the_mlx_thread(aiohttp_client, tiny_model_dir):
