@@ -712,11 +712,37 @@ def _check_floor(entry: ModelEntry, text: str, prompt_param: str) -> None:
         _check_context(entry, entry.bound.fewest_tokens(text), prompt_param, exact=False)
 
 
+# Claude Code (>= 2.1.36) puts this line first in its system prompt, with a hash (cch=) and a
+# version suffix that change on every request: billing data for Anthropic's own servers, which
+# means nothing to the model and, kept, would make every turn's prompt differ from its first
+# line on (no prefix cache hit). Gateways that turn its requests into OpenAI's shape carry it
+# into a system message, so the rule is here, under every route.
+BILLING_HEADER = "x-anthropic-billing-header:"
+
+
+def without_billing_header(messages: list[dict]) -> list[dict]:
+    """The conversation without Claude Code's billing line in its system (or developer)
+    messages; a message left empty by it is dropped, as if the block had not been sent."""
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if (message.get("role") in ("system", "developer") and isinstance(content, str)
+                and BILLING_HEADER in content):
+            content = "\n".join(line for line in content.split("\n")
+                                if not line.lstrip(" \t").startswith(BILLING_HEADER))
+            if not content:
+                continue
+            message = {**message, "content": content}
+        out.append(message)
+    return out
+
+
 def _render_chat(entry: ModelEntry, messages: list[dict], tools: list[dict] | None,
                  extra: dict | None, generation_prompt: bool) -> _Prompt:
     """The chat as the template renders it, not tokenized yet (so that its floor of tokens is
     checked first). A template without a tool format gets the tools written into the
     conversation instead (``actors.tool_prompt``), read back in troupe's fallback format."""
+    messages = without_billing_header(messages)
     tool_format = entry.tool_format
     if tool_format is None and (tools or uses_tools(messages)):
         messages, tools, tool_format = (with_tools_in_prompt(messages, tools), None,

@@ -37,13 +37,15 @@ class Metrics:
             "troupe_http_requests", "HTTP requests answered, by route, method and status.",
             ["route", "method", "status"], registry=self.registry,
         )
+        # By route too: an agent's API (Claude Code's /v1/messages, Codex's /v1/responses)
+        # shows whether its turns hit the prefix cache.
         self.prompt_tokens = Counter(
             "troupe_prompt_tokens", "Prompt tokens of requests that reached the scheduler.",
-            ["model"], registry=self.registry,
+            ["model", "route"], registry=self.registry,
         )
         self.cached_tokens = Counter(
             "troupe_cached_prompt_tokens", "Prompt tokens served from the prefix cache.",
-            ["model"], registry=self.registry,
+            ["model", "route"], registry=self.registry,
         )
         self.generated_tokens = Counter(
             "troupe_generated_tokens", "Tokens generated.", ["model"], registry=self.registry,
@@ -59,6 +61,7 @@ class Metrics:
             ["model"], buckets=ITL_BUCKETS, registry=self.registry,
         )
         self.registry.register(ActorCollector(system))
+        self.registry.register(CacheShareCollector(self.prompt_tokens, self.cached_tokens))
 
     def render(self) -> bytes:
         """Every metric in Prometheus's text format."""
@@ -152,3 +155,36 @@ class ActorCollector(Collector):
                     refusals.add_metric([name, str(status)], count)
         yield from (depth, capacity, running, handled, restarts, report, queue, batch, in_flight,
                     admitted, refusals)
+
+
+class CacheShareCollector(Collector):
+    """The prefix cache's read share per route since the start: cached prompt tokens over
+    prompt tokens, all models together (read from the two counters at scrape time)."""
+
+    def __init__(self, prompt_tokens: Counter, cached_tokens: Counter) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.cached_tokens = cached_tokens
+
+    def collect(self) -> Iterator[Metric]:
+        prompt, cached = _by_route(self.prompt_tokens), _by_route(self.cached_tokens)
+        share = GaugeMetricFamily(
+            "troupe_prefix_cache_read_share",
+            "Of the prompt tokens a route's requests sent since the start, the share read "
+            "from the prefix cache.",
+            labels=["route"],
+        )
+        for route, total in sorted(prompt.items()):
+            if total > 0:
+                share.add_metric([route], cached.get(route, 0.0) / total)
+        yield share
+
+
+def _by_route(counter: Counter) -> dict[str, float]:
+    """A counter labelled by model and route, summed over the models."""
+    totals: dict[str, float] = {}
+    for family in counter.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                route = sample.labels["route"]
+                totals[route] = totals.get(route, 0.0) + sample.value
+    return totals

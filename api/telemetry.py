@@ -78,8 +78,8 @@ class RequestRecord:
         metrics.requests.labels(route, request.method, str(status)).inc()
         if self.prompt_tokens is not None:
             model = self.model or ""
-            metrics.prompt_tokens.labels(model).inc(self.prompt_tokens)
-            metrics.cached_tokens.labels(model).inc(self.cached_tokens or 0)
+            metrics.prompt_tokens.labels(model, route).inc(self.prompt_tokens)
+            metrics.cached_tokens.labels(model, route).inc(self.cached_tokens or 0)
             metrics.generated_tokens.labels(model).inc(self.completion_tokens)
         if access_log.isEnabledFor(logging.INFO):
             access_log.info(self.line(request.method, route, status))

@@ -123,19 +123,25 @@ async def test_metrics_count_requests_tokens_and_latencies(client: TestClient) -
     resp = await client.post("/v1/chat/completions", json=chat(stream=True))
     await resp.read()
     assert (await client.get("/nowhere")).status == 404
+    assert (await client.post("/v1/messages", json={**chat(), "max_tokens": 5})).status == 200
     found = await scrape(client)
     route = "/v1/chat/completions"
     assert value(found, "troupe_http_requests_total", route=route, method="POST",
                  status="200") == 2
     assert value(found, "troupe_http_requests_total", route="unmatched", method="GET",
                  status="404") == 1
-    # Two requests of the scripted engine: 5 prompt tokens (2 cached), 4 generated each.
-    assert value(found, "troupe_prompt_tokens_total", model=MODEL) == 10
-    assert value(found, "troupe_cached_prompt_tokens_total", model=MODEL) == 4
-    assert value(found, "troupe_generated_tokens_total", model=MODEL) == 8
+    # Each request of the scripted engine: 5 prompt tokens (2 cached), 4 generated; two of
+    # the three on the chat route.
+    assert value(found, "troupe_prompt_tokens_total", model=MODEL, route=route) == 10
+    assert value(found, "troupe_cached_prompt_tokens_total", model=MODEL, route=route) == 4
+    assert value(found, "troupe_prefix_cache_read_share", route=route) == 0.4
+    # Each route counts its own requests' tokens.
+    assert value(found, "troupe_prompt_tokens_total", model=MODEL, route="/v1/messages") == 5
+    assert value(found, "troupe_prefix_cache_read_share", route="/v1/messages") == 0.4
+    assert value(found, "troupe_generated_tokens_total", model=MODEL) == 12
     # One first token per request; three deltas make two gaps per request.
-    assert value(found, "troupe_time_to_first_token_seconds_count", model=MODEL) == 2
-    assert value(found, "troupe_inter_token_latency_seconds_count", model=MODEL) == 4
+    assert value(found, "troupe_time_to_first_token_seconds_count", model=MODEL) == 3
+    assert value(found, "troupe_inter_token_latency_seconds_count", model=MODEL) == 6
 
 
 async def test_metrics_read_actor_snapshots_at_scrape_time(

@@ -6,6 +6,9 @@ import asyncio
 from collections import deque
 from pathlib import Path
 
+import pytest
+
+from actors.admission import without_billing_header
 from actors.config import ServeConfig
 from actors.serving import start_serving
 from api.app import create_app
@@ -279,3 +282,66 @@ async def test_a_prompt_whose_blocks_are_all_in_ram_asks_the_cache_index_nothing
         assert asked == []
         rep = report(system, "scheduler")
         assert rep["ram_hit_tokens"] == len(lookup.hashes) * BLOCK, rep
+
+
+def claude_code_turn(model: str, cch: str) -> dict:
+    """A /v1/messages body shaped as Claude Code sends it: the billing block first in
+    ``system``, with a ``cch`` (and version suffix) new on every request."""
+    return {
+        "model": model, "max_tokens": 8, "temperature": 0,
+        "system": [
+            {"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.37.{cch[:3]}; "
+                                     f"cc_entrypoint=cli; cch={cch};"},
+            {"type": "text", "text": "You are Claude Code, Anthropic's official CLI for Claude."},
+            {"type": "text", "text": LONG, "cache_control": {"type": "ephemeral"}},
+        ],
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+    }
+
+
+async def test_claude_codes_billing_line_does_not_defeat_the_cache(aiohttp_client,
+                                                                   tiny_model_dir, tmp_path):
+    client, system, model = await serve(aiohttp_client, tiny_model_dir, tmp_path / "c")
+    answers = []
+    for cch in ("1a2b3", "9f8e7"):
+        resp = await client.post("/v1/messages", json=claude_code_turn(model, cch))
+        answers.append(await resp.json())
+        assert resp.status == 200, answers[-1]
+    first, second = (a["usage"] for a in answers)
+    assert first["cache_read_input_tokens"] == 0
+    # Everything but the last prompt token is read back, though cch changed.
+    prompt = first["input_tokens"]
+    assert second["cache_read_input_tokens"] == prompt - 1
+    assert answers[0]["content"] == answers[1]["content"]
+    # The same conversation with no billing block at all is the same prompt.
+    body = claude_code_turn(model, "00000")
+    body["system"] = body["system"][1:]
+    count = await client.post("/v1/messages/count_tokens", json=body)
+    with_line = await client.post("/v1/messages/count_tokens",
+                                  json=claude_code_turn(model, "77777"))
+    assert (await count.json()) == (await with_line.json())
+    await system.__aexit__(None, None, None)
+
+
+BILLING = "x-anthropic-billing-header: cc_version=2.1.37.3a1; cc_entrypoint=cli; cch=1a2b3;"
+
+
+@pytest.mark.parametrize(("content", "kept"), [
+    (f"{BILLING}\nYou are Claude Code.", "You are Claude Code."),
+    (f"You are Claude Code.\n{BILLING}", "You are Claude Code."),
+    (f"A\n  {BILLING}\nB", "A\nB"),
+    (BILLING, None),  # the message held only the line: dropped, as if the block were absent
+    ("no billing line here", "no billing line here"),
+])
+def test_billing_line_leaves_system_messages_only_that_line(content, kept):
+    messages = [{"role": "system", "content": content}, {"role": "user", "content": BILLING}]
+    out = without_billing_header(messages)
+    assert out[:-1] == ([{"role": "system", "content": kept}] if kept is not None else [])
+    # Only system and developer messages carry it: a user's text is theirs, kept as sent.
+    assert out[-1] == {"role": "user", "content": BILLING}
+    assert messages[0]["content"] == content  # the caller's messages are not changed
+
+
+def test_billing_line_in_a_developer_message_is_removed_too():
+    out = without_billing_header([{"role": "developer", "content": f"{BILLING}\nRules."}])
+    assert out == [{"role": "developer", "content": "Rules."}]
