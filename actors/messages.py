@@ -44,11 +44,14 @@ class ToolChoice(msgspec.Struct, frozen=True, kw_only=True):
 
     ``mode``: ``auto`` (the model decides), ``none`` (tools hidden from the model),
     ``required`` (at least one call), ``function`` (a call of the tool named ``name``).
-    ``parallel``: whether an answer may hold several calls."""
+    ``parallel``: whether an answer may hold several calls. ``input_formats``: the grammar
+    (``regex`` or ``lark``) each freeform tool's one string argument, ``input``, follows when
+    its call is enforced, by tool name (the Responses API's ``custom`` tools)."""
 
     mode: str = "auto"
     name: str | None = None
     parallel: bool = True
+    input_formats: dict[str, OutputFormat] | None = None
 
 
 class OutputFormat(msgspec.Struct, frozen=True, kw_only=True):

@@ -28,6 +28,7 @@ import mlx.core as mx
 import numpy as np
 from llguidance import LLMatcher, LLTokenizer
 
+from actors.engine.custom_tools import LarkInput, nested_grammars, with_inputs
 from actors.messages import OutputFormat, ToolChoice
 from actors.mlx_lm_private import hf_tokenizer
 
@@ -182,13 +183,19 @@ class Grammars:
                 raise GrammarError(f"tool_choice names {choice.name!r}, which is not a tool")
         if not funcs:
             raise GrammarError("tool_choice requires a tool call, but no function tool is given")
+        funcs = with_inputs(funcs, choice.input_formats)
         rules = getattr(self, f"_{fmt}")(funcs, choice.parallel)  # they define "calls"
         start = "start: calls"
         reasoning = self._reasoning(think, in_reasoning)
         if reasoning is not None:
             start = f"start: {reasoning[0]} calls"
             rules += reasoning[1]
-        return self.compile(LLMatcher.grammar_from_lark("\n".join([start, *rules])))
+        top = "\n".join([start, *rules])
+        # A freeform tool's Lark input is a grammar of its own, which its call's items name.
+        nested = nested_grammars(funcs, raw=fmt == "qwen3_coder")
+        if nested:
+            return self.compile(json.dumps({"grammars": [{"lark_grammar": top}, *nested]}))
+        return self.compile(LLMatcher.grammar_from_lark(top))
 
     # -- the tool-call markups -------------------------------------------------------------
 
@@ -213,7 +220,7 @@ class Grammars:
                     *_json_calls(funcs, "arguments", "", "")]
         # [TOOL_CALLS]NAME[ARGS]{...}, each call with its own [TOOL_CALLS]
         rules = [_calls("", parallel), f"call: {open_} ({_alternatives(funcs)})"]
-        rules += [f"tool{i}: {_lit(n)} {args} {_json(p)}" for i, (n, p) in enumerate(funcs)]
+        rules += [f"tool{i}: {_lit(n)} {args} {_arguments(p)}" for i, (n, p) in enumerate(funcs)]
         return rules
 
     def _qwen3_coder(self, funcs: list[tuple[str, dict]], parallel: bool) -> list[str]:
@@ -301,6 +308,12 @@ def _calls(sep: str, parallel: bool, before: str = "", after: str = "") -> str:
     return f"calls: {before} {body} {after}"
 
 
+def _arguments(params: dict | LarkInput) -> str:
+    """A call's arguments object as a Lark item: JSON valid against ``params``, or the
+    object holding a freeform tool's input."""
+    return params.json_item() if isinstance(params, LarkInput) else _json(params)
+
+
 def _alternatives(funcs: list[tuple[str, dict]]) -> str:
     return " | ".join(f"tool{i}" for i in range(len(funcs)))
 
@@ -328,14 +341,17 @@ def _json_calls(funcs: list[tuple[str, dict]], key: str, before: str, after: str
     rules = [f"call: {before} ({_alternatives(funcs)}) {after}"]
     for i, (name, params) in enumerate(funcs):
         head = '{"name": ' + json.dumps(name, ensure_ascii=False) + f', "{key}": '
-        rules.append(f'tool{i}: {_lit(head)} {_json(params)} "}}"')
+        rules.append(f'tool{i}: {_lit(head)} {_arguments(params)} "}}"')
     return rules
 
 
-def _qwen3_tool(i: int, name: str, params: dict) -> list[str]:
+def _qwen3_tool(i: int, name: str, params: dict | LarkInput) -> list[str]:
     """Rules of one tool's call in the qwen3_coder markup: its declared parameters in their
     order (the required ones always, the others optional); a schema that declares none takes
     any parameter names, as text."""
+    if isinstance(params, LarkInput):
+        head = _lit(f"<function={name}>\n")
+        return [f"tool{i}: {head} {params.qwen3_item()}"]
     props = params.get("properties")
     required = set(params.get("required") or [])
     defs = {k: params[k] for k in ("$defs", "definitions") if k in params}
