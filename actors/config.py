@@ -29,6 +29,9 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     mixed_step: bool = ENGINE.mixed_step
     max_queue: int = ENGINE.max_queue
     default_max_tokens: int = 2048
+    # Responses API: how many responses are kept in memory for previous_response_id and
+    # GET /v1/responses/{id}, the least recently used dropped first (0: none are kept).
+    responses_store: int = 256
     # Prefix cache: blocks of block_size tokens in RAM (up to cache_ram_max bytes) and on disk
     # under cache_dir (up to cache_disk_max bytes). block_size 0 turns the cache off.
     block_size: int = ENGINE.block_size

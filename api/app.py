@@ -218,7 +218,7 @@ def create_app(*, system: ActorSystem, admission: ActorRef, config: ServeConfig)
     app.router.add_get("/metrics", metrics_handler)
     OpenAIRoutes(admission, config).register(app.router)
     AnthropicRoutes(admission, config).register(app.router)
-    ResponsesRoutes(admission, config).register(app.router)
+    ResponsesRoutes(admission, config).register(app)
     # Before the introspection routes: /actors/events must win over /actors/{name}.
     DashboardRoutes(system).register(app)
     IntrospectionRoutes(system).register(app.router)

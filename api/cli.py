@@ -412,6 +412,14 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"max_tokens when a request sends none (default: {_DEFAULTS.default_max_tokens})",
     )
     serve_cmd.add_argument(
+        "--responses-store",
+        type=int,
+        metavar="N",
+        default=opt,
+        help="Responses API: responses kept in memory for previous_response_id, the least "
+        f"recently used dropped first (default: {_DEFAULTS.responses_store}; 0: none)",
+    )
+    serve_cmd.add_argument(
         "--blas",
         choices=blas.CHOICES,
         default=os.environ.get("TROUPE_BLAS", "auto"),

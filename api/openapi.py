@@ -39,7 +39,8 @@ _ERROR_MEANINGS = {
     401: "The API key is missing or wrong (only when the server runs with one).",
     403: "The route is an operator's and wants the admin API key, not the API key (only when "
     "the server runs with both).",
-    404: "The model named is not served here, or the actor named does not exist.",
+    404: "The model named is not served here, the actor named does not exist, or the "
+    "response named is not stored.",
     408: "The request body did not arrive in time.",
     413: "The request body is larger than the server's limit (`--max-body-bytes`).",
     429: "The server is busy: its queue is full. Retry after `Retry-After` seconds.",
@@ -50,6 +51,15 @@ _ERROR_MEANINGS = {
 _BODY_ERRORS = (400, 404, 408, 413, 429, 500, 503)
 # A route that only asks admission (no body): admission may be busy or gone.
 _ADMISSION_ERRORS = (429, 500, 503)
+
+_WARNING = {
+    "Warning": {
+        "description": "Names the tools of the request this server cannot run (hosted tools "
+        "such as `web_search`), which were dropped: `299 mlx-troupe \"tools this server "
+        "cannot run were dropped: web_search\"`.",
+        "schema": {"type": "string"},
+    }
+}
 
 _RETRY_AFTER = {
     "Retry-After": {
@@ -82,6 +92,8 @@ class _Operation:
     extra: dict[str, Any] = field(default_factory=dict)
     # An operator's route (introspection): with an admin key set, it wants that key.
     operator: bool = False
+    # Headers the 200 answer may carry.
+    headers: dict[str, Any] = field(default_factory=dict)
 
 
 # The Responses API's stream events are plain dicts (api/responses.py ``_event``): their
@@ -96,12 +108,14 @@ _RESPONSES_EVENT: dict[str, Any] = {
         "content_index": {"type": "integer", "minimum": 0},
         "item_id": {"type": "string"},
         "item": {"anyOf": [responses.MessageItem, responses.ReasoningItem,
-                           responses.FunctionCallItem]},
+                           responses.FunctionCallItem, responses.CustomToolCallItem,
+                           responses.LocalShellCallItem]},
         "part": {"anyOf": [responses.OutputText, responses.ReasoningText]},
         "delta": {"type": "string"},
         "text": {"type": "string"},
         "name": {"type": "string"},
         "arguments": {"type": "string"},
+        "input": {"type": "string"},
     },
     "required": ["type", "sequence_number"],
 }
@@ -167,9 +181,11 @@ _OPERATIONS: dict[tuple[str, str], _Operation] = {
     ),
     ("POST", "/v1/responses"): _Operation(
         summary="Response (OpenAI Responses API)",
-        description="A stateless Responses request answered whole, or as server-sent events "
-        "with `stream: true`. The server stores nothing: `previous_response_id`, "
-        "`conversation`, `background` and `store: true` are refused with 400.",
+        description="A Responses request answered whole, or as server-sent events with "
+        "`stream: true`. The answer is stored (in memory, the last `--responses-store`) "
+        "unless `store: false`; `previous_response_id` continues a stored one (404 when it "
+        "is not kept). Hosted tools this server cannot run are dropped and named in a "
+        "`Warning` header. `conversation` and `background: true` are refused with 400.",
         request=responses.ResponsesRequest,
         response=responses.ResponseObject,
         stream=(_RESPONSES_EVENT, ErrorBody),
@@ -180,6 +196,18 @@ _OPERATIONS: dict[tuple[str, str], _Operation] = {
         "`response.incomplete` or `response.failed`. Lifecycle events carry the response "
         "object (schema below) in `response`.",
         errors=_BODY_ERRORS,
+        headers=_WARNING,
+    ),
+    ("GET", "/v1/responses/{response_id}"): _Operation(
+        summary="A stored response (OpenAI Responses API)",
+        description="The response as it was answered, while the server keeps it.",
+        response=responses.ResponseObject,
+        errors=(404, 500),
+    ),
+    ("DELETE", "/v1/responses/{response_id}"): _Operation(
+        summary="Forget a stored response (OpenAI Responses API)",
+        response=responses.DeletedResponse,
+        errors=(404, 500),
     ),
     ("GET", "/health"): _Operation(
         summary="Liveness",
@@ -369,7 +397,10 @@ def _ok_response(op: _Operation, schemas: _Schemas) -> dict[str, Any]:
     description = "The answer."
     if op.media_type == _JSON and op.stream is not None:
         description = "The whole answer (JSON), or with `stream: true` its server-sent events."
-    return {"description": description, "content": content}
+    answer: dict[str, Any] = {"description": description, "content": content}
+    if op.headers:
+        answer["headers"] = op.headers
+    return answer
 
 
 def _operation(

@@ -1,32 +1,35 @@
-"""OpenAI's Responses API: ``POST /v1/responses`` (what Codex CLI and the Agents SDK speak).
+"""OpenAI's Responses API: ``POST /v1/responses`` (what Codex CLI and the Agents SDK speak),
+and the stored responses ``GET`` and ``DELETE /v1/responses/{id}``.
 
 A Responses request becomes the same admission message as a chat completion: ``instructions``
 as a system message first, message items as chat messages (text parts joined by newlines),
-``function_call`` items as an assistant turn's OpenAI ``tool_calls`` and
-``function_call_output`` items as ``tool`` messages, function tools as OpenAI chat functions,
+``function_call``, ``custom_tool_call`` and ``local_shell_call`` items as an assistant turn's
+OpenAI ``tool_calls`` and their outputs as ``tool`` messages, tools as OpenAI chat functions
+(``api.responses_tools``: custom and local_shell tools mapped, hosted tools dropped),
 ``tool_choice`` and ``parallel_tool_calls`` as a ``ToolChoice``, ``text.format`` as an
 ``OutputFormat``. So one conversation gets the same prompt tokens through either API.
 
 The answer is a ``response`` object whose ``output`` lists, in the order the model produced
-them, a ``reasoning`` item, a ``message`` item and one ``function_call`` item per call; a
-stream sends OpenAI's typed events (``event: <type>`` lines, a ``sequence_number`` in each),
-ending with ``response.completed``, ``response.incomplete`` (the token limit was reached) or
+them, a ``reasoning`` item, a ``message`` item and one item per call (``function_call``,
+``custom_tool_call`` or ``local_shell_call``, by its tool's kind); a stream sends OpenAI's
+typed events (``event: <type>`` lines, a ``sequence_number`` in each), ending with
+``response.completed``, ``response.incomplete`` (the token limit was reached) or
 ``response.failed`` (the request failed after the stream began).
 
-This server is stateless: it keeps no responses and no conversations. A request must carry
-the whole conversation in ``input``; ``previous_response_id``, ``conversation``,
-``background: true`` and an explicit ``store: true`` are refused with a 400 (clients that
-send nothing about storage, like the ``openai`` package, are unaffected; ``store: false`` is
-accepted). Every response says ``"store": false``. ``reasoning`` items sent back in ``input``
-are dropped (chat templates drop earlier turns' reasoning too); ``reasoning.effort`` is
-accepted and ignored.
+Responses are stored (``api.responses_store``: in memory, the last ``--responses-store`` of
+them) unless the request says ``store: false``; ``previous_response_id`` continues a stored
+one (its input and output items come before the request's own; its instructions do not).
+``conversation`` and ``background: true`` are refused with a 400. ``reasoning`` items sent
+back in ``input`` are left out of the prompt (chat templates drop earlier turns' reasoning
+too); ``reasoning.effort`` is accepted and ignored.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
-from functools import partial
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -49,9 +52,26 @@ from actors.messages import (
 from api.errors import ApiError
 from api.generation import Renderer
 from api.generation_route import generate
+from api.responses_store import ResponseStore, StoredResponse
+from api.responses_tools import (
+    LOCAL_SHELL,
+    Tool,
+    ToolSet,
+    freeform_arguments,
+    freeform_input,
+    local_shell_action,
+    local_shell_arguments,
+    tool_set,
+)
 from api.shutdown import generation
 from api.sse import Frame
 from runtime import ActorRef
+
+log = logging.getLogger(__name__)
+
+# The header that names the tools a request asked for and this server cannot run.
+WARNING_HEADER = "Warning"
+_DROPPED = web.RequestKey("responses_dropped_tools", list)
 
 # --- request schemas -----------------------------------------------------------------------
 
@@ -66,21 +86,15 @@ class InputItem(msgspec.Struct, kw_only=True):
     """Any input item; ``type`` (absent means a message) says which fields apply."""
 
     type: str | None = None
+    id: str | None = None
     role: Literal["user", "system", "developer", "assistant"] | None = None
     content: str | list[InputPart] | None = None
     call_id: str | None = None
     name: str | None = None
     arguments: str | None = None
+    input: str | None = None  # a custom_tool_call's
+    action: dict[str, Any] | None = None  # a local_shell_call's
     output: str | list[InputPart] | None = None
-
-
-class Tool(msgspec.Struct, kw_only=True):
-    # Any type decodes, so that a built-in tool (web_search...) gets a refusal naming it.
-    type: str
-    name: str | None = None
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
 
 
 class TextFormat(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -152,7 +166,35 @@ class FunctionCallItem(msgspec.Struct, kw_only=True, tag_field="type", tag="func
     status: str = "in_progress"
 
 
-OutputItem = MessageItem | ReasoningItem | FunctionCallItem
+class CustomToolCallItem(msgspec.Struct, kw_only=True, tag_field="type",
+                         tag="custom_tool_call"):
+    """A call of a freeform (``custom``) tool: ``input`` is the text the model wrote."""
+
+    id: str
+    call_id: str
+    name: str
+    input: str
+
+
+class LocalShellAction(msgspec.Struct, kw_only=True, tag_field="type", tag="exec"):
+    command: list[str]
+    timeout_ms: int | None = None
+    working_directory: str | None = None
+    env: dict[str, str] = {}
+    user: str | None = None
+
+
+class LocalShellCallItem(msgspec.Struct, kw_only=True, tag_field="type",
+                         tag="local_shell_call"):
+    id: str
+    call_id: str
+    action: LocalShellAction
+    status: str = "in_progress"
+
+
+OutputItem = (
+    MessageItem | ReasoningItem | FunctionCallItem | CustomToolCallItem | LocalShellCallItem
+)
 
 
 class InputTokensDetails(msgspec.Struct, kw_only=True):
@@ -209,6 +251,14 @@ class ResponseObject(msgspec.Struct, kw_only=True):
     metadata: dict[str, str]
 
 
+class DeletedResponse(msgspec.Struct, kw_only=True):
+    """The answer of ``DELETE /v1/responses/{id}``."""
+
+    id: str
+    object: str = "response.deleted"
+    deleted: bool = True
+
+
 # --- requests as admission messages -------------------------------------------------------
 
 _decoder = msgspec.json.Decoder(ResponsesRequest)
@@ -217,6 +267,9 @@ _encoder = msgspec.json.Encoder()
 # Part types that carry text: input_text (what clients send), output_text (earlier answers
 # sent back), and chat's "text" for clients that mix the two APIs up.
 _TEXT_PARTS = ("input_text", "output_text", "text")
+# The items that are a tool's call (an assistant turn's tool_calls) and a call's output.
+_CALLS = ("function_call", "custom_tool_call", "local_shell_call")
+_OUTPUTS = ("function_call_output", "custom_tool_call_output", "local_shell_call_output")
 
 
 def _texts(content: str | list[InputPart] | None, param: str) -> str:
@@ -247,18 +300,30 @@ def _required(value: str | None, field: str, kind: str, where: str) -> str:
     return value
 
 
-def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+def _call(item: InputItem, kind: str, where: str) -> dict[str, Any]:
+    """An earlier call item as the OpenAI ``tool_calls`` entry the model's call was."""
+    if kind == "local_shell_call":
+        call_id = item.call_id or _required(item.id, "call_id", kind, where)
+        name, arguments = LOCAL_SHELL, local_shell_arguments(item.action, where)
+    else:
+        call_id = _required(item.call_id, "call_id", kind, where)
+        name = _required(item.name, "name", kind, where)
+        if kind == "custom_tool_call":
+            arguments = freeform_arguments(_required(item.input, "input", kind, where))
+        else:
+            arguments = _required(item.arguments, "arguments", kind, where)
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _messages(instructions: str | None, items: list[InputItem]) -> list[dict[str, Any]]:
     """The conversation as chat templates read it (OpenAI chat's conventions)."""
     messages: list[dict[str, Any]] = []
-    if req.instructions:
-        messages.append({"role": "system", "content": req.instructions})
-    if isinstance(req.input, str):
-        messages.append({"role": "user", "content": req.input})
-        return messages
-    # The assistant turn that function_call items join: an answer's text and its calls are
-    # one turn, as the model produced them (so the prompt matches what it generated).
+    if instructions:
+        messages.append({"role": "system", "content": instructions})
+    # The assistant turn that call items join: an answer's text and its calls are one turn,
+    # as the model produced them (so the prompt matches what it generated).
     turn: dict[str, Any] | None = None
-    for i, item in enumerate(req.input):
+    for i, item in enumerate(items):
         where = f"input[{i}]"
         kind = item.type or "message"
         if kind == "message":
@@ -267,25 +332,18 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             message = {"role": item.role, "content": _texts(item.content, f"{where}.content")}
             messages.append(message)
             turn = message if item.role == "assistant" else None
-        elif kind == "function_call":
-            call = {
-                "id": _required(item.call_id, "call_id", kind, where),
-                "type": "function",
-                "function": {
-                    "name": _required(item.name, "name", kind, where),
-                    "arguments": _required(item.arguments, "arguments", kind, where),
-                },
-            }
+        elif kind in _CALLS:
+            call = _call(item, kind, where)
             if turn is None:
                 turn = {"role": "assistant", "content": ""}  # templates expect a string
                 messages.append(turn)
             turn.setdefault("tool_calls", []).append(call)
-        elif kind == "function_call_output":
-            call_id = _required(item.call_id, "call_id", kind, where)
+        elif kind in _OUTPUTS:
+            # OpenAI's local_shell_call_output names its call by ``id``.
+            call_id = item.call_id if kind != "local_shell_call_output" else item.call_id or item.id
+            call_id = _required(call_id, "call_id", kind, where)
             if item.output is None:
-                raise ApiError(
-                    400, "A function_call_output item needs 'output'.", param=f"{where}.output"
-                )
+                raise ApiError(400, f"A {kind} item needs 'output'.", param=f"{where}.output")
             output = _texts(item.output, f"{where}.output")
             messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
             turn = None
@@ -295,7 +353,8 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             raise ApiError(
                 400,
                 f"Input items of type '{kind}' are not supported: this server accepts message, "
-                "function_call, function_call_output and reasoning items.",
+                "reasoning, function_call, custom_tool_call, local_shell_call items and their "
+                "outputs.",
                 param=f"{where}.type",
             )
     if not messages:
@@ -303,52 +362,74 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     return messages
 
 
-def _chat_tools(tools: list[Tool]) -> list[dict[str, Any]]:
-    """Function tools in OpenAI chat's shape; any other tool type is refused."""
-    out = []
-    for i, tool in enumerate(tools):
-        if tool.type != "function":
-            raise ApiError(
-                400,
-                f"Tools of type '{tool.type}' are not supported: this server offers function "
-                "tools only.",
-                param=f"tools[{i}].type",
-            )
-        if not tool.name:
-            raise ApiError(400, "A function tool needs a 'name'.", param=f"tools[{i}].name")
-        function: dict[str, Any] = {"name": tool.name}
-        if tool.description is not None:
-            function["description"] = tool.description
-        function["parameters"] = tool.parameters or {"type": "object", "properties": {}}
-        out.append({"type": "function", "function": function})
-    return out
-
-
-def _tool_choice(req: ResponsesRequest, names: list[str]) -> ToolChoice:
-    parallel = req.parallel_tool_calls is not False
-    choice = req.tool_choice
-    if choice is None or choice == "auto":
-        return ToolChoice(mode="auto", parallel=parallel)
-    if choice == "none":
-        return ToolChoice(mode="none", parallel=parallel)
-    if choice == "required":
-        if not names:
-            raise ApiError(400, "tool_choice 'required' needs tools.", param="tool_choice")
-        return ToolChoice(mode="required", parallel=parallel)
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        name = choice.get("name")
-        if name not in names:
-            raise ApiError(
-                400,
-                f"tool_choice names the function {name!r}, which is not among the tools.",
-                param="tool_choice",
-            )
-        return ToolChoice(mode="function", name=name, parallel=parallel)
+def _named(choice: dict[str, Any], tools: ToolSet) -> str:
+    """The tool a ``{"type": ..., "name"}`` choice names, checked against the request's."""
+    kind, name = choice.get("type"), choice.get("name")
+    names = tools.functions if kind == "function" else tools.freeform
+    if kind in ("function", "custom"):
+        if name in names:
+            return name
+        raise ApiError(
+            400,
+            f"tool_choice names the {kind} tool {name!r}, which is not among the tools.",
+            param="tool_choice",
+        )
+    if kind in tools.dropped:
+        raise ApiError(
+            400,
+            f"tool_choice names the {kind} tool, which this server cannot run.",
+            param="tool_choice",
+        )
     raise ApiError(
         400,
-        "tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", \"name\"}.",
+        "tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\" | "
+        "\"custom\", \"name\"}.",
         param="tool_choice",
     )
+
+
+def _tool_choice(req: ResponsesRequest, tools: ToolSet) -> ToolChoice:
+    parallel = req.parallel_tool_calls is not False
+    formats = tools.input_formats or None
+    choice = req.tool_choice
+    if choice is None or choice == "auto":
+        return ToolChoice(mode="auto", parallel=parallel, input_formats=formats)
+    if choice == "none":
+        return ToolChoice(mode="none", parallel=parallel, input_formats=formats)
+    if choice == "required":
+        if not tools.chat:
+            raise ApiError(400, "tool_choice 'required' needs tools.", param="tool_choice")
+        _check_grammars(tools, list(tools.input_formats))
+        return ToolChoice(mode="required", parallel=parallel, input_formats=formats)
+    if isinstance(choice, dict):
+        name = _named(choice, tools)
+        _check_grammars(tools, [name])
+        return ToolChoice(mode="function", name=name, parallel=parallel, input_formats=formats)
+    raise ApiError(
+        400,
+        "tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\" | "
+        "\"custom\", \"name\"}.",
+        param="tool_choice",
+    )
+
+
+def _check_grammars(tools: ToolSet, names: list[str]) -> None:
+    """Refuse, naming the tool's format, a grammar an enforced call could not follow."""
+    # Imported here: the check compiles the grammar (llguidance, no MLX), which only a
+    # request that enforces a freeform call needs.
+    from actors.engine.custom_tools import check_format
+
+    for name in names:
+        fmt = tools.input_formats.get(name)
+        if fmt is None:
+            continue
+        reason = check_format(fmt)
+        if reason is not None:
+            raise ApiError(
+                400,
+                f"The {fmt.type} grammar of the custom tool {name!r} cannot be enforced: {reason}",
+                param=f"tools[{tools.index[name]}].format",
+            )
 
 
 def _output_format(text: TextConfig | None) -> OutputFormat | None:
@@ -371,43 +452,72 @@ def _output_format(text: TextConfig | None) -> OutputFormat | None:
     )
 
 
-def _refuse_state(req: ResponsesRequest) -> None:
-    """This server keeps nothing between requests: refuse what would need it."""
-    stored = "This server does not store responses; send the whole conversation in 'input'."
-    if req.previous_response_id is not None:
-        raise ApiError(400, stored, param="previous_response_id")
+def _refuse_unsupported(req: ResponsesRequest) -> None:
+    """What this server does not do: conversations, and responses run in the background."""
     if req.conversation is not None:
-        raise ApiError(400, stored, param="conversation")
-    if req.store:
-        raise ApiError(400, stored + " Send 'store': false or leave it out.", param="store")
+        raise ApiError(
+            400,
+            "Conversation objects are not supported: continue a stored response with "
+            "'previous_response_id', or send the whole conversation in 'input'.",
+            param="conversation",
+        )
     if req.background:
         raise ApiError(
             400,
-            "Background responses need stored responses; this server keeps none.",
+            "Background responses are not supported: send the request and read its answer "
+            "(stream it to see it as it comes).",
             param="background",
         )
 
 
-def admit_response(req: ResponsesRequest, request_id: str, default_max_tokens: int) -> AdmitChat:
-    """Validate what the schema cannot express and build the admission message."""
-    _refuse_state(req)
-    tools = _chat_tools(req.tools or [])
-    choice = _tool_choice(req, [tool["function"]["name"] for tool in tools])
+@dataclass
+class Turn:
+    """One request as admission gets it and as its answer is rendered and stored."""
+
+    msg: AdmitChat
+    # The conversation's input items: a continued response's, then the request's own.
+    items: list[InputItem]
+    tools: ToolSet
+    store: bool  # whether the answer is kept (the response says so)
+
+
+def prepare_turn(
+    req: ResponsesRequest, request_id: str, default_max_tokens: int, store: ResponseStore
+) -> Turn:
+    """Validate what the schema cannot express, continue a stored response, and build the
+    admission message."""
+    _refuse_unsupported(req)
+    own = [InputItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
+    items = list(own)
+    if req.previous_response_id is not None:
+        previous = store.get(req.previous_response_id)
+        if previous is None:
+            raise ApiError(
+                404,
+                f"Previous response with id '{req.previous_response_id}' not found: it was "
+                "never stored here, was stored with 'store': false, or is no longer kept.",
+                param="previous_response_id",
+                code="previous_response_not_found",
+            )
+        items = [*previous.items, *own]
+    tools = tool_set(req.tools or [])
+    choice = _tool_choice(req, tools)
     sent = {"temperature": req.temperature, "top_p": req.top_p}
     sampling = SamplingParams(
         max_tokens=req.max_output_tokens or default_max_tokens,
         **{name: value for name, value in sent.items() if value is not None},
     )
-    return AdmitChat(
+    msg = AdmitChat(
         request_id=request_id,
         model=req.model,
-        messages=_messages(req),
+        messages=_messages(req.instructions, items),
         sampling=sampling,
         # Sent even with tool_choice "none", as chat sends them: admission hides them then.
-        tools=tools or None,
+        tools=tools.chat or None,
         tool_choice=choice,
         response_format=_output_format(req.text),
     )
+    return Turn(msg=msg, items=items, tools=tools, store=store.enabled and req.store is not False)
 
 
 # --- rendering events as Responses objects -------------------------------------------------
@@ -434,18 +544,28 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex}"
 
 
+def _as_input(item: OutputItem) -> InputItem:
+    """An output item as the input item a client sends back (the Agents SDK's way)."""
+    return msgspec.convert(msgspec.to_builtins(item), InputItem)
+
+
 class _ResponsesRenderer(Renderer):
     """Builds the output items as the deltas come; streamed or whole, the items are the same.
 
     One item is open at a time (a reasoning or a message item, taking deltas); a delta of the
     other kind, or a tool call, closes it. A stream sends each item's added, delta and done
-    events; a whole answer runs the same steps and keeps only the items.
+    events; a whole answer runs the same steps and keeps only the items. A response that
+    ends (completed or incomplete) is stored when its turn says so; a failed one is not.
     """
 
-    def __init__(self, req: ResponsesRequest, msg: AdmitChat, admitted: Admitted) -> None:
+    def __init__(self, req: ResponsesRequest, turn: Turn, admitted: Admitted,
+                 store: ResponseStore) -> None:
+        msg = turn.msg
         self.response_id = msg.request_id
         self.model = admitted.model
         self.created_at = int(time.time())
+        self.turn = turn
+        self.store = store
         self.items: list[OutputItem] = []
         self.open: MessageItem | ReasoningItem | None = None
         self.sequence = 0
@@ -455,20 +575,13 @@ class _ResponsesRenderer(Renderer):
             "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens,
             "parallel_tool_calls": msg.tool_choice.parallel,
+            "previous_response_id": req.previous_response_id,
             "reasoning": req.reasoning,
+            "store": turn.store,
             "temperature": msg.sampling.temperature,
             "text": {"format": msgspec.to_builtins(fmt)},
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
-            "tools": [
-                {
-                    "type": "function",
-                    "name": tool.name,
-                    "description": tool.description,
-                    "parameters": tool.parameters,
-                    "strict": tool.strict,
-                }
-                for tool in req.tools or []
-            ],
+            "tools": turn.tools.echo,
             "top_p": msg.sampling.top_p,
             "metadata": req.metadata or {},
         }
@@ -502,6 +615,15 @@ class _ResponsesRenderer(Renderer):
             usage=_usage(finished.usage) if finished else None,
             **self.echo,
         )
+
+    def _ended(self, finished: RequestFinished) -> ResponseObject:
+        """The final response object; stored when the request asked for it."""
+        status = self._status(finished)
+        response = self._response(status, finished)
+        if self.turn.store:
+            items = (*self.turn.items, *map(_as_input, self.items))
+            self.store.put(self.response_id, StoredResponse(response=response, items=items))
+        return response
 
     # -- items --
 
@@ -600,11 +722,22 @@ class _ResponsesRenderer(Renderer):
         ]
 
     def _call(self, call: ToolCall) -> list[Frame]:
-        """A whole tool call: its item added, its arguments in one delta, then done."""
+        """A whole tool call, as the item of its tool's kind."""
         frames = self._close()
+        tools = self.turn.tools
+        if call.name in tools.freeform:
+            return frames + self._custom_call(call)
+        if call.name == LOCAL_SHELL and tools.local_shell:
+            action = local_shell_action(call.arguments)
+            if action is not None:
+                return frames + self._local_shell_call(call, action)
+        return frames + self._function_call(call)
+
+    def _function_call(self, call: ToolCall) -> list[Frame]:
+        """Its item added, its arguments in one delta, then done."""
         item = FunctionCallItem(id=_new_id("fc_"), call_id=call.id, name=call.name, arguments="")
         index, added = self._add(item)
-        frames.append(added)
+        frames = [added]
         item.arguments = call.arguments
         if call.arguments:
             frames.append(
@@ -627,6 +760,41 @@ class _ResponsesRenderer(Renderer):
             self._event("response.output_item.done", output_index=index, item=item),
         ]
         return frames
+
+    def _custom_call(self, call: ToolCall) -> list[Frame]:
+        """Its item added with no input, the input in one delta, its done events."""
+        item = CustomToolCallItem(id=_new_id("ctc_"), call_id=call.id, name=call.name, input="")
+        index, added = self._add(item)
+        frames = [added]
+        item.input = freeform_input(call.arguments)
+        if item.input:
+            frames.append(
+                self._event(
+                    "response.custom_tool_call_input.delta",
+                    item_id=item.id,
+                    output_index=index,
+                    delta=item.input,
+                )
+            )
+        frames += [
+            self._event(
+                "response.custom_tool_call_input.done",
+                item_id=item.id,
+                output_index=index,
+                input=item.input,
+            ),
+            self._event("response.output_item.done", output_index=index, item=item),
+        ]
+        return frames
+
+    def _local_shell_call(self, call: ToolCall, action: dict[str, Any]) -> list[Frame]:
+        """Its item added whole, then done (the API has no events in between)."""
+        item = LocalShellCallItem(
+            id=_new_id("lsh_"), call_id=call.id, action=msgspec.convert(action, LocalShellAction)
+        )
+        index, added = self._add(item)
+        item.status = "completed"
+        return [added, self._event("response.output_item.done", output_index=index, item=item)]
 
     @staticmethod
     def _status(finished: RequestFinished) -> str:
@@ -656,7 +824,7 @@ class _ResponsesRenderer(Renderer):
         status = self._status(finished)
         frames = self._close(status)
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
-        frames.append(self._event(kind, response=self._response(status, finished)))
+        frames.append(self._event(kind, response=self._ended(finished)))
         return frames
 
     def failure(self, error: ApiError) -> list[Frame]:
@@ -670,27 +838,74 @@ class _ResponsesRenderer(Renderer):
     def whole(self, deltas: list[TokensGenerated], finished: RequestFinished) -> bytes:
         for event in deltas:
             self.delta(event)  # the same items a stream builds; its events are dropped
-        status = self._status(finished)
-        self._close(status)
-        return _encoder.encode(self._response(status, finished))
+        self._close(self._status(finished))
+        return _encoder.encode(self._ended(finished))
 
 
 # --- routes --------------------------------------------------------------------------------
 
 
 class ResponsesRoutes:
-    """OpenAI's Responses API, answering through the admission actor."""
+    """OpenAI's Responses API, answering through the admission actor; owns the stored
+    responses."""
 
     def __init__(self, admission: ActorRef, config: ServeConfig) -> None:
         self.admission = admission
         self.config = config
+        self.store = ResponseStore(config.responses_store)
 
-    def register(self, router: web.UrlDispatcher) -> None:
-        """Add the routes to an application's router."""
-        router.add_post("/v1/responses", self.responses)
+    def register(self, app: web.Application) -> None:
+        """Add the routes to an application, and the warning header to its responses."""
+        app.router.add_post("/v1/responses", self.responses)
+        app.router.add_get("/v1/responses/{response_id}", self.get_response)
+        app.router.add_delete("/v1/responses/{response_id}", self.delete_response)
+        app.on_response_prepare.append(_warn_dropped)
 
     @generation
     async def responses(self, request: web.Request) -> web.StreamResponse:
         """``POST /v1/responses``."""
-        admit = partial(admit_response, default_max_tokens=self.config.default_max_tokens)
-        return await generate(request, self.admission, _decoder, "resp_", admit, _ResponsesRenderer)
+        turns: list[Turn] = []
+
+        def admit(req: ResponsesRequest, request_id: str) -> AdmitChat:
+            turn = prepare_turn(req, request_id, self.config.default_max_tokens, self.store)
+            if turn.tools.dropped:
+                log.warning("%s: tools this server cannot run were dropped: %s", request_id,
+                            ", ".join(turn.tools.dropped))
+                request[_DROPPED] = turn.tools.dropped
+            turns.append(turn)
+            return turn.msg
+
+        def render(req: ResponsesRequest, msg: AdmitChat, admitted: Admitted) -> Renderer:
+            return _ResponsesRenderer(req, turns[0], admitted, self.store)
+
+        return await generate(request, self.admission, _decoder, "resp_", admit, render)
+
+    async def get_response(self, request: web.Request) -> web.Response:
+        """``GET /v1/responses/{response_id}``: a stored response."""
+        stored = self.store.get(request.match_info["response_id"])
+        if stored is None:
+            raise _not_stored(request.match_info["response_id"])
+        return web.Response(body=_encoder.encode(stored.response), content_type="application/json")
+
+    async def delete_response(self, request: web.Request) -> web.Response:
+        """``DELETE /v1/responses/{response_id}``: forget a stored response."""
+        response_id = request.match_info["response_id"]
+        if not self.store.delete(response_id):
+            raise _not_stored(response_id)
+        return web.Response(body=_encoder.encode(DeletedResponse(id=response_id)),
+                            content_type="application/json")
+
+
+def _not_stored(response_id: str) -> ApiError:
+    return ApiError(404, f"Response with id '{response_id}' not found.",
+                    code="response_not_found")
+
+
+async def _warn_dropped(request: web.Request, response: web.StreamResponse) -> None:
+    """on_response_prepare: name the dropped tools in a header, streamed answers included."""
+    dropped = request.get(_DROPPED)
+    if dropped:
+        names = ", ".join(dict.fromkeys(dropped))
+        response.headers[WARNING_HEADER] = (
+            f'299 mlx-troupe "tools this server cannot run were dropped: {names}"'
+        )

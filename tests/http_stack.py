@@ -64,6 +64,13 @@ TOOL_CALLS = [
     ToolCall(index=1, id="call_1", name="get_time", arguments='{"zone": "CET"}'),
 ]
 REASONING = ["The user ", "asks hello."]
+# "custom-call": a call of the freeform tool apply_patch (its input holds what JSON escapes);
+# "shell-call": a call of local_shell.
+PATCH = '*** Begin Patch\n*** Add File: a "b".txt\n+tab\there \\ é\n*** End Patch\n'
+CUSTOM_CALL = ToolCall(index=0, id="call_p", name="apply_patch",
+                       arguments=json.dumps({"input": PATCH}, ensure_ascii=False))
+SHELL_CALL = ToolCall(index=0, id="call_s", name="local_shell",
+                      arguments='{"command": ["ls", "-la"], "working_directory": "/tmp"}')
 
 
 @dataclass
@@ -138,6 +145,12 @@ async def _play(reply: Reply, rid: str, script: str, logprobs: bool, record: Rec
         reply.send(TokensGenerated(request_id=rid, text="", token_ids=[4, 5],
                                    tool_calls=TOOL_CALLS[1:]))
         reply.send(_finished(rid, "tool_calls", 6))
+        reply.close()
+        return
+    if script in ("custom-call", "shell-call"):
+        call = CUSTOM_CALL if script == "custom-call" else SHELL_CALL
+        reply.send(TokensGenerated(request_id=rid, text="", token_ids=[1, 2], tool_calls=[call]))
+        reply.send(_finished(rid, "tool_calls", 2))
         reply.close()
         return
     if script == "reasoning":

@@ -2,8 +2,9 @@
 the end Codex's request shape on the real stack.
 
 No model here: ``ScriptedAdmission`` (tests/http_stack.py) plays the script the last message's
-text names: the default "Hello world", "tool-call" (text, then two whole calls), "reasoning"
-(reasoning, then text), "length", "fail-mid-stream", "refuse-before-start". The official
+text names: the default "Hello world", "tool-call" (text, then two whole calls), "custom-call"
+and "shell-call" (a call of a freeform tool, of local_shell), "reasoning" (reasoning, then
+text), "length", "fail-mid-stream", "refuse-before-start". The official
 ``openai`` client is the judge of the shapes; every body and every event is also validated
 against its pydantic models, which parsing alone does not do.
 """
@@ -18,10 +19,14 @@ import http_stack
 import openai
 import pytest
 from aiohttp.test_utils import TestClient
+from codex_shapes import APPLY_PATCH_GRAMMAR
 from http_stack import (
     BUSY_MODEL,
+    CUSTOM_CALL,
     MODEL,
+    PATCH,
     REASONING,
+    SHELL_CALL,
     TOOL_CALLS,
     TOOL_TEXT,
     Scripted,
@@ -489,13 +494,65 @@ async def test_refusal_before_start_is_a_plain_error_not_a_stream(
 # --- bad requests --------------------------------------------------------------------------
 
 BAD = [
-    pytest.param(
-        body(previous_response_id="resp_1"), "previous_response_id", id="previous-response-id"
-    ),
-    pytest.param(body(store=True), "store", id="store-true"),
     pytest.param(body(conversation="conv_1"), "conversation", id="conversation"),
     pytest.param(body(background=True), "background", id="background"),
-    pytest.param(body(tools=[{"type": "web_search"}]), "tools[0].type", id="web-search-tool"),
+    pytest.param(body(tools=[{"type": "custom"}]), "tools[0].name", id="custom-without-name"),
+    pytest.param(
+        body(tools=[{"type": "custom", "name": "f", "format": {"type": "grammar"}}]),
+        "tools[0].format",
+        id="custom-format-without-syntax",
+    ),
+    pytest.param(
+        body(tools=[{"type": "custom", "name": "f",
+                     "format": {"type": "grammar", "syntax": "lark"}}]),
+        "tools[0].format.definition",
+        id="custom-grammar-without-definition",
+    ),
+    pytest.param(
+        body(tools=[WEATHER, {"type": "custom", "name": "f",
+                              "format": {"type": "grammar", "syntax": "lark",
+                                         "definition": "start: %json {}"}}],
+             tool_choice={"type": "custom", "name": "f"}),
+        "tools[1].format",
+        id="enforced-grammar-with-json",
+    ),
+    pytest.param(
+        body(tools=[{"type": "custom", "name": "f",
+                     "format": {"type": "grammar", "syntax": "regex", "definition": "a("}}],
+             tool_choice="required"),
+        "tools[0].format",
+        id="enforced-bad-regex",
+    ),
+    pytest.param(
+        body(tools=[WEATHER, {"type": "web_search"}], tool_choice={"type": "web_search"}),
+        "tool_choice",
+        id="choice-of-a-dropped-tool",
+    ),
+    pytest.param(
+        body(tools=[WEATHER], tool_choice={"type": "custom", "name": "get_weather"}),
+        "tool_choice",
+        id="custom-choice-naming-a-function",
+    ),
+    pytest.param(
+        body(tools=[{"type": "web_search"}], tool_choice="required"),
+        "tool_choice",
+        id="required-with-only-dropped-tools",
+    ),
+    pytest.param(
+        body([{"type": "custom_tool_call", "call_id": "c", "name": "f"}]),
+        "input[0].input",
+        id="custom-call-without-input",
+    ),
+    pytest.param(
+        body([{"type": "local_shell_call", "call_id": "c", "action": {"type": "exec"}}]),
+        "input[0].action.command",
+        id="local-shell-call-without-command",
+    ),
+    pytest.param(
+        body([{"type": "custom_tool_call_output", "call_id": "c"}]),
+        "input[0].output",
+        id="custom-call-output-without-output",
+    ),
     pytest.param(
         body(tools=[WEATHER, {"type": "function"}]), "tools[1].name", id="tool-without-name"
     ),
@@ -561,10 +618,13 @@ async def test_bad_request_is_400_in_error_shape_and_server_keeps_serving(
 
 
 async def test_refusals_say_what_to_do(client: TestClient) -> None:
-    resp = await client.post(RESPONSES, json=body(previous_response_id="resp_1"))
-    assert "send the whole conversation" in (await resp.json())["error"]["message"]
-    resp = await client.post(RESPONSES, json=body(tools=[{"type": "web_search"}]))
-    assert "'web_search'" in (await resp.json())["error"]["message"]
+    resp = await client.post(RESPONSES, json=body(conversation="conv_1"))
+    assert "previous_response_id" in (await resp.json())["error"]["message"]
+    resp = await client.post(RESPONSES, json=body(
+        tools=[{"type": "custom", "name": "f", "format": {
+            "type": "grammar", "syntax": "lark", "definition": "start: <|im_end|>"}}],
+        tool_choice="required"))
+    assert "special tokens" in (await resp.json())["error"]["message"]
     resp = await client.post(RESPONSES, data=b"{", headers={"Content-Type": "application/json"})
     assert resp.status == 400
 
@@ -653,11 +713,15 @@ async def test_openai_client_reasoning_and_incomplete(openai_client: openai.Asyn
 
 
 async def test_openai_client_sees_refusals_as_errors(openai_client: openai.AsyncOpenAI) -> None:
-    with pytest.raises(openai.BadRequestError) as caught:
+    with pytest.raises(openai.BadRequestError) as bad:
+        await openai_client.responses.create(model=MODEL, input="hello", background=True)
+    assert bad.value.param == "background"
+    with pytest.raises(openai.NotFoundError) as missing:
         await openai_client.responses.create(
             model=MODEL, input="hello", previous_response_id="resp_1"
         )
-    assert caught.value.param == "previous_response_id"
+    assert missing.value.param == "previous_response_id"
+    assert missing.value.code == "previous_response_not_found"
     with pytest.raises(openai.NotFoundError):
         await openai_client.responses.create(model="no-such-model", input="hello")
 
@@ -682,3 +746,396 @@ async def test_codex_request_is_served_with_max_output_tokens_cut_to_the_room_le
     assert response.status == "incomplete"
     assert response.incomplete_details.reason == "max_output_tokens"
     assert response.usage.input_tokens + response.usage.output_tokens == 64
+
+
+# --- Codex: custom and local_shell tools, hosted tools, reasoning sent back ------------------
+
+CUSTOM = {
+    "type": "custom",
+    "name": "apply_patch",
+    "description": "Edit files.",
+    "format": {"type": "grammar", "syntax": "lark", "definition": APPLY_PATCH_GRAMMAR},
+}
+LOCAL_SHELL = {"type": "local_shell"}
+
+
+async def test_custom_tool_reaches_admission_as_a_function_of_one_string(
+    client: TestClient, scripted: Scripted
+) -> None:
+    text_tool = {"type": "custom", "name": "note", "format": {"type": "text"}}
+    regex_tool = {"type": "custom", "name": "pick",
+                  "format": {"type": "grammar", "syntax": "regex", "definition": "[ab]+"}}
+    await whole(client, tools=[CUSTOM, text_tool, regex_tool, WEATHER])
+    msg = admitted(scripted)
+    assert msg.tools is not None
+    functions = {tool["function"]["name"]: tool["function"] for tool in msg.tools}
+    string_input = {"type": "object", "properties": {"input": {"type": "string"}},
+                    "required": ["input"], "additionalProperties": False}
+    for name in ("apply_patch", "note", "pick"):
+        assert functions[name]["parameters"] == string_input
+    # The grammar is all a model learns of the format: it follows the description.
+    assert functions["apply_patch"]["description"] == (
+        f"Edit files.\n\nThe input is text in this Lark grammar:\n{APPLY_PATCH_GRAMMAR}"
+    )
+    assert functions["pick"]["description"] == (
+        "The input is text in this regular expression:\n[ab]+"
+    )
+    assert "description" not in functions["note"]
+    assert msg.tool_choice.input_formats == {
+        "apply_patch": OutputFormat(type="lark", pattern=APPLY_PATCH_GRAMMAR),
+        "pick": OutputFormat(type="regex", pattern="[ab]+"),
+    }
+
+
+@pytest.mark.parametrize(
+    ("choice", "expected"),
+    [
+        ({"type": "custom", "name": "apply_patch"}, ToolChoice(mode="function",
+                                                               name="apply_patch")),
+        ("required", ToolChoice(mode="required")),
+    ],
+)
+async def test_custom_choices_enforce_their_calls(
+    client: TestClient, scripted: Scripted, choice: Any, expected: ToolChoice
+) -> None:
+    await whole(client, tools=[CUSTOM, LOCAL_SHELL], tool_choice=choice)
+    got = admitted(scripted).tool_choice
+    assert (got.mode, got.name) == (expected.mode, expected.name)
+    assert got.input_formats is not None and set(got.input_formats) == {"apply_patch"}
+
+
+async def test_custom_call_comes_back_as_a_custom_tool_call_item(client: TestClient) -> None:
+    response = await whole(client, input="custom-call", tools=[CUSTOM])
+    [item] = response.output
+    assert item.type == "custom_tool_call" and item.id is not None
+    assert item.id.startswith("ctc_")
+    assert (item.call_id, item.name, item.input) == ("call_p", "apply_patch", PATCH)
+    # As codex-rs reads it: ResponseItem::CustomToolCall { call_id, name, input }.
+    raw = await (await client.post(RESPONSES, json=body("custom-call", tools=[CUSTOM]))).json()
+    assert {k: raw["output"][0][k] for k in ("type", "call_id", "name", "input")} == {
+        "type": "custom_tool_call", "call_id": "call_p", "name": "apply_patch", "input": PATCH}
+
+
+async def test_custom_call_input_that_is_not_one_string_keeps_the_arguments() -> None:
+    from api.responses_tools import freeform_input
+
+    assert freeform_input('{"input": "x"}') == "x"
+    for arguments in ('{"input": "x", "more": 1}', '{"input": 3}', "[1]", "not json"):
+        assert freeform_input(arguments) == arguments
+
+
+async def test_stream_sends_a_custom_call_in_codexs_event_order(client: TestClient) -> None:
+    data = await events(client, input="custom-call", tools=[CUSTOM])
+    assert types(data) == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.custom_tool_call_input.delta",
+        "response.custom_tool_call_input.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    added, delta, done, item_done = data[2:6]
+    assert added["item"]["type"] == "custom_tool_call" and added["item"]["input"] == ""
+    item_id = added["item"]["id"]
+    assert (delta["item_id"], delta["output_index"], delta["delta"]) == (item_id, 0, PATCH)
+    assert (done["item_id"], done["output_index"], done["input"]) == (item_id, 0, PATCH)
+    assert item_done["item"] == {**added["item"], "input": PATCH}
+    final = Response.model_validate(data[-1]["response"])
+    assert [(i.type, i.input) for i in final.output] == [("custom_tool_call", PATCH)]
+
+
+async def test_openai_client_stream_parses_a_custom_call(
+    openai_client: openai.AsyncOpenAI,
+) -> None:
+    tools: Any = [CUSTOM]
+    async with openai_client.responses.stream(model=MODEL, input="custom-call",
+                                              tools=tools) as stream:
+        seen = [event async for event in stream]
+        final = await stream.get_final_response()
+    kinds = [event.type for event in seen]
+    assert "response.custom_tool_call_input.delta" in kinds
+    done = next(e for e in seen if e.type == "response.custom_tool_call_input.done")
+    assert done.input == PATCH
+    [call] = final.output
+    assert call.type == "custom_tool_call" and call.input == PATCH
+
+
+async def test_earlier_custom_call_goes_back_as_the_call_the_model_wrote(
+    client: TestClient, scripted: Scripted
+) -> None:
+    first = await (await client.post(RESPONSES, json=body("custom-call", tools=[CUSTOM]))).json()
+    items = [
+        {"role": "user", "content": "custom-call"},
+        *first["output"],
+        {"type": "custom_tool_call_output", "call_id": "call_p", "output": "Done!"},
+        {"role": "user", "content": "hello"},
+    ]
+    await whole(client, input=items, tools=[CUSTOM])
+    assert admitted(scripted).messages == [
+        {"role": "user", "content": "custom-call"},
+        {
+            "role": "assistant",
+            "content": "",
+            # Byte for byte the arguments the engine parsed from the model's call.
+            "tool_calls": [{"id": "call_p", "type": "function", "function": {
+                "name": "apply_patch", "arguments": CUSTOM_CALL.arguments}}],
+        },
+        {"role": "tool", "tool_call_id": "call_p", "content": "Done!"},
+        {"role": "user", "content": "hello"},
+    ]
+
+
+async def test_local_shell_call_out_and_back(client: TestClient, scripted: Scripted) -> None:
+    data = await events(client, input="shell-call", tools=[LOCAL_SHELL])
+    assert types(data)[2:5] == [
+        "response.output_item.added", "response.output_item.done", "response.completed"]
+    item = data[3]["item"]
+    assert item["type"] == "local_shell_call" and item["id"].startswith("lsh_")
+    assert (item["call_id"], item["status"]) == ("call_s", "completed")
+    assert item["action"] == {"type": "exec", "command": ["ls", "-la"], "timeout_ms": None,
+                              "working_directory": "/tmp", "env": {}, "user": None}
+    final = Response.model_validate(data[-1]["response"])
+    assert final.output[0].type == "local_shell_call"
+    # Codex answers a local_shell call with a function_call_output; OpenAI's item names the
+    # call by its id: both go back as the call's tool message.
+    for output in ({"type": "function_call_output", "call_id": "call_s", "output": "a.txt"},
+                   {"type": "local_shell_call_output", "id": "call_s", "output": "a.txt"}):
+        await whole(client, input=[{"role": "user", "content": "shell-call"}, item, output],
+                    tools=[LOCAL_SHELL])
+        assert admitted(scripted).messages[1:] == [
+            {"role": "assistant", "content": "", "tool_calls": [{
+                "id": "call_s", "type": "function",
+                "function": {"name": "local_shell", "arguments": SHELL_CALL.arguments}}]},
+            {"role": "tool", "tool_call_id": "call_s", "content": "a.txt"},
+        ]
+    tools = admitted(scripted).tools
+    assert tools is not None and tools[0]["function"]["name"] == "local_shell"
+    assert tools[0]["function"]["parameters"]["required"] == ["command"]
+
+
+async def test_local_shell_call_that_is_not_an_exec_action_is_a_function_call() -> None:
+    from api.responses_tools import local_shell_action
+
+    assert local_shell_action('{"command": ["ls"], "workdir": "/w", "timeout_ms": 5}') == {
+        "type": "exec", "command": ["ls"], "timeout_ms": 5, "working_directory": "/w",
+        "env": {}, "user": None}
+    for arguments in ('{"command": "ls"}', '{"command": []}', '{"command": ["ls"], '
+                      '"timeout_ms": "soon"}', "[]", "nope"):
+        assert local_shell_action(arguments) is None
+
+
+async def test_reasoning_items_sent_back_are_accepted_and_left_out(
+    client: TestClient, scripted: Scripted
+) -> None:
+    items = [
+        {"role": "user", "content": "hi"},
+        {"type": "reasoning", "id": "rs_1", "encrypted_content": "gAAAAB...opaque",
+         "summary": [{"type": "summary_text", "text": "Thinking about hi."}]},
+        {"type": "reasoning", "id": "rs_2", "summary": [], "content": None,
+         "encrypted_content": None},
+        {"type": "message", "role": "assistant", "content": [
+            {"type": "output_text", "text": "Hi!"}]},
+        {"role": "user", "content": "hello"},
+    ]
+    await whole(client, input=items)
+    assert admitted(scripted).messages == [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Hi!"},
+        {"role": "user", "content": "hello"},
+    ]
+
+
+async def test_codex_request_fields_are_accepted_and_ignored(
+    client: TestClient, scripted: Scripted
+) -> None:
+    odd: dict[str, Any] = {
+        "include": ["reasoning.encrypted_content"],
+        "prompt_cache_key": "session-1",
+        "text": {"verbosity": "low", "format": {"type": "text"}},
+        "reasoning": {"effort": "high", "summary": "detailed"},
+        "store": False,
+        "service_tier": "auto",
+        "user": "me",
+        "safety_identifier": "hash",
+        "truncation": "auto",
+        "stream_options": {"include_obfuscation": False},
+        "top_logprobs": 0,
+        "max_tool_calls": 3,
+        "prompt": {"id": "pmpt_1"},
+    }
+    response = await whole(client, **odd)
+    assert response.output_text == HELLO and response.store is False
+    # Ignored fields in shapes nobody defined here are not refused either.
+    weird = {"include": "all", "prompt_cache_key": 7, "service_tier": ["x"], "user": {},
+             "truncation": 1, "stream_options": "yes", "text": {"verbosity": 3}}
+    assert (await whole(client, **weird)).output_text == HELLO
+
+
+async def test_hosted_tools_are_dropped_and_named_in_a_warning(
+    client: TestClient, scripted: Scripted, caplog: pytest.LogCaptureFixture
+) -> None:
+    hosted = [{"type": "web_search", "filters": {"allowed_domains": ["a.com"]}},
+              {"type": "file_search", "vector_store_ids": ["vs_1"]},
+              {"type": "code_interpreter", "container": {"type": "auto"}},
+              {"type": "image_generation", "output_format": "png"},
+              {"type": "computer_use_preview", "display_width": 1024},
+              {"type": "mcp", "server_label": "x", "server_url": "https://x"}]
+    for stream in (False, True):
+        resp = await client.post(RESPONSES, json=body(tools=[*hosted, WEATHER], stream=stream))
+        assert resp.status == 200
+        assert resp.headers["Warning"] == (
+            '299 mlx-troupe "tools this server cannot run were dropped: web_search, '
+            'file_search, code_interpreter, image_generation, computer_use_preview, mcp"'
+        )
+        await resp.read()
+        msg = admitted(scripted)
+        assert msg.tools is not None and [t["function"]["name"] for t in msg.tools] == [
+            "get_weather"]
+    assert sum("were dropped: web_search" in r.getMessage() for r in caplog.records
+               if r.levelname == "WARNING") == 2
+    resp = await client.post(RESPONSES, json=body(tools=[WEATHER]))
+    assert "Warning" not in resp.headers
+    # Only hosted tools: the request is served without tools.
+    response = await whole(client, tools=[{"type": "web_search_preview"}])
+    assert response.tools == [] and admitted(scripted).tools is None
+
+
+async def test_an_unenforced_grammar_is_not_checked(client: TestClient) -> None:
+    """Codex sends tool_choice auto: a grammar nothing enforces is served as it is."""
+    tool = {"type": "custom", "name": "f",
+            "format": {"type": "grammar", "syntax": "lark", "definition": "start: %json {}"}}
+    assert (await whole(client, tools=[tool])).output_text == HELLO
+
+
+async def test_response_echoes_custom_and_local_shell_tools(client: TestClient) -> None:
+    response = await whole(client, tools=[CUSTOM, LOCAL_SHELL, {"type": "web_search"}],
+                           tool_choice={"type": "custom", "name": "apply_patch"})
+    assert [tool.to_dict() for tool in response.tools] == [CUSTOM, LOCAL_SHELL]
+    assert response.tool_choice.to_dict() == {"type": "custom", "name": "apply_patch"}
+
+
+# --- stored responses: previous_response_id, GET and DELETE -----------------------------------
+
+
+async def test_responses_are_stored_unless_store_is_false(client: TestClient) -> None:
+    kept = await whole(client)
+    assert kept.store is True
+    resp = await client.get(f"{RESPONSES}/{kept.id}")
+    assert resp.status == 200
+    assert Response.model_validate(await resp.json()) == kept
+    unkept = await whole(client, store=False)
+    assert unkept.store is False
+    resp = await client.get(f"{RESPONSES}/{unkept.id}")
+    assert resp.status == 404
+    error = assert_error_shape(await resp.json(), param=None)
+    assert error["code"] == "response_not_found"
+    resp = await client.post(RESPONSES, json=body(previous_response_id=unkept.id))
+    assert resp.status == 404
+
+
+async def test_previous_response_id_continues_the_stored_conversation(
+    client: TestClient, scripted: Scripted
+) -> None:
+    first = await whole(client, input=[{"role": "user", "content": "tool-call"}],
+                        instructions="First rules.", tools=[WEATHER, TIME])
+    second = await whole(
+        client,
+        previous_response_id=first.id,
+        input=[{"type": "function_call_output", "call_id": call.id, "output": "42"}
+               for call in TOOL_CALLS],
+        instructions="Second rules.",
+        tools=[WEATHER, TIME],
+    )
+    assert second.previous_response_id == first.id
+    calls = [{"id": c.id, "type": "function", "function": {"name": c.name,
+                                                          "arguments": c.arguments}}
+             for c in TOOL_CALLS]
+    tool_results = [{"role": "tool", "tool_call_id": c.id, "content": "42"} for c in TOOL_CALLS]
+    # The first request's instructions are not carried over; its items are.
+    assert admitted(scripted).messages == [
+        {"role": "system", "content": "Second rules."},
+        {"role": "user", "content": "tool-call"},
+        {"role": "assistant", "content": TOOL_TEXT, "tool_calls": calls},
+        *tool_results,
+    ]
+    # A chain of three: the second's items (and so the first's) come before the third's.
+    third = await whole(client, previous_response_id=second.id, input="hello")
+    assert admitted(scripted).messages == [
+        {"role": "user", "content": "tool-call"},
+        {"role": "assistant", "content": TOOL_TEXT, "tool_calls": calls},
+        *tool_results,
+        {"role": "assistant", "content": HELLO},
+        {"role": "user", "content": "hello"},
+    ]
+    assert third.output_text == HELLO
+
+
+async def test_a_missed_previous_response_is_404_in_openais_shape(client: TestClient) -> None:
+    resp = await client.post(RESPONSES, json=body(previous_response_id="resp_gone"))
+    assert resp.status == 404
+    error = assert_error_shape(await resp.json(), param="previous_response_id")
+    assert (error["type"], error["code"]) == ("invalid_request_error",
+                                              "previous_response_not_found")
+    assert "resp_gone" in error["message"]
+    await assert_still_serving(client)
+
+
+async def test_the_store_keeps_the_most_recently_used(
+    aiohttp_client: Any, scripted: Scripted
+) -> None:
+    client = await aiohttp_client(scripted.app(responses_store=2))
+    a, b = await whole(client), await whole(client)
+    assert (await client.get(f"{RESPONSES}/{a.id}")).status == 200  # a is now the newest
+    c = await whole(client)
+    assert (await client.get(f"{RESPONSES}/{b.id}")).status == 404  # b was the oldest
+    assert (await client.get(f"{RESPONSES}/{a.id}")).status == 200
+    assert (await client.get(f"{RESPONSES}/{c.id}")).status == 200
+
+
+async def test_a_store_of_size_zero_keeps_nothing(aiohttp_client: Any, scripted: Scripted) -> None:
+    client = await aiohttp_client(scripted.app(responses_store=0))
+    response = await whole(client, store=True)
+    assert response.store is False
+    assert (await client.get(f"{RESPONSES}/{response.id}")).status == 404
+
+
+async def test_a_failed_stream_is_not_stored_and_a_stream_that_ends_is(
+    client: TestClient,
+) -> None:
+    failed = await events(client, input="fail-mid-stream")
+    response_id = failed[-1]["response"]["id"]
+    assert (await client.get(f"{RESPONSES}/{response_id}")).status == 404
+    for script in ("hello", "length"):
+        ended = await events(client, input=script)
+        stored = await client.get(f"{RESPONSES}/{ended[-1]['response']['id']}")
+        assert stored.status == 200
+        assert await stored.json() == ended[-1]["response"]
+
+
+async def test_delete_forgets_a_stored_response(client: TestClient) -> None:
+    response = await whole(client)
+    resp = await client.delete(f"{RESPONSES}/{response.id}")
+    assert resp.status == 200
+    assert await resp.json() == {"id": response.id, "object": "response.deleted",
+                                 "deleted": True}
+    assert (await client.get(f"{RESPONSES}/{response.id}")).status == 404
+    resp = await client.delete(f"{RESPONSES}/{response.id}")
+    assert resp.status == 404
+
+
+async def test_openai_client_chains_retrieves_and_deletes(
+    openai_client: openai.AsyncOpenAI, scripted: Scripted
+) -> None:
+    tools: Any = [CUSTOM]
+    first = await openai_client.responses.create(model=MODEL, input="custom-call", tools=tools)
+    second = await openai_client.responses.create(
+        model=MODEL, previous_response_id=first.id, tools=tools,
+        input=[{"type": "custom_tool_call_output", "call_id": "call_p", "output": "ok"}])
+    assert second.previous_response_id == first.id
+    assert admitted(scripted).messages[1]["tool_calls"][0]["function"]["arguments"] == (
+        CUSTOM_CALL.arguments)
+    assert (await openai_client.responses.retrieve(second.id)).output_text == HELLO
+    await openai_client.responses.delete(second.id)
+    with pytest.raises(openai.NotFoundError):
+        await openai_client.responses.retrieve(second.id)

@@ -322,7 +322,11 @@ _SCRIPTED = [
     ("/v1/responses", {"model": MODEL, "input": "reasoning"}),
     ("/v1/responses", {"model": MODEL, "input": "length"}),
     ("/v1/responses", {"model": MODEL, "input": "fail-mid-stream"}),
-    ("/v1/responses", {"model": MODEL, "input": "hello", "store": True}),
+    ("/v1/responses", {"model": MODEL, "input": "custom-call",
+                       "tools": [{"type": "custom", "name": "apply_patch"},
+                                 {"type": "web_search"}]}),
+    ("/v1/responses", {"model": MODEL, "input": "shell-call", "tools": [{"type": "local_shell"}]}),
+    ("/v1/responses", {"model": MODEL, "input": "hello", "background": True}),
 ]
 
 
@@ -345,13 +349,21 @@ def test_every_scripted_answer_matches_the_document(served: Served, stream: bool
     assert {200, 400, 404, 429} <= statuses
 
 
+def _path_parameters(path: str, response_id: str) -> dict[str, str]:
+    """Path parameters naming what exists: the admission actor, a stored response."""
+    if "{name}" in path:
+        return {"name": "admission"}
+    return {"response_id": response_id} if "{response_id}" in path else {}
+
+
 def test_every_get_route_answers_as_documented(served: Served) -> None:
     session = requests.Session()
+    stored = session.post(served.url + "/v1/responses", json={"model": MODEL, "input": "hello"},
+                          timeout=CALL_TIMEOUT_S).json()["id"]
     for operation in _operations(served):
         if operation.method.upper() != "GET" or operation.path == ENDLESS:
             continue
-        names = {"name": "admission"} if "{name}" in operation.path else {}
-        case = operation.Case(path_parameters=names)
+        case = operation.Case(path_parameters=_path_parameters(operation.path, stored))
         answer = _call(served, case, session)
         assert answer.status_code in (200, 302), (operation.label, answer.text)
         case.validate_response(answer, checks=CHECKS)
@@ -376,7 +388,7 @@ def test_a_keyed_server_refuses_as_documented(served_keyed: Served) -> None:
             continue
         body = {} if operation.method.upper() == "POST" else None
         case = operation.Case(
-            path_parameters={"name": "admission"} if "{name}" in operation.path else {},
+            path_parameters=_path_parameters(operation.path, "resp_1"),
             **({"body": body, "media_type": "application/json"} if body is not None else {}),
         )
         answer = _call(served_keyed, case, session)
