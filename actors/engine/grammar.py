@@ -165,7 +165,8 @@ class Grammars:
         ``function`` (calls of the tool ``choice.name``): the answer is tool calls in the
         model's own markup (``tool_format``, one of TOOL_FORMATS; None means troupe's
         fallback, ``json_tools``), each call's arguments valid against its tool's
-        ``parameters``; exactly one call unless ``choice.parallel``. ``think`` /
+        ``parameters`` (a freeform tool's ``input`` following its grammar in
+        ``choice.input_formats``); exactly one call unless ``choice.parallel``. ``think`` /
         ``in_reasoning``: as in ``for_format``. Raises GrammarError (a 400) when the calls
         cannot be constrained, ValueError for a mode that constrains nothing."""
         if choice.mode not in ("required", "function"):
