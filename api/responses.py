@@ -315,8 +315,10 @@ def _call(item: InputItem, kind: str, where: str) -> dict[str, Any]:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def _messages(instructions: str | None, items: list[InputItem]) -> list[dict[str, Any]]:
-    """The conversation as chat templates read it (OpenAI chat's conventions)."""
+def _messages(instructions: str | None, items: list[InputItem], own: int = 0
+              ) -> list[dict[str, Any]]:
+    """The conversation as chat templates read it (OpenAI chat's conventions). ``own``: where
+    the request's own input begins in ``items`` (after a continued response's)."""
     messages: list[dict[str, Any]] = []
     if instructions:
         messages.append({"role": "system", "content": instructions})
@@ -324,7 +326,7 @@ def _messages(instructions: str | None, items: list[InputItem]) -> list[dict[str
     # as the model produced them (so the prompt matches what it generated).
     turn: dict[str, Any] | None = None
     for i, item in enumerate(items):
-        where = f"input[{i}]"
+        where = f"input[{i - own}]"
         kind = item.type or "message"
         if kind == "message":
             if item.role is None:
@@ -510,7 +512,7 @@ def prepare_turn(
     msg = AdmitChat(
         request_id=request_id,
         model=req.model,
-        messages=_messages(req.instructions, items),
+        messages=_messages(req.instructions, items, own=len(items) - len(own)),
         sampling=sampling,
         # Sent even with tool_choice "none", as chat sends them: admission hides them then.
         tools=tools.chat or None,

@@ -1071,6 +1071,17 @@ async def test_previous_response_id_continues_the_stored_conversation(
     assert third.output_text == HELLO
 
 
+async def test_a_bad_item_after_a_continued_response_is_named_in_the_requests_input(
+    client: TestClient,
+) -> None:
+    first = await whole(client)
+    resp = await client.post(RESPONSES, json=body(
+        [{"role": "user", "content": "hi"}, {"type": "function_call", "name": "f"}],
+        previous_response_id=first.id))
+    assert resp.status == 400
+    assert_error_shape(await resp.json(), param="input[1].call_id")
+
+
 async def test_a_missed_previous_response_is_404_in_openais_shape(client: TestClient) -> None:
     resp = await client.post(RESPONSES, json=body(previous_response_id="resp_gone"))
     assert resp.status == 404
