@@ -151,7 +151,9 @@ def accepts(tok, constraint: Constraint, text: str) -> bool:
 
 def calls_in(fmt: str, text: str) -> list[dict]:
     """The tool calls of ``text``, read by mlx-lm's parser for ``fmt`` (llama3_json has none in
-    mlx-lm: its calls are JSON objects joined by "; ", as vLLM reads them)."""
+    mlx-lm: its calls are JSON objects joined by "; ", as vLLM reads them). Parallel calls may
+    end in whitespace."""
+    text = text.rstrip()
     if fmt in ("json_tools", "qwen3_coder"):
         parser = json_tools if fmt == "json_tools" else qwen3_coder
         parts = text.split(parser.tool_call_start)
@@ -340,6 +342,90 @@ def test_parallel_allows_several_calls_and_not_parallel_exactly_one(tokenizer, g
     assert accepts(tokenizer, parallel, two)
     assert accepts(tokenizer, single, FIRST_CALL[fmt])
     assert not accepts(tokenizer, single, two)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_parallel_calls_may_end_after_any_call_and_the_whitespace_after_it(
+    tokenizer, grammars, fmt
+):
+    parallel = grammars.for_tools(TOOLS, ToolChoice(mode="required"), fmt)
+    single = grammars.for_tools(TOOLS, ToolChoice(mode="required", parallel=False), fmt)
+    two = FIRST_CALL[fmt] + BETWEEN_CALLS[fmt] + SECOND_CALL[fmt]
+    for calls in (FIRST_CALL[fmt], two):
+        for after in ("\n", "\n\n", " \n"):
+            assert accepts(tokenizer, parallel, calls + after), (calls, after)
+    # Bounded, so that a model cannot loop on blank lines; one call ends at once.
+    assert not accepts(tokenizer, parallel, FIRST_CALL[fmt] + "\n" * 3)
+    assert not accepts(tokenizer, single, FIRST_CALL[fmt] + "\n")
+
+
+def call_text(fmt: str, name: str, args: dict) -> str:
+    """One call of ``name`` with ``args`` as ``fmt`` writes it (JSON as CALL_JSON spells it)."""
+    if fmt == "qwen3_coder":
+        params = "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n"
+                         "</parameter>\n" for k, v in args.items())
+        return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
+    body = json.dumps(args)
+    return {"json_tools": f'<tool_call>\n{{"name": "{name}", "arguments": {body}}}\n</tool_call>',
+            "mistral": f"[TOOL_CALLS]{name}[ARGS]{body}",
+            "llama3_json": f'{{"name": "{name}", "parameters": {body}}}'}[fmt]
+
+
+def tool(parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": "go", "parameters": parameters}}
+
+
+PLACE = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_undeclared_argument_keys_are_refused_when_the_schema_says_nothing_of_them(
+    tokenizer, grammars, fmt
+):
+    params = {"type": "object", "properties": {
+        "at": PLACE,
+        "near": {"type": "array", "items": PLACE},
+        "via": {"anyOf": [PLACE, {"type": "object", "properties": {"lat": {"type": "number"}}}]},
+        "to": {"$ref": "#/$defs/place"},
+    }, "required": ["at"], "$defs": {"place": PLACE}}
+    before = json.loads(json.dumps(params))
+    constraint = grammars.for_tools([tool(params)], ToolChoice(mode="required"), fmt)
+    assert params == before  # the caller's schema is never changed
+    rome = {"city": "Rome"}
+    assert accepts(tokenizer, constraint, call_text(fmt, "go", {
+        "at": rome, "near": [rome], "via": {"lat": 1.5}, "to": rome}))
+    extra = {"city": "Rome", "unit": "m"}
+    for args in ({"at": extra}, {"at": rome, "near": [extra]}, {"at": rome, "via": extra},
+                 {"at": rome, "to": extra}):
+        assert not accepts(tokenizer, constraint, call_text(fmt, "go", args)), args
+    if fmt != "qwen3_coder":  # its markup takes no undeclared parameter in any case
+        assert not accepts(tokenizer, constraint, call_text(fmt, "go", {"at": rome, "x": 1}))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_undeclared_argument_keys_are_taken_where_the_schema_allows_them(
+    tokenizer, grammars, fmt
+):
+    where = {"type": "object", "properties": {
+        "any": {**PLACE, "additionalProperties": True},
+        "strs": {**PLACE, "additionalProperties": {"type": "string"}},
+    }, "required": ["any", "strs"], "additionalProperties": False}
+    constraint = grammars.for_tools([tool(where)], ToolChoice(mode="required"), fmt)
+    good = {"any": {"city": "Rome", "unit": 1}, "strs": {"city": "Rome", "unit": "m"}}
+    assert accepts(tokenizer, constraint, call_text(fmt, "go", good))
+    bad = {"any": {"city": "Rome"}, "strs": {"city": "Rome", "unit": 1}}
+    assert not accepts(tokenizer, constraint, call_text(fmt, "go", bad))
+
+
+def test_objects_under_all_of_stay_open_to_the_keys_the_other_branches_declare(
+    tokenizer, grammars
+):
+    part = {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}
+    params = {"allOf": [{"$ref": "#/$defs/a"}, part],
+              "$defs": {"a": {"type": "object", "properties": {"a": {"type": "integer"}},
+                              "required": ["a"]}}}
+    constraint = grammars.for_tools([tool(params)], ToolChoice(mode="required"), "json_tools")
+    assert accepts(tokenizer, constraint, call_text("json_tools", "go", {"a": 1, "b": 2}))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

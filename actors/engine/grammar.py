@@ -47,6 +47,9 @@ CALL_JSON: dict[str, Any] = {
 }
 # Between a closed reasoning block and the constrained answer (Qwen3 writes "</think>\n\n").
 GAP = r"/[\x20\x0A\x0D\x09]{0,8}/"
+# After the last of parallel calls: the newline models write after a call, before the end.
+# Short: a small model goes on writing newlines until the grammar allows only the end.
+TRAIL = r"/[\x20\x0A\x0D\x09]{0,2}/"
 # Free reasoning text.
 ANY_TEXT = r"/(.|\n)*/"
 # What a qwen3_coder parameter's text must not be: mlx-lm's parser would cut it at a closing
@@ -166,7 +169,9 @@ class Grammars:
         model's own markup (``tool_format``, one of TOOL_FORMATS; None means troupe's
         fallback, ``json_tools``), each call's arguments valid against its tool's
         ``parameters`` (a freeform tool's ``input`` following its grammar in
-        ``choice.input_formats``); exactly one call unless ``choice.parallel``. ``think`` /
+        ``choice.input_formats``; an object schema that declares ``properties`` and says
+        nothing of other keys takes no other key: ``_closed``); exactly one call unless
+        ``choice.parallel``, and then the answer may end after any complete call. ``think`` /
         ``in_reasoning``: as in ``for_format``. Raises GrammarError (a 400) when the calls
         cannot be constrained, ValueError for a mode that constrains nothing."""
         if choice.mode not in ("required", "function"):
@@ -177,7 +182,8 @@ class Grammars:
                 f"tool_choice {choice.mode!r} cannot be enforced for this model: its tool-call "
                 f"format {fmt!r} cannot be constrained (only {', '.join(TOOL_FORMATS)})"
             )
-        funcs = [f for f in map(_function, tools) if f is not None]
+        funcs = [(name, _closed(params))
+                 for name, params in (f for f in map(_function, tools) if f is not None)]
         if choice.mode == "function":
             funcs = [f for f in funcs if f[0] == choice.name]
             if not funcs:
@@ -304,9 +310,13 @@ def _json(schema: dict) -> str:
 
 def _calls(sep: str, parallel: bool, before: str = "", after: str = "") -> str:
     """The rule ``calls``: one ``call``, or with ``parallel`` one or more joined by ``sep``,
-    between the Lark items ``before`` and ``after``."""
-    body = "call" if not parallel else f"call ({_lit(sep)} call)*" if sep else "call+"
-    return f"calls: {before} {body} {after}"
+    between the Lark items ``before`` and ``after``. Parallel calls may end after any call,
+    with the whitespace models write after one (most write a newline, the start of ``sep``
+    in some formats: without it a model that did was forced into another call)."""
+    if not parallel:
+        return f"calls: {before} call {after}"
+    body = f"call ({_lit(sep)} call)*" if sep else "call+"
+    return f"calls: {before} {body} {after} {TRAIL}"
 
 
 def _arguments(params: dict | LarkInput) -> str:
@@ -332,6 +342,64 @@ def _function(tool: dict) -> tuple[str, dict] | None:
     if not isinstance(params, dict) or not params:
         params = {"type": "object", "properties": {}, "additionalProperties": False}
     return name, params
+
+
+# Keywords that let an object schema take keys its ``properties`` do not declare.
+OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+# Keywords that add to an object's declared keys from elsewhere: closing the object, or the
+# branches, would refuse the keys the other part declares.
+COMBINED_KEYS = ("allOf", "anyOf", "oneOf", "$ref")
+
+
+def _closed(schema: Any) -> Any:
+    """A copy of a tool's ``parameters`` schema in which every object schema that declares
+    ``properties`` and says nothing of other keys (``OPEN_KEYS``) takes no other key: a tool
+    wants the keys it declares, and a model would otherwise invent some. Nested schemas too
+    (``properties``, ``items``, ``prefixItems``, ``additionalProperties``, ``$defs`` /
+    ``definitions``, ``anyOf`` / ``oneOf`` branches); never under ``allOf`` (nor a definition
+    an ``allOf`` refers to), whose branches each declare part of one object, nor an object
+    whose ``properties`` a combinator beside them completes."""
+    return _close(schema, frozenset(_refs(schema, False)))
+
+
+def _close(schema: Any, open_defs: frozenset[str], *, here: str = "") -> Any:
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in ("$defs", "definitions"):
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _close(s, open_defs, here=f"#/{key}/{name}")
+                        for name, s in out[key].items()}
+    if isinstance(out.get("properties"), dict):
+        out["properties"] = {name: _close(s, open_defs) for name, s in out["properties"].items()}
+    for key in ("items", "prefixItems", "additionalProperties"):
+        if isinstance(out.get(key), list):
+            out[key] = [_close(s, open_defs) for s in out[key]]
+        elif isinstance(out.get(key), dict):
+            out[key] = _close(out[key], open_defs)
+    if "properties" in out and any(k in out for k in COMBINED_KEYS):
+        return out
+    for key in ("anyOf", "oneOf"):
+        if isinstance(out.get(key), list):
+            out[key] = [_close(s, open_defs) for s in out[key]]
+    if (isinstance(out.get("properties"), dict) and here not in open_defs
+            and not any(k in out for k in OPEN_KEYS)):
+        out["additionalProperties"] = False
+    return out
+
+
+def _refs(schema: Any, in_all_of: bool) -> list[str]:
+    """The ``$ref``s found under an ``allOf`` of ``schema`` (with ``in_all_of``: all of them)."""
+    found: list[str] = []
+    if isinstance(schema, dict):
+        if in_all_of and isinstance(schema.get("$ref"), str):
+            found.append(schema["$ref"])
+        for key, value in schema.items():
+            found += _refs(value, in_all_of or key == "allOf")
+    elif isinstance(schema, list):
+        for value in schema:
+            found += _refs(value, in_all_of)
+    return found
 
 
 def _json_calls(funcs: list[tuple[str, dict]], key: str, before: str, after: str) -> list[str]:
