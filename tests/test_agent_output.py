@@ -243,9 +243,9 @@ class Run:
         return "".join(self.reasonings)
 
 
-def run(output_spec: OutputSpec, pieces: list[str], **kwargs) -> Run:
+def run(output_spec: OutputSpec, pieces: list[str], *, cut: bool = False, **kwargs) -> Run:
     parser = OutputParser(output_spec, **kwargs)
-    results: list[Parsed] = [parser.feed(p) for p in pieces] + [parser.finish()]
+    results: list[Parsed] = [parser.feed(p) for p in pieces] + [parser.finish(cut=cut)]
     assert parser.calls_made == sum(len(r.tool_calls) for r in results)
     return Run(
         [r.text for r in results],
@@ -364,15 +364,14 @@ MALFORMED = [
         '<tool_call>{"name": "get_weather", "arguments": [1]}</tool_call>',
         "not an object",
     ),
-    ("cut_by_finish", "json_tools", '<tool_call>\n{"name": "get_weather", "argu', "not closed"),
     (
-        "mistral_cut_by_finish",
+        "mistral_unreadable_at_the_models_end",
         "mistral",
         '[TOOL_CALLS]get_weather[ARGS]{"city": "Par',
         "ValueError",
     ),
     (
-        "llama3_cut_by_finish",
+        "llama3_unreadable_at_the_models_end",
         "llama3_json",
         '{"name": "get_weather", "parameters": {"ci',
         "JSONDecodeError",
@@ -395,7 +394,7 @@ MALFORMED = [
 @pytest.mark.parametrize(
     "fmt,output,why", [m[1:] for m in MALFORMED], ids=[m[0] for m in MALFORMED]
 )
-def test_malformed_unknown_or_cut_calls_come_back_as_text_with_a_warning(
+def test_malformed_or_unknown_calls_come_back_as_text_with_a_warning(
     fmt: str, output: str, why: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     for pieces in splits(output):
@@ -405,6 +404,89 @@ def test_malformed_unknown_or_cut_calls_come_back_as_text_with_a_warning(
         assert (got.text, got.calls) == (output, [])
         assert [r.name for r in caplog.records] == ["actors.engine.agent_output"]
         assert why in caplog.records[0].getMessage()
+
+
+# A complete call, then one the end of the output cuts (max_tokens), in each format.
+CUT = [
+    ("json_tools", HERMES + '\n<tool_call>\n{"name": "get_time", "argu',
+     "Let me check the weather.\n"),
+    ("qwen3_coder", QWEN3_CODER + "\n<tool_call>\n<function=get_time>\n<parameter=time", ""),
+    ("mistral", MISTRAL + '[TOOL_CALLS]get_time[ARGS]{"timezone": "Eur', ""),
+    ("llama3_json", LLAMA3 + '; {"name": "get_time", "parameters": {"timezone": "a;', ""),
+    ("harmony", HARMONY_CALL_AT_EOS[: HARMONY_CALL_AT_EOS.index("<|message|>{")], ""),
+    ("harmony", HARMONY_CALL_AT_EOS[:-4], ""),
+]
+
+
+@pytest.mark.parametrize("fmt,output,text", CUT, ids=[
+    "json_tools", "qwen3_coder", "mistral", "llama3_json", "harmony_header",
+    "harmony_arguments"])
+def test_a_call_cut_by_the_end_of_the_output_is_dropped_and_the_complete_ones_kept(
+    fmt: str, output: str, text: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    complete = [] if fmt == "harmony" else [("get_weather", PARIS)]
+    for pieces in splits(output):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="actors.engine.agent_output"):
+            got = run(spec(fmt), pieces, cut=True)
+        assert (got.text, got.reasoning.startswith("Weather") or fmt != "harmony") == (text, True)
+        assert_calls(got.calls, complete)
+        assert [r.name for r in caplog.records] == ["actors.engine.agent_output"]
+        assert "dropped" in caplog.records[0].getMessage()
+
+
+def test_an_unclosed_call_is_dropped_even_when_the_model_ended_the_output() -> None:
+    got = run(spec("json_tools"), ['Hi <tool_call>\n{"name": "get_weather", "argu'])
+    assert (got.text, got.calls) == ("Hi ", [])
+
+
+def test_what_may_begin_a_marker_is_dropped_at_a_cut_and_kept_at_the_models_end() -> None:
+    for fmt, tail in [("json_tools", "<tool_"), ("mistral", "[TOOL"), ("llama3_json", "<|py")]:
+        output = HERMES + "\n" + tail if fmt == "json_tools" else "Hi " + tail
+        head = "Let me check the weather.\n" if fmt == "json_tools" else "Hi "
+        for pieces in splits(output):
+            assert run(spec(fmt), pieces, cut=True).text == head, fmt
+            assert run(spec(fmt), pieces).text == head + tail, fmt
+
+
+def hermes(name: str, arguments: str) -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
+
+
+def test_a_repeated_call_ends_the_answer_and_is_dropped_with_all_after_it() -> None:
+    two = {"type": "function", "function": {"name": "pair", "parameters": {"type": "object"}}}
+    output = "\n".join([
+        hermes("pair", '{"a": 1, "b": [true]}'),
+        hermes("pair", '{"a": 1, "b": [1]}'),  # not a repeat: true is not 1 in JSON
+        hermes("get_weather", '{"city": "Paris"}'),
+        hermes("pair", '{"b": [true], "a": 1}'),  # the first call, its keys in another order
+        "More text",
+        hermes("get_time", "{}"),
+    ])
+    for pieces in splits(output):
+        parser = OutputParser(OutputSpec(tool_format="json_tools", tools=[*TOOLS, two]))
+        results = [parser.feed(p) for p in pieces] + [parser.finish()]
+        assert parser.ended
+        assert [(c.name, json.loads(c.arguments)) for r in results for c in r.tool_calls] == [
+            ("pair", {"a": 1, "b": [True]}), ("pair", {"a": 1, "b": [1]}),
+            ("get_weather", PARIS)]
+        assert "".join(r.text for r in results) == ""
+        assert parser.feed("<tool_call>") == Parsed()
+
+
+def test_a_repeated_call_in_a_format_read_at_the_end_ends_the_answer_too() -> None:
+    output = MISTRAL_PARALLEL + MISTRAL + '[TOOL_CALLS]get_time[ARGS]{"timezone": "UTC"}'
+    parser = OutputParser(spec("mistral"))
+    got = [parser.feed(output), parser.finish()]
+    assert parser.ended
+    assert_calls([c for r in got for c in r.tool_calls],
+                 [("get_weather", PARIS), ("get_time", EUROPE)])
+
+
+def test_different_calls_never_end_the_answer() -> None:
+    parser = OutputParser(spec("json_tools"))
+    parser.feed(HERMES_PARALLEL + "\n" + hermes("get_weather", '{"city": "Rome"}'))
+    assert parser.calls_made == 3 and not parser.ended
 
 
 def test_a_good_call_after_a_malformed_one_gets_index_zero() -> None:

@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from engine_helpers import encode, engine_config, fix_budget, greedy, run, run_arriving
 from mlx_lm import load
 from reference import PROMPTS, detokenize, reference_tokens
 
 from actors.engine.core import Engine
+from actors.engine.grammar import Grammars
 from actors.engine.output import StopStringFilter
 from actors.engine.schedule import MIN_MIXED_CHUNK, MIN_PREFILL_CHUNK
-from actors.messages import SamplingParams, TokensGenerated
+from actors.messages import (
+    OutputFormat,
+    OutputSpec,
+    RequestFinished,
+    SamplingParams,
+    TokensGenerated,
+)
 
 
 def test_single_request_greedy_matches_mlx_lm(loaded):
@@ -69,6 +78,38 @@ def test_stop_string_ends_request_and_never_leaks(loaded):
     assert res["finish"].stop_sequence == stop
     assert stop not in res["text"]
     assert res["text"] == full[: full.find(stop)]
+
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+@pytest.mark.parametrize("block_size", [0, 16], ids=["no-cache", "prefix-cache"])
+def test_a_repeated_call_ends_the_request_at_once_with_tool_calls(loaded, block_size):
+    """A grammar forces the same call three times: the request stops generating as the second
+    one closes, with the first call alone and finish_reason tool_calls."""
+    model, tok = loaded
+    grammar = f"start: c \"\\n\" c \"\\n\" c\nc: {json.dumps(CALL)}"
+    constraint = Grammars(tok, vocab_size=model.args.vocab_size).for_format(
+        OutputFormat(type="lark", pattern=grammar))
+    engine = Engine(model, tok, engine_config(block_size=block_size))
+    engine.add("a", encode(tok, PROMPTS[0]), greedy(200), constraint=constraint,
+               output=OutputSpec(tool_format="json_tools", tools=[WEATHER]))
+    calls, tokens, finish = [], [], None
+    while finish is None:
+        for ev in engine.step():
+            if isinstance(ev, TokensGenerated):
+                calls += ev.tool_calls or []
+                tokens += ev.token_ids
+                assert not ev.text
+            elif isinstance(ev, RequestFinished):
+                finish = ev
+    assert not engine.has_work and engine.runner.decoding == 0
+    assert finish.finish_reason == "tool_calls"
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Oslo"}')]
+    assert tok.decode(tokens) == CALL + "\n" + CALL
+    assert finish.usage.completion_tokens == len(tokens)
 
 
 def test_stop_string_filter_holds_back_partial_matches():

@@ -96,7 +96,10 @@ class OutputParser:
     """Splits one answer's streamed text into text, reasoning and whole tool calls.
 
     ``feed`` each decoded delta, then ``finish`` once at the end of the output. Neither raises:
-    markup that cannot be read as a call comes back as text, with a warning logged."""
+    a closed call that cannot be read comes back as text, a call the end of the output cut is
+    dropped, both with a warning logged. A call that repeats an earlier call of the answer
+    (same name, same arguments as JSON) ends the answer: it and all after it are dropped, and
+    ``ended`` tells the engine to end the request."""
 
     def __init__(self, spec: OutputSpec, *, id_prefix: str = "call_") -> None:
         self._id_prefix = id_prefix
@@ -118,6 +121,9 @@ class OutputParser:
         self._call_raw = ""  # the markup that opened the call (or harmony header) being read
         self._recipient = ""  # harmony: the call's recipient, functions.NAME
         self._scan = 0  # where the search for the call's end marker resumes
+        self._seen: set[tuple[str, str]] = set()  # (name, arguments as sorted JSON) of each call
+        self._ended = False
+        self._cut = False  # finish was told the output was cut short
 
         text: dict[str, Callable[[str], None] | None] = {}
         reasoning: dict[str, Callable[[str], None] | None] = {}
@@ -164,24 +170,36 @@ class OutputParser:
         """How many tool calls have come out so far."""
         return self._calls
 
+    @property
+    def ended(self) -> bool:
+        """Whether a call repeated an earlier call of this answer: the answer ended there, and
+        whatever follows is dropped (an agent never receives the same call twice a turn)."""
+        return self._ended
+
     def feed(self, text: str) -> Parsed:
         """Add a decoded delta; return what of it is known now. A suffix that may begin a
         marker, and a call not yet closed, are held until a later feed or ``finish``."""
         if self._passthrough:
             return Parsed(text=text)
-        self._buf += text
         self._out = out = Parsed()
-        while self._steps[self._mode](False):
+        if self._ended:
+            return out
+        self._buf += text
+        while not self._ended and self._steps[self._mode](False):
             pass
         return out
 
-    def finish(self) -> Parsed:
+    def finish(self, *, cut: bool = False) -> Parsed:
         """The output has ended: return everything still held. A call its end marker never
-        closed comes back as text (max_tokens cut it), unless the format ends calls here."""
+        closed is dropped. ``cut``: the output was cut short (max_tokens, a stop string), so
+        a call of a format without an end marker that cannot be read is a cut call too: it
+        is dropped, and the complete calls before it are kept; so is text at the end that
+        may begin a marker."""
         if self._passthrough:
             return Parsed()
         self._out = out = Parsed()
-        while self._steps[self._mode](True):
+        self._cut = cut
+        while not self._ended and self._steps[self._mode](True):
             pass
         self._buf = ""
         return out
@@ -223,7 +241,8 @@ class OutputParser:
             if action is not None:
                 action(marker)
             return True
-        keep = 0 if final else self._text.held(buf)
+        # At a cut, what may begin a marker is the start of markup the cut ended: never text.
+        keep = self._text.held(buf) if not final or self._cut else 0
         self._emit_text(buf[: len(buf) - keep])
         self._buf = buf[len(buf) - keep :]
         return False
@@ -267,8 +286,8 @@ class OutputParser:
             self._close_call(body, "")
         else:
             self._mode = _TEXT
-            log.warning("tool call not closed at the end of the output, returned as text")
-            self._emit_text(self._call_raw + body)
+            log.warning("tool call not closed at the end of the output (cut by max_tokens?), "
+                        "dropped")
         return True
 
     def _in_header(self, final: bool) -> bool:
@@ -283,8 +302,8 @@ class OutputParser:
         header, self._buf = self._call_raw + self._buf, ""
         self._mode = _TEXT
         if _H_RECIPIENT.search(header):
-            log.warning("tool call header not closed at the end of the output, returned as text")
-            self._emit_text(header)
+            log.warning("tool call header not closed at the end of the output (cut by "
+                        "max_tokens?), dropped")
         return True
 
     # --- transitions -----------------------------------------------------------------------
@@ -325,11 +344,19 @@ class OutputParser:
             self._mode = _TEXT
 
     def _close_call(self, body: str, end: str) -> None:
-        """Parse a closed call's body into calls, or give its markup back as text."""
+        """Parse a closed call's body into calls, or give its markup back as text. Where the
+        end of a cut output closed it, a body that cannot be read is a cut call: dropped, the
+        complete calls before it kept."""
         raw = self._call_raw + body + end
         self._mode = _TEXT
         try:
-            parsed = self._parse(body)
+            try:
+                parsed = self._parse(body)
+            except Exception:
+                if not self._cut or end:
+                    raise
+                log.warning("tool call cut by the end of the output, dropped")
+                parsed = self._before_cut(body)
             unknown = sorted({name for name, _, _ in parsed} - self._tool_names)
             if unknown:
                 log.warning(
@@ -338,6 +365,7 @@ class OutputParser:
                 )
                 self._emit_text(raw)
                 return
+            parsed = self._unrepeated(parsed)
             calls = [
                 ToolCall(
                     index=self._calls + n,
@@ -356,6 +384,35 @@ class OutputParser:
         self._out.tool_calls.extend(calls)
         self._calls += len(calls)
         self._strip = True  # the newlines between and after calls are layout, not text
+
+    def _unrepeated(self, parsed: list[tuple[str, dict, str | None]]
+                    ) -> list[tuple[str, dict, str | None]]:
+        """The calls up to the first that repeats an earlier one of the answer; at one, the
+        answer ends (small models loop on the same call until max_tokens)."""
+        for n, (name, arguments, _) in enumerate(parsed):
+            key = (name, json.dumps(arguments, sort_keys=True))
+            if key in self._seen:
+                log.info("tool call to %s repeats an earlier call of the answer: answer ended",
+                         name)
+                self._ended = True
+                self._buf = ""
+                return parsed[:n]
+            self._seen.add(key)
+        return parsed
+
+    def _before_cut(self, body: str) -> list[tuple[str, dict, str | None]]:
+        """The complete calls of a format without an end marker whose last call the end of
+        the output cut: the longest head of ``body`` ending before a call's start marker
+        (llama3_json: before a ";") that parses; none when no head does."""
+        assert self._fmt is not None
+        marks = [m for m in (self._fmt.start, ";" if self._bare_json else "") if m]
+        heads = sorted({i for m in marks for i in _positions(body, m)}, reverse=True)
+        for i in heads:
+            try:
+                return self._parse(body[:i])
+            except Exception:
+                continue
+        return []
 
     def _parse(self, body: str) -> list[tuple[str, dict, str | None]]:
         """(name, arguments, the model's id or None) of each call in ``body``; raises when the
@@ -396,6 +453,15 @@ def _checked(result: Any) -> list[tuple[str, dict, str | None]]:
         call_id = item.get("id")
         calls.append((name, arguments, call_id if isinstance(call_id, str) and call_id else None))
     return calls
+
+
+def _positions(text: str, sub: str) -> list[int]:
+    """Where ``sub`` occurs in ``text``."""
+    found, i = [], text.find(sub)
+    while i >= 0:
+        found.append(i)
+        i = text.find(sub, i + 1)
+    return found
 
 
 def _tool_names(tools: list[dict] | None) -> frozenset[str]:

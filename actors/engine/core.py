@@ -542,19 +542,30 @@ class Engine:
                                    req.sampling.top_logprobs)
                     if req.sampling.logprobs else None)
         if matched:
-            events.append(delta(req, text, [token], logprobs, last=True))
+            events.append(delta(req, text, [token], logprobs, last=True, cut=True))
             # The stop string ended the request inside the batch: take it out now.
-            if self.caching and not self.hybrid:
-                self._cut_finished(req, *self.runner.extract_cache(req.uid))
-            self.runner.remove(req.uid)
+            self._take_out(req)
             events.append(self._finish(req, "stop", stop_sequence=req.stops.matched))
             return events
         if finish is not None:
             text += req.stops.flush()
-        events.append(delta(req, text, [token], logprobs, last=finish is not None))
-        if finish is not None:
+        events.append(delta(req, text, [token], logprobs, last=finish is not None,
+                            cut=finish == "length"))
+        if req.parser is not None and req.parser.ended:
+            # A call repeated an earlier one: the answer ended there, as at a stop string.
+            if finish is None:
+                self._take_out(req)
+            events.append(self._finish(req, "tool_calls"))
+        elif finish is not None:
             events.append(self._finish(req, finish))
         return events
+
+    def _take_out(self, req: Request) -> None:
+        """Take a request that ended before the generator saw it end (a stop string, a
+        repeated call) out of the batch, keeping the blocks its answer completed."""
+        if self.caching and not self.hybrid:
+            self._cut_finished(req, *self.runner.extract_cache(req.uid))
+        self.runner.remove(req.uid)
 
     # -- endings -------------------------------------------------------------------------
 

@@ -50,17 +50,19 @@ class StopStringFilter:
 
 
 def delta(req: Any, text: str, token_ids: list[int], logprobs: list[TokenLogprob] | None, *,
-          last: bool) -> TokensGenerated | None:
+          last: bool, cut: bool = False) -> TokensGenerated | None:
     """The client's delta for ``text`` of request ``req`` (``request.Request``): with a
     parser, reasoning and tool calls are taken out of it (markup that may begin one is held
-    back, and flushed by the last delta). None when a delta without tokens carries nothing."""
+    back, and flushed by the last delta; ``cut``: the output was cut short, not ended by the
+    model). None when a delta without tokens carries nothing. When the parser has ``ended``
+    after it (a repeated call), the request is to end now."""
     reasoning, calls = "", None
     parser = req.parser
     if parser is not None:
         was_reasoning = parser.in_reasoning
         parsed = parser.feed(text)
         if last:
-            end = parser.finish()
+            end = parser.finish(cut=cut)
             parsed = Parsed(text=parsed.text + end.text,
                             reasoning=parsed.reasoning + end.reasoning,
                             tool_calls=parsed.tool_calls + end.tool_calls)
