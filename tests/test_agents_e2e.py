@@ -138,7 +138,6 @@ def test_openai_agent_loop_required_call_then_tool_result_then_text(
     client: openai.OpenAI,
 ) -> None:
     messages: list[dict[str, Any]] = [{"role": "user", "content": ASK}]
-    # One call: with parallel calls allowed, this small model goes on calling until max_tokens.
     r = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=120,
                                        messages=messages, tools=TOOLS, tool_choice="required",
                                        parallel_tool_calls=False)
@@ -274,15 +273,102 @@ def test_bad_agent_requests_get_400_and_the_server_keeps_serving(
     assert ok.choices[0].message.content
 
 
-def test_parallel_calls_allowed_each_complete_call_is_valid(client: openai.OpenAI) -> None:
+def test_parallel_calls_allowed_each_complete_call_is_valid_and_none_repeats(
+    client: openai.OpenAI,
+) -> None:
     r = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=150,
                                        messages=[{"role": "user", "content": ASK}],
                                        tools=TOOLS, tool_choice="required")
     choice = r.choices[0]
-    assert choice.finish_reason in ("tool_calls", "length")
-    assert choice.message.tool_calls
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.tool_calls and choice.message.content is None
+    seen = set()
     for call in choice.message.tool_calls:
-        _check_call(call.function.name, call.function.arguments)
+        args = _check_call(call.function.name, call.function.arguments)
         assert call.id
-    # A call cut by max_tokens comes back as text; no complete call is ever in it.
-    assert "</tool_call>" not in (choice.message.content or "")
+        key = (call.function.name, json.dumps(args, sort_keys=True))
+        assert key not in seen
+        seen.add(key)
+
+
+# A tool whose schema says nothing of other keys (no additionalProperties): the grammar takes
+# none but "city".
+CITY_WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                       "required": ["city"]},
+    },
+}
+ROME = [{"role": "user", "content": "Weather in Rome?"}]
+
+
+def test_required_call_with_parallel_allowed_is_one_call_ending_with_tool_calls(
+    client: openai.OpenAI,
+) -> None:
+    r = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=200,
+                                       messages=ROME, tools=[CITY_WEATHER],
+                                       tool_choice="required")
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert list(json.loads(call.function.arguments)) == ["city"]
+    # The answer ended after the call, far before max_tokens.
+    assert r.usage.completion_tokens < 100
+
+
+def test_required_call_streamed_ends_with_one_call_and_tool_calls(client: openai.OpenAI) -> None:
+    chunks = list(client.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=200, stream=True, messages=ROME,
+        tools=[CITY_WEATHER], tool_choice="required"))
+    parts = [p for c in chunks if c.choices for p in c.choices[0].delta.tool_calls or ()]
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices
+                if c.choices[0].finish_reason]
+    assert finishes == ["tool_calls"]
+    assert {p.index for p in parts} == {0}
+    arguments = "".join(p.function.arguments or "" for p in parts if p.function)
+    assert list(json.loads(arguments)) == ["city"]
+    assert content == ""
+
+
+def test_named_call_arguments_hold_only_the_declared_keys(client: openai.OpenAI) -> None:
+    # Before additionalProperties was read as false, this prompt gave {"city": "Tokyo",
+    # "temperature": {"metric": {...}}}.
+    for ask in ("What's the weather like in Tokyo in metric units?", "Weather in Rome?"):
+        r = client.chat.completions.create(
+            model=MODEL, temperature=0, max_tokens=200, tools=[CITY_WEATHER],
+            messages=[{"role": "user", "content": ask}],
+            tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        for call in r.choices[0].message.tool_calls:
+            assert list(json.loads(call.function.arguments)) == ["city"], ask
+
+
+def test_a_call_cut_by_max_tokens_is_dropped_and_no_markup_reaches_the_content(
+    client: openai.OpenAI,
+) -> None:
+    for max_tokens in (3, 12):
+        r = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=max_tokens,
+                                           messages=ROME, tools=[CITY_WEATHER],
+                                           tool_choice="required")
+        choice = r.choices[0]
+        assert choice.finish_reason == "length"
+        assert not choice.message.tool_calls
+        assert "<" not in (choice.message.content or ""), choice.message.content
+
+
+def test_anthropic_any_tool_gives_one_tool_use_and_stops_for_it(server: str) -> None:
+    client = anthropic.Anthropic(base_url=server, api_key="unused", timeout=300)
+    fn = CITY_WEATHER["function"]
+    r = client.messages.create(
+        model=MODEL, max_tokens=200, messages=ROME, tool_choice={"type": "any"},
+        tools=[{"name": fn["name"], "description": fn["description"],
+                "input_schema": fn["parameters"]}],
+        extra_body={"temperature": 0})
+    assert r.stop_reason == "tool_use"
+    assert [b.type for b in r.content] == ["tool_use"]
+    assert list(r.content[0].input) == ["city"]
