@@ -283,7 +283,8 @@ class Admission(Actor):
     prompts may take all but one). ``distributed``: how the model is sharded ("tensor" or
     "pipeline") over ``ranks`` processes, or None for one process. ``aliases``: other names
     (or glob patterns, tried in order) of served models, by the model id each names; one
-    naming a model not served is a ValueError."""
+    naming a model not served is a ValueError. ``max_tokens_limit``: the most tokens any
+    answer may have (None: the context's room alone)."""
 
     def __init__(
         self,
@@ -296,6 +297,7 @@ class Admission(Actor):
         distributed: str | None = None,
         ranks: int = 1,
         aliases: dict[str, str] | None = None,
+        max_tokens_limit: int | None = None,
     ) -> None:
         self.models = {card.id: ModelEntry(card, ref) for card, ref in models}
         aliases = aliases or {}
@@ -307,6 +309,9 @@ class Admission(Actor):
         self.exact_aliases = {n: m for n, m in aliases.items() if not _is_pattern(n)}
         self.pattern_aliases = [(n, m) for n, m in aliases.items() if _is_pattern(n)]
         self.logged_names: set[str] = set()
+        if max_tokens_limit is not None and max_tokens_limit < 1:
+            raise ValueError(f"--max-tokens-limit must be at least 1, not {max_tokens_limit}")
+        self.max_tokens_limit = max_tokens_limit
         self.pool_name = pool
         self.prefill_step_size = prefill_step_size
         self.block_size = block_size
@@ -555,7 +560,8 @@ class Admission(Actor):
         if not tokens:
             raise _refusal("invalid", "the prompt is empty", param=prompt_param)
         _check_context(entry, len(tokens), prompt_param, exact=True)
-        sampling, output = _fit_answer(entry, len(tokens), sampling, output, request_id)
+        sampling, output = _fit_answer(entry, len(tokens), sampling, output, request_id,
+                                       self.max_tokens_limit)
         self._check_memory(entry, len(tokens), prompt_param)
         request = AddRequest(request_id=request_id, prompt_tokens=tokens, sampling=sampling,
                              output=output, constraint=constraint)
@@ -689,16 +695,19 @@ def _check_context(entry: ModelEntry, n_tokens: int, prompt_param: str, *,
 
 
 def _fit_answer(entry: ModelEntry, n_tokens: int, sampling: SamplingParams,
-                output: OutputSpec | None, request_id: str
+                output: OutputSpec | None, request_id: str, limit: int | None = None,
                 ) -> tuple[SamplingParams, OutputSpec | None]:
-    """``max_tokens`` cut to the room the prompt of ``n_tokens`` leaves in the context, and a
-    thinking budget kept below it (Anthropic's rule, on the cut value). Agents send a
-    ``max_tokens`` of their own provider's models (Claude Code: 32000) whatever the model."""
+    """``max_tokens`` cut to the room the prompt of ``n_tokens`` leaves in the context (and to
+    ``limit``, the server's ``--max-tokens-limit``), and a thinking budget kept below it
+    (Anthropic's rule, on the cut value). Agents send a ``max_tokens`` of their own
+    provider's models (Claude Code: 32000) whatever the model."""
     room = entry.card.context_length - n_tokens
+    if limit is not None:
+        room = min(room, limit)
     if sampling.max_tokens <= room:
         return sampling, output
-    log.debug("%s: max_tokens %d cut to the %d tokens left in the context", request_id,
-              sampling.max_tokens, room)
+    log.debug("%s: max_tokens %d cut to %d (the context's room, the server's limit)",
+              request_id, sampling.max_tokens, room)
     sampling = msgspec.structs.replace(sampling, max_tokens=room)
     if output is not None and output.thinking_budget is not None \
             and output.thinking_budget >= room:

@@ -29,6 +29,9 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     mixed_step: bool = ENGINE.mixed_step
     max_queue: int = ENGINE.max_queue
     default_max_tokens: int = 2048
+    # The most tokens any answer may have (None: the model's context is the only bound): a
+    # request asking for more is served with that many.
+    max_tokens_limit: int | None = None
     # Responses API: how many responses are kept in memory for previous_response_id and
     # GET /v1/responses/{id}, the least recently used dropped first (0: none are kept).
     responses_store: int = 256

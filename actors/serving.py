@@ -94,6 +94,7 @@ async def start_serving(system: ActorSystem, config: ServeConfig) -> ServingHand
         block_size=config.block_size,
         distributed=config.distributed,
         aliases=config.aliases,
+        max_tokens_limit=config.max_tokens_limit,
         # The group start_rank joined: its guard counts one rank's share, as the gate does.
         ranks=mx.distributed.init().size() if config.distributed else 1,
     )

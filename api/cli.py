@@ -412,6 +412,14 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"max_tokens when a request sends none (default: {_DEFAULTS.default_max_tokens})",
     )
     serve_cmd.add_argument(
+        "--max-tokens-limit",
+        type=int,
+        metavar="N",
+        default=opt,
+        help="the most tokens any answer may have: a request asking for more is served with "
+        "N (default: no limit but the model's context)",
+    )
+    serve_cmd.add_argument(
         "--responses-store",
         type=int,
         metavar="N",

@@ -250,6 +250,8 @@ class ModelObject(msgspec.Struct, kw_only=True):
     created: int
     owned_by: str
     root: str  # the served model that answers to this id (itself, or an alias's model)
+    # The model's context in tokens, as vLLM names it: agents size their history by it.
+    max_model_len: int
 
 
 class ModelList(msgspec.Struct, kw_only=True):
@@ -682,7 +684,7 @@ class OpenAIRoutes:
         cards: list[ModelCard] = await ask_admission(self.admission, ListModels())
         data = [
             ModelObject(id=card.id, object="model", created=self.created, owned_by="mlx-troupe",
-                        root=card.alias_of or card.id)
+                        root=card.alias_of or card.id, max_model_len=card.context_length)
             for card in cards
         ]
         body = _encoder.encode(ModelList(object="list", data=data))

@@ -364,9 +364,10 @@ async def test_models_lists_what_admission_serves(client: TestClient) -> None:
     body = await resp.json()
     assert body["object"] == "list"
     [model] = body["data"]
-    assert set(model) == {"id", "object", "created", "owned_by", "root"}
+    assert set(model) == {"id", "object", "created", "owned_by", "root", "max_model_len"}
     assert (model["id"], model["object"], model["owned_by"]) == (MODEL, "model", "mlx-troupe")
     assert model["root"] == MODEL
+    assert model["max_model_len"] == 4096  # the scripted model's context
 
 
 async def test_health_is_ok_while_admission_runs(client: TestClient, scripted: Scripted) -> None:

@@ -292,6 +292,25 @@ async def test_max_tokens_over_the_room_left_is_cut_to_it(aiohttp_client, tiny_s
         assert data["choices"][0]["finish_reason"] == "length"
 
 
+async def test_max_tokens_over_the_servers_limit_is_cut_to_it(aiohttp_client, tiny_model_dir):
+    client, _, handles = await serve(aiohttp_client, tiny_model_dir, max_tokens_limit=7)
+    model = handles.models[0].id
+    for path, body in [
+        ("/v1/chat/completions", chat_body(model, max_tokens=32000, ignore_eos=True)),
+        ("/v1/chat/completions", chat_body(model, ignore_eos=True)),  # --default-max-tokens
+        ("/v1/completions", completion_body(model, "The quick brown fox", 7, ignore_eos=True)),
+    ]:
+        resp = await client.post(path, json=body)
+        data = await resp.json()
+        assert resp.status == 200, (path, data)
+        assert data["usage"]["completion_tokens"] == 7, (path, data["usage"])
+        assert data["choices"][0]["finish_reason"] == "length"
+    # Below the limit, a request's own max_tokens stands.
+    resp = await client.post("/v1/completions", json=completion_body(
+        model, "The quick brown fox", 3, ignore_eos=True))
+    assert (await resp.json())["usage"]["completion_tokens"] == 3
+
+
 async def test_a_prompt_that_alone_fills_the_context_is_still_refused(aiohttp_client,
                                                                       tiny_short_dir):
     client, _, handles = await serve(aiohttp_client, tiny_short_dir)
