@@ -5,25 +5,24 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-
-from tiny_model import make_tiny_model  # noqa: E402
+# The agents' request shapes (agent_shapes) live beside the benchmark that replays them.
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 
 # Tests never write into the user's ~/.cache: converted models and KV-cache blocks go to a
 # directory of this run (subprocess servers inherit it). A caller may point it elsewhere.
 if "TROUPE_HOME" not in os.environ:
     os.environ["TROUPE_HOME"] = tempfile.mkdtemp(prefix="troupe-test-home-")
+
+import http_stack  # noqa: E402
+from tiny_model import make_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -52,6 +51,16 @@ def tiny_short_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer qwen3 whose template renders tools and reasoning as the Qwen3 family's does
+    (``tiny_model.QWEN3_TEMPLATE``: mlx-lm reads the json_tools format and <think> tags),
+    with a 32k context (its small vocabulary takes about 1.5 characters a token) and answers
+    that end by themselves, as an agent's conversation needs."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen3") / "tiny-qwen3", arch="qwen3",
+                           template="qwen3", context=32768, eos_head=6.0)
+
+
+@pytest.fixture(scope="session")
 def tiny_hybrid_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 4-layer lfm2 (ArraysCache and KVCache layers mixed)."""
     return make_tiny_model(
@@ -62,12 +71,6 @@ def tiny_hybrid_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # --- the end-to-end server: the real default model over HTTP, one for the whole run ---------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def server_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("e2e") / "server.log"
@@ -76,31 +79,5 @@ def server_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def server(server_log: Path) -> Iterator[str]:
     """`troupe serve` on the bundled default model (a subprocess on 127.0.0.1): its base URL."""
-    port = _free_port()
-    log = server_log.open("w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "api.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
-        stdout=log, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    try:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited early:\n{server_log.read_text()}")
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        else:
-            pytest.fail("server did not become healthy in time")
+    with http_stack.serve_default_model(server_log) as base:
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()

@@ -7,18 +7,27 @@ binds them by name: ``scripted, client = http_stack.scripted, http_stack.client`
 ``Scripted.app``/``Scripted.start`` serve it with other settings. ``real_stack`` starts the
 real serving actors on a model directory and serves them with ``api.server.serve_http``, the
 embedding API ``troupe serve`` uses; ``real_client`` puts them behind a test client.
+``serve_default_model`` runs ``troupe serve`` on the bundled model in a subprocess, for the
+end-to-end tests.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import AsyncIterator
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import httpx
 import openai
 import pytest
 from aiohttp import web
@@ -349,3 +358,46 @@ def parse_data_sse(body: str) -> list[Any]:
     assert payloads[-1] == "[DONE]" and "[DONE]" not in payloads[:-1]
     return [json.loads(p) for p in payloads[:-1]]
 
+
+# --- the default model in a subprocess: what the end-to-end tests talk to ----------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_default_model(server_log: Path, *args: str) -> Iterator[str]:
+    """`troupe serve` on the bundled default model with ``args``, its output in
+    ``server_log``, until the block ends: its base URL."""
+    port = _free_port()
+    log = server_log.open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "api.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+         *args],
+        stdout=log, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 240
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited early:\n{server_log.read_text()}")
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        else:
+            pytest.fail("server did not become healthy in time")
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()

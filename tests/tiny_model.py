@@ -18,6 +18,71 @@ CHATML = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+# A template that renders tools and reasoning as the Qwen3 family's does: tools as JSON lines
+# in the system turn (Hermes convention), calls in <tool_call> tags, tool results in
+# <tool_response> tags inside user turns, and an assistant turn's reasoning kept only after the
+# last real user message (earlier turns lose theirs), <think></think> written empty by the
+# generation prompt when thinking is switched off. mlx-lm reads json_tools and <think> off it.
+QWEN3_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": "
+    "<function-name>, \\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    # The last user message that is not tool results: reasoning before it is dropped.
+    "{%- set ns = namespace(last_query=messages|length - 1, looking=true) %}"
+    "{%- for message in messages[::-1] %}"
+    "{%- set index = (messages|length - 1) - loop.index0 %}"
+    "{%- if ns.looking and message.role == 'user' and not (message.content.startswith("
+    "'<tool_response>') and message.content.endswith('</tool_response>')) %}"
+    "{%- set ns.looking = false %}{%- set ns.last_query = index %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{%- set content = message.content or '' %}"
+    "{%- set reasoning = message.reasoning_content or '' %}"
+    "{%- if '</think>' in content %}"
+    "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1] %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}"
+    "{%- endif %}"
+    "{%- if loop.index0 > ns.last_query and (loop.last or reasoning) %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n'"
+    " + content.lstrip('\\n') }}"
+    "{%- else %}{{- '<|im_start|>assistant\\n' + content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls or [] %}"
+    "{%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{%- if (loop.first and content) or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\\\"name\\\": \\\"' + tool_call.name + '\\\", \\\"arguments\\\": ' }}"
+    "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}"
+    "{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
+)
+
+# The Qwen3 family's markup, each one token (added, not special: it stays in decoded text).
+QWEN3_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>",
+                "</tool_response>"]
+
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "What is the capital of France? The capital of France is Paris.",
@@ -27,8 +92,10 @@ CORPUS = [
 ] * 20
 
 
-def write_tokenizer(out: Path, vocab_size: int = 512) -> int:
-    """Train a byte-level BPE with ChatML control tokens into ``out``; returns its size."""
+def write_tokenizer(out: Path, vocab_size: int = 512, *, template: str = CHATML,
+                    added: list[str] | None = None) -> int:
+    """Train a byte-level BPE with ChatML control tokens into ``out``, with ``template`` as its
+    chat template and the ``added`` tokens (not special); returns its size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -49,7 +116,9 @@ def write_tokenizer(out: Path, vocab_size: int = 512) -> int:
         unk_token="<|endoftext|>",
         pad_token="<|endoftext|>",
     )
-    fast.chat_template = CHATML
+    if added:
+        fast.add_tokens(added)
+    fast.chat_template = template
     fast.save_pretrained(str(out))
     return len(fast)
 
@@ -131,18 +200,30 @@ def make_tiny_model(
     layers: int = 2,
     seed: int = 0,
     dtype: str = "float32",
+    template: str = "chatml",
+    context: int = 2048,
+    eos_head: float | None = None,
 ) -> Path:
     """Write a random-weight mlx-lm model directory (config, weights, tokenizer) to ``out``.
 
     ``arch``: "llama", "lfm2" or any key of ``ARCH_CONFIGS`` (the settings that architecture's
-    ``ModelArgs`` needs beyond the llama ones, at this size).
+    ``ModelArgs`` needs beyond the llama ones, at this size). ``template``: "chatml" (plain
+    ChatML, no tools, no reasoning) or "qwen3" (``QWEN3_TEMPLATE`` and its tokens).
+    ``context``: the model's context in tokens. ``eos_head``: with a number, the output head
+    is untied and end-of-sequence gets a row of that length along a random direction, so
+    that answers end by themselves (a random model otherwise writes until ``max_tokens``):
+    on the tiny qwen3 at 6, fifteen prompts' greedy answers took 0 to 318 tokens, sampled at
+    temperature 1, 1 to 54.
     """
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
 
     out.mkdir(parents=True, exist_ok=True)
-    vocab = write_tokenizer(out)
+    if template == "qwen3":
+        vocab = write_tokenizer(out, template=QWEN3_TEMPLATE, added=QWEN3_TOKENS)
+    else:
+        vocab = write_tokenizer(out)
     config: dict = {
         "model_type": arch,
         "hidden_size": hidden,
@@ -152,7 +233,7 @@ def make_tiny_model(
         "num_key_value_heads": 2,
         "rms_norm_eps": 1e-5,
         "vocab_size": vocab,
-        "max_position_embeddings": 2048,
+        "max_position_embeddings": context,
         "rope_theta": 10000.0,
         "tie_word_embeddings": True,
         "eos_token_id": 2,
@@ -193,6 +274,13 @@ def make_tiny_model(
                 else mx.random.normal(v.shape) if k.endswith("sinks") else v)
             for k, v in weights.items()
         }
+    if eos_head is not None:
+        # End-of-sequence wins where the final hidden state leans along this direction.
+        direction = mx.random.normal((hidden,))
+        head = mx.array(weights["model.embed_tokens.weight"])
+        head[config["eos_token_id"]] = eos_head * direction / mx.linalg.norm(direction)
+        weights["lm_head.weight"] = head
+        config["tie_word_embeddings"] = False
     weights = {k: v.astype(getattr(mx, dtype)) for k, v in weights.items()}
     mx.save_safetensors(str(out / "model.safetensors"), weights)
     config["torch_dtype"] = dtype
