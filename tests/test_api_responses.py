@@ -18,8 +18,8 @@ from typing import Any
 import http_stack
 import openai
 import pytest
+from agent_shapes import APPLY_PATCH_GRAMMAR
 from aiohttp.test_utils import TestClient
-from codex_shapes import APPLY_PATCH_GRAMMAR
 from http_stack import (
     BUSY_MODEL,
     CUSTOM_CALL,

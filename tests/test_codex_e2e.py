@@ -1,7 +1,7 @@
 """End to end: Codex CLI's Responses requests against the bundled default model, through the
 official ``openai`` client.
 
-The requests are shaped as codex-rs sends them (tests/codex_shapes.py): instructions, a
+The requests are shaped as codex-rs sends them (benchmarks/agent_shapes.py): instructions, a
 developer message, the environment context, tools (a ``shell`` function, ``update_plan``, the
 ``apply_patch`` freeform tool with Codex's Lark grammar, a hosted ``web_search``), streamed,
 ``store: false``, encrypted reasoning asked for, a prompt cache key. SmolLM2-135M has no tool
@@ -15,7 +15,7 @@ from typing import Any
 
 import openai
 import pytest
-from codex_shapes import (
+from agent_shapes import (
     APPLY_PATCH,
     APPLY_PATCH_GRAMMAR,
     DEVELOPER,

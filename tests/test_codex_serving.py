@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from codex_shapes import APPLY_PATCH
+from agent_shapes import APPLY_PATCH
 from http_stack import real_client
 from llguidance import LLMatcher
 from openai.types.responses import Response

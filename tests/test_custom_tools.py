@@ -15,7 +15,7 @@ import re
 
 import mlx.core as mx
 import pytest
-from codex_shapes import APPLY_PATCH_GRAMMAR
+from agent_shapes import APPLY_PATCH_GRAMMAR
 from llguidance import LLMatcher
 from mlx_lm.tool_parsers import json_tools, mistral, qwen3_coder
 
