@@ -66,6 +66,7 @@ from actors.messages import (
     AdmitCompletion,
     Admitted,
     CountTokens,
+    DescribeModel,
     ErrorKind,
     ListModels,
     ModelCard,
@@ -393,6 +394,10 @@ class Admission(Actor):
                 return cards + [msgspec.structs.replace(self.models[model].card, id=name,
                                                         alias_of=model)
                                 for name, model in self.exact_aliases.items()]
+            case DescribeModel(name=name):
+                card = self._model(name).card
+                return card if name == card.id else msgspec.structs.replace(
+                    card, id=name, alias_of=card.id)
             case MemoryLimits():
                 self.limits = msg
             case _:

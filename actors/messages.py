@@ -132,6 +132,13 @@ class ListModels(Message, frozen=True, kw_only=True):
     """Ask admission which models it serves."""
 
 
+class DescribeModel(Message, frozen=True, kw_only=True):
+    """Ask admission for the card of the model a request naming ``name`` would get (its own
+    card, or, for an alias or any other name served, that model's under ``name``)."""
+
+    name: str
+
+
 class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
     """A served model. ``alias_of``: on the card admission lists for an alias (``--alias``),
     the id of the model the alias names (the rest is that model's)."""

@@ -21,6 +21,7 @@ from actors.messages import (
     AdmitChat,
     AdmitCompletion,
     Admitted,
+    DescribeModel,
     ListModels,
     ModelCard,
     OutputFormat,
@@ -257,6 +258,25 @@ class ModelObject(msgspec.Struct, kw_only=True):
 class ModelList(msgspec.Struct, kw_only=True):
     object: str
     data: list[ModelObject]
+
+
+class AnthropicModel(msgspec.Struct, kw_only=True):
+    """A model in Anthropic's shape (``GET /v1/models`` with an ``anthropic-version``)."""
+
+    type: str
+    id: str
+    display_name: str
+    created_at: str
+    lifecycle: str
+    max_input_tokens: int
+    max_tokens: int
+
+
+class AnthropicModelList(msgspec.Struct, kw_only=True):
+    data: list[AnthropicModel]
+    has_more: bool
+    first_id: str | None
+    last_id: str | None
 
 
 # --- decoding and validation ---------------------------------------------------------------
@@ -662,6 +682,8 @@ class OpenAIRoutes:
         router.add_post("/v1/chat/completions", self.chat_completions)
         router.add_post("/v1/completions", self.completions)
         router.add_get("/v1/models", self.models)
+        # Hugging Face repo ids hold a slash: the id is the rest of the path.
+        router.add_get("/v1/models/{model:.+}", self.model)
 
     @generation
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -680,12 +702,40 @@ class OpenAIRoutes:
         )
 
     async def models(self, request: web.Request) -> web.Response:
-        """``GET /v1/models``: the served models, then one entry per alias name."""
+        """``GET /v1/models``: the served models, then one entry per alias name; in
+        Anthropic's shape for a client that sends ``anthropic-version`` (its SDK does)."""
         cards: list[ModelCard] = await ask_admission(self.admission, ListModels())
-        data = [
-            ModelObject(id=card.id, object="model", created=self.created, owned_by="mlx-troupe",
-                        root=card.alias_of or card.id, max_model_len=card.context_length)
-            for card in cards
-        ]
-        body = _encoder.encode(ModelList(object="list", data=data))
+        if _anthropic(request):
+            data = [self._anthropic_model(card) for card in cards]
+            body = _encoder.encode(AnthropicModelList(
+                data=data, has_more=False, first_id=data[0].id if data else None,
+                last_id=data[-1].id if data else None))
+        else:
+            body = _encoder.encode(ModelList(object="list",
+                                             data=[self._model(card) for card in cards]))
         return web.Response(body=body, content_type="application/json")
+
+    async def model(self, request: web.Request) -> web.Response:
+        """``GET /v1/models/{model}``: the model a request naming it gets (a 404 as a request
+        naming it would get one), in OpenAI's shape or Anthropic's."""
+        name = request.match_info["model"]
+        card: ModelCard = await ask_admission(self.admission, DescribeModel(name=name))
+        found = self._anthropic_model(card) if _anthropic(request) else self._model(card)
+        return web.Response(body=_encoder.encode(found), content_type="application/json")
+
+    def _model(self, card: ModelCard) -> ModelObject:
+        return ModelObject(id=card.id, object="model", created=self.created,
+                           owned_by="mlx-troupe", root=card.alias_of or card.id,
+                           max_model_len=card.context_length)
+
+    def _anthropic_model(self, card: ModelCard) -> AnthropicModel:
+        created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created))
+        return AnthropicModel(type="model", id=card.id, display_name=card.id,
+                              created_at=created, lifecycle="active",
+                              max_input_tokens=card.context_length,
+                              max_tokens=card.context_length)
+
+
+def _anthropic(request: web.Request) -> bool:
+    """Whether the client speaks Anthropic's API (its SDK sends this header every time)."""
+    return "anthropic-version" in request.headers

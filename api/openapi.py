@@ -147,8 +147,19 @@ _OPERATIONS: dict[tuple[str, str], _Operation] = {
     ),
     ("GET", "/v1/models"): _Operation(
         summary="The models served (OpenAI)",
+        description="With an `anthropic-version` header (Anthropic's clients send one), the "
+        "list is in Anthropic's shape: `data` of `{type: model, id, display_name, "
+        "created_at, ...}`, `has_more`, `first_id`, `last_id`.",
         response=openai.ModelList,
         errors=_ADMISSION_ERRORS,
+    ),
+    ("GET", "/v1/models/{model}"): _Operation(
+        summary="One model (OpenAI)",
+        description="The model a request naming `model` is served by, under that name "
+        "(`root` names the served model); in Anthropic's shape with an `anthropic-version` "
+        "header. 404 where a request naming it would get one.",
+        response=openai.ModelObject,
+        errors=(404, *_ADMISSION_ERRORS),
     ),
     ("POST", "/v1/messages"): _Operation(
         summary="Message (Anthropic)",

@@ -41,6 +41,7 @@ from actors.messages import (
     AdmitCompletion,
     Admitted,
     CountTokens,
+    DescribeModel,
     ErrorKind,
     ListModels,
     ModelCard,
@@ -194,6 +195,9 @@ def _script(msg: AdmitChat | AdmitCompletion) -> str:
     return msg.prompt if isinstance(msg.prompt, str) else "token ids"
 
 
+_CARD = ModelCard(id=MODEL, context_length=4096, source="test", path="/nowhere")
+
+
 class ScriptedAdmission(Actor):
     """Answers like the real admission actor; records what it was asked and did in ``record``."""
 
@@ -205,7 +209,10 @@ class ScriptedAdmission(Actor):
         self.record.seen.append(msg)
         match msg:
             case ListModels():
-                return [ModelCard(id=MODEL, context_length=4096, source="test", path="/nowhere")]
+                return [_CARD]
+            case DescribeModel(name=name):
+                self._check_model(name)
+                return _CARD
             case CountTokens():
                 self._check_model(msg.model)
                 return 100 * len(msg.messages) + len(msg.tools or [])

@@ -353,6 +353,8 @@ def _path_parameters(path: str, response_id: str) -> dict[str, str]:
     """Path parameters naming what exists: the admission actor, a stored response."""
     if "{name}" in path:
         return {"name": "admission"}
+    if "{model}" in path:
+        return {"model": MODEL}
     return {"response_id": response_id} if "{response_id}" in path else {}
 
 

@@ -12,6 +12,7 @@ import logging
 from pathlib import Path
 
 import aiohttp
+import anthropic
 import pytest
 from mlx_lm import load
 from reference import PROMPTS, detokenize, reference_tokens
@@ -257,6 +258,38 @@ async def test_models_lists_the_alias_names_but_not_the_patterns(aiohttp_client,
     assert [(m["id"], m["root"]) for m in data] == [
         ("tiny-llama", "tiny-llama"), ("tiny-short", "tiny-short"),
         ("claude-haiku-special", "tiny-short"), ("gpt-5-codex", "tiny-llama")]
+
+
+async def test_one_model_is_described_under_every_name_it_answers_to(aiohttp_client,
+                                                                       tiny_model_dir,
+                                                                       tiny_short_dir):
+    client, _, _ = await serve(aiohttp_client, [str(tiny_model_dir), str(tiny_short_dir)],
+                               aliases=ALIASES)
+    for name, root in [("tiny-short", "tiny-short"), ("gpt-5-codex", "tiny-llama"),
+                       ("claude-haiku-special", "tiny-short"), ("claude-3-haiku-x", "tiny-llama")]:
+        resp = await client.get(f"/v1/models/{name}")
+        model = await resp.json()
+        assert resp.status == 200, model
+        assert (model["id"], model["root"], model["max_model_len"]) == (
+            name, root, 64 if root == "tiny-short" else 2048)
+    resp = await client.get("/v1/models/gpt-4o")
+    assert resp.status == 404
+    assert (await resp.json())["error"]["code"] == "model_not_found"
+
+
+async def test_anthropics_client_lists_and_retrieves_the_models(aiohttp_client, tiny_model_dir):
+    """Its SDK sends anthropic-version: the answers come in Anthropic's shape, and with one
+    model served any name an agent uses is that model."""
+    client, _, handles = await serve(aiohttp_client, tiny_model_dir)
+    async with anthropic.AsyncAnthropic(base_url=str(client.make_url("")).rstrip("/"),
+                                        api_key="unused", max_retries=0) as claude:
+        page = await claude.models.list()
+        found = await claude.models.retrieve("claude-sonnet-4-6")
+    [model] = page.data
+    assert (model.id, model.type, model.max_input_tokens) == (handles.models[0].id, "model",
+                                                              2048)
+    assert (page.first_id, page.last_id, page.has_more) == (model.id, model.id, False)
+    assert (found.id, found.display_name) == ("claude-sonnet-4-6", "claude-sonnet-4-6")
 
 
 async def test_an_alias_to_a_model_not_served_fails_at_start(tiny_model_dir):
