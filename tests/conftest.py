@@ -68,6 +68,27 @@ def tiny_hybrid_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
+# --- the default model's tokenizer and grammar compiler ----------------------------------------
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The default model's tokenizer (SmolLM2's 49k vocabulary), as mlx-lm loads it."""
+    from mlx_lm.utils import load_tokenizer
+
+    from actors.models.store import resolve_model
+
+    return load_tokenizer(resolve_model(None).path)
+
+
+@pytest.fixture(scope="session")
+def grammars(tokenizer):
+    """The default model's grammar compiler (``actors.engine.grammar.Grammars``)."""
+    from actors.engine.grammar import Grammars
+
+    return Grammars(tokenizer)
+
+
 # --- the end-to-end server: the real default model over HTTP, one for the whole run ---------
 
 

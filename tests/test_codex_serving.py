@@ -13,14 +13,12 @@ import re
 from pathlib import Path
 from typing import Any
 
-import pytest
 from agent_shapes import APPLY_PATCH
 from http_stack import real_client
 from llguidance import LLMatcher
 from openai.types.responses import Response
 
 from actors.config import ServeConfig
-from actors.engine.grammar import Grammars
 from actors.messages import ToolChoice
 from actors.tool_prompt import with_tools_in_prompt
 from api.responses import InputItem, _messages
@@ -43,16 +41,6 @@ async def _respond(client: Any, **body: Any) -> Response:
     resp = await client.post("/v1/responses", json=body)
     assert resp.status == 200, await resp.text()
     return Response.model_validate(await resp.json())
-
-
-@pytest.fixture(scope="module")
-def grammars() -> Grammars:
-    """The default model's grammar compiler: the judge of what the grammars take."""
-    from mlx_lm.utils import load_tokenizer
-
-    from actors.models.store import resolve_model
-
-    return Grammars(load_tokenizer(resolve_model(None).path))
 
 
 async def test_a_required_freeform_call_follows_its_grammar(aiohttp_client, tiny_model_dir):

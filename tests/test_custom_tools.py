@@ -78,21 +78,6 @@ SMALL = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    """The default model's tokenizer (SmolLM2's 49k vocabulary)."""
-    from mlx_lm.utils import load_tokenizer
-
-    from actors.models.store import resolve_model
-
-    return load_tokenizer(resolve_model(None).path)
-
-
-@pytest.fixture(scope="module")
-def grammars(tokenizer) -> Grammars:
-    return Grammars(tokenizer)
-
-
 def escaped(text: str) -> str:
     """What a JSON string holding ``text`` has between its quotes."""
     return json.dumps(text, ensure_ascii=False)[1:-1]

@@ -93,21 +93,6 @@ FORMATS = ["json_tools", "qwen3_coder", "mistral", "llama3_json"]
 PROMPT = [1, 2, 3]
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    """The default model's tokenizer (SmolLM2's 49k vocabulary)."""
-    from mlx_lm.utils import load_tokenizer
-
-    from actors.models.store import resolve_model
-
-    return load_tokenizer(resolve_model(None).path)
-
-
-@pytest.fixture(scope="module")
-def grammars(tokenizer) -> Grammars:
-    return Grammars(tokenizer)
-
-
 def drive(tok, processors, *, seed: int, max_steps: int = 400) -> tuple[list[int], bool]:
     """Greedy decoding over random logits through ``processors``, fed the way mlx-lm's
     GenerationBatch feeds them (the prompt, then each token generated). Returns the tokens
