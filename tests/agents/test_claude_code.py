@@ -16,9 +16,10 @@ TURNS = 4
 E2E_TIMEOUT_S = 900
 
 
-async def _session(url: str, system_chars: int, turns: int) -> tuple[ClaudeCode, list]:
+async def _session(url: str, system_chars: int, turns: int, thinking: str = "enabled"
+                   ) -> tuple[ClaudeCode, list]:
     session = ClaudeCode(Script(seed=1, result_chars=(300, 900)), system_chars=system_chars,
-                         resumed=2)
+                         resumed=2, thinking=thinking)
     # At start: the quota probe and the context meter, on names no server here serves.
     probe = await turn(url, session, session.quota_probe())
     assert probe.finish in ("max_tokens", "end_turn")
@@ -34,8 +35,12 @@ def _check(answers: list) -> None:
     assert answers[0].cached_tokens < answers[0].prompt_tokens
 
 
-async def test_claude_code_session_on_a_qwen3_template_keeps_its_cache(qwen3_url: str) -> None:
-    session, answers = await _session(qwen3_url, system_chars=2000, turns=TURNS)
+# 2.1.37's thinking budget; 2.1.69's adaptive thinking, context_management and effort.
+@pytest.mark.parametrize("thinking", ["enabled", "adaptive"])
+async def test_claude_code_session_on_a_qwen3_template_keeps_its_cache(qwen3_url: str,
+                                                                       thinking: str) -> None:
+    session, answers = await _session(qwen3_url, system_chars=2000, turns=TURNS,
+                                      thinking=thinking)
     _check(answers)
     # The conversation grew turn after turn, with each answer kept as Claude Code keeps it.
     assert [a.prompt_tokens for a in answers] == sorted(a.prompt_tokens for a in answers)
