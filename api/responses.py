@@ -494,8 +494,9 @@ def prepare_turn(
     if req.previous_response_id is not None:
         previous = store.get(req.previous_response_id)
         if previous is None:
+            # 400, as OpenAI answers it (code previous_response_not_found); GET is the 404.
             raise ApiError(
-                404,
+                400,
                 f"Previous response with id '{req.previous_response_id}' not found: it was "
                 "never stored here, was stored with 'store': false, or is no longer kept.",
                 param="previous_response_id",

@@ -74,6 +74,8 @@ IDLE_TIMEOUT_S = 2.0
 BODY_TIMEOUT_S = 3.0
 MAX_BODY_BYTES = 256 * 1024
 SHUTDOWN_GRACE_S = 3.0
+# The longest answer the soak asks for (sigterm's stories); a huge max_tokens is cut to it.
+MAX_TOKENS_LIMIT = 256
 # About 8 blocks of the default model (64 tokens, ~2.9 MB each): most prefix hits come from
 # disk, where corrupt blocks can be served if anything is wrong.
 CACHE_RAM_MAX = 24 * 10**6
@@ -375,6 +377,7 @@ class Server:
             "--body-timeout", str(BODY_TIMEOUT_S), "--max-body-bytes", str(MAX_BODY_BYTES),
             "--cache-ram-max", str(CACHE_RAM_MAX), "--cache-disk-max", str(CACHE_DISK_MAX),
             "--shutdown-grace", str(SHUTDOWN_GRACE_S),
+            "--max-tokens-limit", str(MAX_TOKENS_LIMIT),
         ] + (["--model", model] if model else [])
         self.proc: subprocess.Popen[bytes] | None = None
         self.instance = 0

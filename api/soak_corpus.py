@@ -115,7 +115,8 @@ def build_corpus(model: str, max_body_bytes: int) -> list[Case]:
                                                logit_bias_v2=7)), 200, "openai"),
         Case("max-tokens-negative", post(CHAT, chat(max_tokens=-1)), 400, "openai"),
         Case("temperature-negative", post(CHAT, chat(temperature=-0.5)), 400, "openai"),
-        Case("max-tokens-huge", post(CHAT, chat(max_tokens=10**30)), 400, "openai"),
+        # Served with the budget cut to the room left (the soak's server caps answers too).
+        Case("max-tokens-huge", post(CHAT, chat(max_tokens=10**30)), 200, "openai"),
         Case("temperature-huge", request_bytes("POST", CHAT, _json(chat())[:-1]
                                                + b', "temperature": 1e400}'), 400, "openai"),
         # A top_k past the vocabulary keeps every token, as none does; any integer seeds.

@@ -716,7 +716,7 @@ async def test_openai_client_sees_refusals_as_errors(openai_client: openai.Async
     with pytest.raises(openai.BadRequestError) as bad:
         await openai_client.responses.create(model=MODEL, input="hello", background=True)
     assert bad.value.param == "background"
-    with pytest.raises(openai.NotFoundError) as missing:
+    with pytest.raises(openai.BadRequestError) as missing:
         await openai_client.responses.create(
             model=MODEL, input="hello", previous_response_id="resp_1"
         )
@@ -1031,7 +1031,7 @@ async def test_responses_are_stored_unless_store_is_false(client: TestClient) ->
     error = assert_error_shape(await resp.json(), param=None)
     assert error["code"] == "response_not_found"
     resp = await client.post(RESPONSES, json=body(previous_response_id=unkept.id))
-    assert resp.status == 404
+    assert resp.status == 400
 
 
 async def test_previous_response_id_continues_the_stored_conversation(
@@ -1082,9 +1082,9 @@ async def test_a_bad_item_after_a_continued_response_is_named_in_the_requests_in
     assert_error_shape(await resp.json(), param="input[1].call_id")
 
 
-async def test_a_missed_previous_response_is_404_in_openais_shape(client: TestClient) -> None:
+async def test_a_missed_previous_response_is_400_in_openais_shape(client: TestClient) -> None:
     resp = await client.post(RESPONSES, json=body(previous_response_id="resp_gone"))
-    assert resp.status == 404
+    assert resp.status == 400
     error = assert_error_shape(await resp.json(), param="previous_response_id")
     assert (error["type"], error["code"]) == ("invalid_request_error",
                                               "previous_response_not_found")
