@@ -79,6 +79,11 @@ class AgentSession(ABC):
     def take(self, answer: Answer) -> None:
         """Keep ``answer`` as the agent does, and make the agent's next input."""
 
+    @abstractmethod
+    def scripted(self, turn: int) -> Answer:
+        """An answer written by the script in this agent's terms (a line and one call of its
+        own tools), for replays that give every server the same conversation."""
+
 
 # --- the script: what the user asks and what the tools answer --------------------------------
 
@@ -351,6 +356,14 @@ class ClaudeCode(AgentSession):
                                 if failed else self.script.result(call.name))}]})
         self.messages.append({"role": "user", "content": [*results, self._reminder()]})
 
+    def scripted(self, turn: int) -> Answer:
+        tool, given = [("Read", {"file_path": f"/home/u/proj/{self.script.path()}"}),
+                       ("Grep", {"pattern": self.script.word(), "output_mode": "content"}),
+                       ("Bash", {"command": "pytest -x -q", "description": "Run the tests"}),
+                       ][turn % 3]
+        return Answer(text=f"Step {turn}: let me check the {self.script.word()}.",
+                      calls=[Call(f"toolu_{self.script.ident()}{turn:03d}", tool, given)])
+
     def quota_probe(self) -> Request:
         """The small job Claude Code runs at start on its haiku model."""
         return Request("/v1/messages?beta=true", self.headers(), {
@@ -523,6 +536,9 @@ class Codex(AgentSession):
                        {"model": self.model, "input": self.input,
                         **turn_fields(prompt_cache_key=self.session)})
 
+    def scripted(self, turn: int) -> Answer:
+        return _codex_scripted(self.script, turn)
+
     def take(self, answer: Answer) -> None:
         self.input += [{k: v for k, v in item.items() if k != "status"}
                        for item in answer.items]
@@ -537,6 +553,23 @@ class Codex(AgentSession):
                                              + self.script.result(call.name)})
         if not answer.calls:
             self.input.append(message("user", self.script.task()))
+
+
+def _codex_scripted(script: Script, turn: int) -> Answer:
+    """Codex's scripted answer: a line of commentary and a shell call, or a patch."""
+    if turn % 2:
+        call = Call(f"call_{_hex(script.rng, 24)}", "apply_patch",
+                    f"*** Begin Patch\n*** Update File: {script.path()}\n@@\n-old\n+new\n"
+                    "*** End Patch\n")
+    else:
+        call = Call(f"call_{_hex(script.rng, 24)}", "shell",
+                    {"command": ["bash", "-lc", f"rg -n {script.word()}"],
+                     "workdir": "/work/demo"})
+    text = f"Step {turn}: checking the {script.word()}."
+    return Answer(text=text, calls=[call], items=[
+        {"type": "message", "role": "assistant", "status": "completed",
+         "content": [{"type": "output_text", "text": text, "annotations": []}]},
+        _call_item(call)])
 
 
 def _call_item(call: Call) -> dict[str, Any]:
@@ -625,6 +658,14 @@ class OpenCode(AgentSession):
             "tool_choice": "auto", "max_tokens": 32000, "temperature": 0.55, "top_p": 1,
             "stream": True, "stream_options": {"include_usage": True}})
 
+    def scripted(self, turn: int) -> Answer:
+        tool, given = [("read", {"filePath": self.script.path()}),
+                       ("grep", {"pattern": self.script.word()}),
+                       ("bash", {"command": "pytest -x -q", "description": "Run the tests"}),
+                       ][turn % 3]
+        return Answer(text=f"Step {turn}: checking the {self.script.word()}.",
+                      calls=[Call(f"call_{_hex(self.script.rng, 24)}", tool, given)])
+
     def take(self, answer: Answer) -> None:
         turn: dict[str, Any] = {"role": "assistant", "content": answer.text}
         if answer.calls:
@@ -688,6 +729,10 @@ class Cline(AgentSession):
             "model": self.model, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True},
             "messages": [{"role": "system", "content": self.system}, *self.messages]})
+
+    def scripted(self, turn: int) -> Answer:
+        return Answer(text=f"Step {turn}: I need to read the file.\n<read_file>\n<path>"
+                           f"{self.script.path()}</path>\n</read_file>")
 
     def take(self, answer: Answer) -> None:
         self.messages.append({"role": "assistant", "content": answer.text})

@@ -50,7 +50,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402  (beside this file; it puts the repository on the path)
 import sessions  # noqa: E402
-from agent_shapes import Answer, Call, ClaudeCode, Request, Script, reuse  # noqa: E402
+from agent_shapes import Answer, ClaudeCode, Request, Script, reuse  # noqa: E402
 
 from actors.tool_prompt import with_tools_in_prompt  # noqa: E402  (json only)
 
@@ -87,16 +87,6 @@ def system_chars(tokenizer: Any, target: int) -> int:
     sample = Script(seed=0).filler(20_000)
     per_char = len(tokenizer.encode(sample)) / len(sample)
     return max(0, int((target - fixed) / per_char))
-
-
-def scripted_answer(script: Script, turn: int) -> Answer:
-    """The assistant's turn the script puts in the history: a line, and one call."""
-    tool, given = [("Read", {"file_path": f"/home/u/proj/{script.path()}"}),
-                   ("Grep", {"pattern": script.word(), "output_mode": "content"}),
-                   ("Bash", {"command": "pytest -x -q", "description": "Run the tests"})
-                   ][turn % 3]
-    return Answer(text=f"Step {turn}: let me check the {script.word()}.",
-                  calls=[Call(f"toolu_{script.ident()}{turn:03d}", tool, given)])
 
 
 def gateway_body(request: Request, model: str, answer_tokens: int) -> dict[str, Any]:
@@ -202,7 +192,7 @@ async def replay(server: sessions.Server, args: argparse.Namespace, chars: int,
     for turn in range(1, args.turns + 1):
         answer = await send("turn", session.request(), turn)
         before = len(session.messages)
-        session.take(scripted_answer(script, turn))
+        session.take(session.scripted(turn))
         # Claude Code compacts before the next request would pass its threshold: this one's
         # prompt and what the turn added (counted as JSON: a little over).
         added = sum(len(tokenizer.encode(json.dumps(m))) for m in session.messages[before:])
