@@ -452,6 +452,40 @@ def test_unknown_tool_format_and_unknown_function_raise_grammar_error(grammars):
         grammars.for_tools(TOOLS, ToolChoice(mode="auto"), "json_tools")
 
 
+# The issue's schemas whose every value would nest without end (see test_finite_schema).
+ENDLESS = {
+    "self": {"$ref": "#"},
+    "mutual": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+               "$ref": "#/$defs/a"},
+    "nested": {"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}},
+                               "required": ["c"]}},
+               "$ref": "#/$defs/n"},
+}
+
+
+@pytest.mark.parametrize("name", ENDLESS)
+def test_a_schema_no_finite_value_satisfies_is_refused_saying_why(grammars, name):
+    fmt = OutputFormat(type="json_schema", schema=ENDLESS[name])
+    with pytest.raises(GrammarError, match="no finite JSON value satisfies this schema: "
+                                           r".*a cycle with no way out") as err:
+        grammars.for_format(fmt)
+    assert err.value.param is None  # the constraint's own field: response_format
+
+
+@pytest.mark.parametrize("name", ENDLESS)
+def test_an_enforced_call_of_a_tool_without_finite_arguments_is_refused_naming_it(
+    grammars, name
+):
+    go = tool(ENDLESS[name])
+    with pytest.raises(GrammarError, match="the parameters of tool 'go': no finite JSON "
+                                           "value satisfies this schema") as err:
+        grammars.for_tools([WEATHER, go], ToolChoice(mode="required"), "json_tools")
+    assert err.value.param == "tools[1].function.parameters"
+    # A call of another tool named by tool_choice can end: it is enforced as usual.
+    grammars.for_tools([WEATHER, go], ToolChoice(mode="function", name="get_weather"),
+                       "json_tools")
+
+
 def test_qwen3_coder_text_parameter_cannot_hold_a_closing_tag_or_null(tokenizer, grammars):
     tool = {"type": "function", "function": {"name": "note", "parameters": {
         "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}
