@@ -242,11 +242,28 @@ def test_a_forced_token_the_grammar_refuses_leaves_only_eos(tokenizer, grammars)
     proc = constraint.processor()
     width = len(tokenizer._tokenizer)
     proc(mx.array(PROMPT), mx.zeros((1, width)))
+    digit = tokenizer._tokenizer.encode("7", add_special_tokens=False)
     letter = tokenizer._tokenizer.encode("x", add_special_tokens=False)
-    logits = proc(mx.array(PROMPT + letter), mx.zeros((1, width)))
-    assert proc.failed
+    logits = proc(mx.array(PROMPT + digit + letter), mx.zeros((1, width)))
+    assert proc.failed and "refused token" in proc.error
+    assert proc.error_at == len(digit)  # the refused token's place in the answer
     finite = [i for i, f in enumerate(mx.logical_not(mx.isinf(logits[0])).tolist()) if f]
     assert finite == sorted(tokenizer.eos_token_ids)
+
+
+# A grammar that lets an answer begin "ab", then allows nothing: its rule x derives no finite
+# text (each x needs another x before anything).
+DEAD_END = 'start: "ab" x\nx: x "c"'
+
+
+def test_a_dead_end_fails_the_grammar_at_the_token_it_cannot_give(tokenizer, grammars):
+    """Random logits walk the only way the grammar allows, into the dead end: only EOS is
+    left, and the processor says the grammar cannot give the token after "ab"."""
+    proc = grammars.for_format(OutputFormat(type="lark", pattern=DEAD_END)).processor()
+    out, ended = drive(tokenizer, [proc], seed=0)
+    assert ended and tokenizer.decode(out) == "ab"
+    assert proc.failed and "dead end" in proc.error
+    assert proc.error_at == len(out)
 
 
 def test_processors_of_one_constraint_keep_separate_state(tokenizer, grammars):

@@ -532,7 +532,7 @@ class Constraint:
         self.eos_ids = list(eos_ids)
         self.grammar = grammar  # its source: what another rank compiles for the same mask
 
-    def processor(self) -> LogitsProcessor:
+    def processor(self) -> GrammarProcessor:
         """An mlx-lm logits processor for one sequence (each call makes a fresh one): every
         token the grammar does not allow gets -inf."""
         return GrammarProcessor(self._matcher.deep_copy(), self.n_vocab, self.eos_ids)
@@ -543,7 +543,13 @@ class GrammarProcessor:
 
     mlx-lm calls it as ``processor(context, logits)`` each step: ``context`` holds the prompt,
     then every token generated so far; the first call's length is the prompt's. Each later call
-    feeds the matcher only the new tail (one token, normally)."""
+    feeds the matcher only the new tail (one token, normally).
+
+    When the grammar cannot go on, it allows only EOS from then on, and says why in ``error``
+    and where in ``error_at`` (the index, among the generated tokens, of the first one the
+    grammar did not give), for the engine to end the request there with that error: at a dead
+    end (the grammar allows no token and is not complete: a rule that derives no finite text),
+    or after a token the grammar refused that another processor forced."""
 
     def __init__(self, matcher: LLMatcher, n_vocab: int, eos_ids: list[int]) -> None:
         self.matcher = matcher
@@ -551,29 +557,47 @@ class GrammarProcessor:
         self.eos_ids = eos_ids
         self.bitmask = llguidance.numpy.allocate_token_bitmask(1, n_vocab)
         self.seen: int | None = None
-        self.failed = False
+        self.prompt_len = 0
+        self.error: str | None = None
+        self.error_at: int | None = None
+        self.detail = ""  # llguidance's own word on the failure, for the log
+
+    @property
+    def failed(self) -> bool:
+        """Whether the grammar cannot go on (``error`` says why)."""
+        return self.error is not None
 
     def __call__(self, context: mx.array, logits: mx.array) -> mx.array:
         n = context.shape[-1]
         if self.seen is None:
-            self.seen = n
+            self.seen = self.prompt_len = n
         elif n > self.seen:
-            new = context[self.seen :].tolist()
+            at, new = self.seen, context[self.seen :].tolist()
             self.seen = n
             # One by one: consume_tokens refuses the EOS of a finished grammar that
             # consume_token takes.
-            if not self.failed and not all(self.matcher.consume_token(t) for t in new):
-                # A token the grammar did not allow was forced (another processor?): end the
-                # request rather than let it write text the grammar cannot follow.
-                self.failed = True
-                log.warning("grammar rejected tokens %s; allowing only EOS: %s",
-                            new, self.matcher.get_error().split("\n", 1)[0])
-        if self.failed:
+            for i, token in enumerate(new):
+                if self.error is None and not self.matcher.consume_token(token):
+                    self._fail(at + i, f"refused token {token}, forced by another processor")
+                    break
+        if self.error is None:
+            llguidance.numpy.fill_next_token_bitmask(self.matcher, self.bitmask)
+            # A complete grammar allows EOS (alone once it takes nothing more, even after an
+            # EOS with ignore_eos); one that is not complete and allows nothing is stuck.
+            if self.matcher.is_stopped() and not self.matcher.is_accepting():
+                self._fail(n, "reached a dead end: it allows no next token, and the text so far "
+                              "does not complete it (a rule that derives no finite text does "
+                              "this)")
+        if self.error is not None:
             return _only(logits, self.eos_ids)
-        # Once the grammar is complete llguidance allows EOS alone, even after taking one
-        # (ignore_eos), so a mask is never empty.
-        llguidance.numpy.fill_next_token_bitmask(self.matcher, self.bitmask)
         return _apply(logits, self.bitmask[0])
+
+    def _fail(self, position: int, what: str) -> None:
+        """The grammar cannot take the token at ``position`` of the context."""
+        self.error_at = position - self.prompt_len
+        self.error = (f"the grammar of this request's response_format or enforced tool call "
+                      f"{what} (after {self.error_at} generated tokens)")
+        self.detail = self.matcher.get_error().split("\n", 1)[0]
 
 
 def _apply(logits: mx.array, words: np.ndarray) -> mx.array:
