@@ -10,7 +10,7 @@ from __future__ import annotations
 import jsonschema
 import pytest
 
-from actors.engine.finite_schema import unsatisfiable
+from actors.engine.finite_schema import _Finite, unsatisfiable
 
 # The issue's reproductions.
 SELF = {"$ref": "#"}
@@ -144,3 +144,25 @@ def test_a_long_chain_of_definitions_is_followed_without_recursion():
     why = unsatisfiable({"$defs": loops, "$ref": "#/$defs/d0"})
     assert why is not None and why.endswith("$ref '#/$defs/d0'" + CYCLE)
     assert why.count("required property 'x'") == n
+
+
+def test_a_wide_object_is_checked_in_linear_steps(monkeypatch):
+    """Each of two thousand required properties is found to end one by one; the object is
+    looked at again after them, not after each (two thousand scans of its properties: a
+    schema that held the admission thread for seconds). Counted in looks at subschemas."""
+    looks = 0
+    ok = _Finite.ok
+
+    def counted(self, schema):
+        nonlocal looks
+        looks += 1
+        return ok(self, schema)
+
+    monkeypatch.setattr(_Finite, "ok", counted)
+    n = 2000
+    props = {f"p{i}": {"type": "string"} for i in range(n)}
+    for required in (list(props), list(reversed(props))):
+        looks = 0
+        assert unsatisfiable({"type": "object", "properties": props,
+                              "required": required}) is None
+        assert looks <= 4 * n, looks

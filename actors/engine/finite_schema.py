@@ -18,6 +18,7 @@ provably unsatisfiable is refused.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import unquote
@@ -60,14 +61,21 @@ class _Finite:
                 if isinstance(child, dict):
                     parents.setdefault(id(child), []).append(node)
                     todo.append(child)
-        # Found last, the innermost subschemas are looked at first.
-        work = list(nodes.values())
+        # Innermost first (found after their parents), and first in, first out, each subschema
+        # queued once at a time: a parent is looked at again once, after the children found
+        # meanwhile, not once for each (which is quadratic in an object's required properties).
+        work = deque(reversed(nodes.values()))
+        queued = set(nodes)
         while work:
-            node = work.pop()
+            node = work.popleft()
+            queued.discard(id(node))
             if id(node) in self.finite or self._fault(node) is not None:
                 continue
             self.finite.add(id(node))
-            work.extend(parents.get(id(node), ()))
+            for parent in parents.get(id(node), ()):
+                if id(parent) not in queued and id(parent) not in self.finite:
+                    queued.add(id(parent))
+                    work.append(parent)
 
     def ok(self, schema: Any) -> bool:
         """Whether ``schema`` has a finite value, as far as found (a non-schema: yes)."""
