@@ -859,9 +859,11 @@ def _format_constraint(entry: ModelEntry, fmt: OutputFormat | None,
 def _compile(entry: ModelEntry, param: str, build: Callable[[Grammars], Constraint]
              ) -> Constraint:
     """Compile a grammar in admission's pool, so that the scheduler never waits for one; a
-    grammar llguidance cannot compile is the client's 400."""
+    grammar that cannot be enforced is the client's 400, naming ``param`` (or the narrower
+    field the error names: a tool's parameters)."""
     assert entry.grammars is not None
     try:
         return build(entry.grammars)
     except GrammarError as exc:
-        raise _refusal("invalid", f"cannot enforce this {param}: {exc}", param=param) from exc
+        raise _refusal("invalid", f"cannot enforce this {param}: {exc}",
+                       param=exc.param or param) from exc

@@ -273,6 +273,23 @@ def test_bad_agent_requests_get_400_and_the_server_keeps_serving(
     assert ok.choices[0].message.content
 
 
+def test_a_schema_no_finite_value_satisfies_is_a_400_saying_why(client: openai.OpenAI) -> None:
+    """An object that requires a property of its own kind: every value would nest without
+    end, so the answer could never be valid JSON. Refused before any token."""
+    nested = {"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}},
+                              "required": ["c"]}},
+              "$ref": "#/$defs/n"}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model=MODEL, temperature=0, max_tokens=40,
+            messages=[{"role": "user", "content": "Give a nested object as JSON."}],
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "n", "schema": nested}})
+    assert err.value.param == "response_format"
+    assert ("no finite JSON value satisfies this schema: $ref '#/$defs/n' → required "
+            "property 'c' → $ref '#/$defs/n': a cycle with no way out") in err.value.message
+
+
 def test_parallel_calls_allowed_each_complete_call_is_valid_and_none_repeats(
     client: openai.OpenAI,
 ) -> None:

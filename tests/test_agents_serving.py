@@ -178,3 +178,69 @@ async def test_constrained_answer_from_the_prefix_cache_is_the_same(aiohttp_clie
     assert warm["choices"][0]["message"] == cold["choices"][0]["message"]
     if cold["choices"][0]["finish_reason"] == "stop":
         jsonschema.validate(json.loads(cold["choices"][0]["message"]["content"]), SCHEMA)
+
+
+# The issue's schemas whose every value would nest without end (see test_finite_schema).
+ENDLESS = [
+    {"$ref": "#"},
+    {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+    {"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}},
+                     "required": ["c"]}},
+     "$ref": "#/$defs/n"},
+]
+
+
+def _enforcing(model: str, schema: dict) -> list[tuple[str, dict[str, Any], str | None]]:
+    """Every route's request that enforces ``schema`` (as the answer or as the parameters of
+    a required call), and the ``param`` its refusal names (None: Anthropic's shape has none)."""
+    go = {"type": "function", "function": {"name": "go", "parameters": schema}}
+    ask = [{"role": "user", "content": "Go."}]
+    return [
+        ("/v1/chat/completions",
+         _chat(model, response_format={"type": "json_schema",
+                                       "json_schema": {"name": "s", "schema": schema}}),
+         "response_format"),
+        ("/v1/chat/completions", _chat(model, tools=[TOOL, go], tool_choice="required"),
+         "tools[1].function.parameters"),
+        ("/v1/completions",
+         {"model": model, "prompt": "JSON:", "max_tokens": 8,
+          "response_format": {"type": "json_schema",
+                              "json_schema": {"name": "s", "schema": schema}}},
+         "response_format"),
+        ("/v1/messages",
+         {"model": model, "max_tokens": 8, "messages": ask,
+          "output_config": {"format": {"type": "json_schema", "schema": schema}}}, None),
+        ("/v1/messages",
+         {"model": model, "max_tokens": 8, "messages": ask,
+          "tools": [{"name": "go", "input_schema": schema}], "tool_choice": {"type": "any"}},
+         None),
+        ("/v1/responses",
+         {"model": model, "input": "Go.", "max_output_tokens": 8,
+          "text": {"format": {"type": "json_schema", "name": "s", "schema": schema}}},
+         "response_format"),
+        ("/v1/responses",
+         {"model": model, "input": "Go.", "max_output_tokens": 8,
+          "tools": [{"type": "function", "name": "go", "parameters": schema}],
+          "tool_choice": "required"},
+         "tools[0].function.parameters"),
+    ]
+
+
+async def test_a_schema_no_finite_value_satisfies_is_400_on_every_route(
+    aiohttp_client, tiny_model_dir
+):
+    """As the answer's format or an enforced call's parameters, such a schema is refused
+    before any token, in the route's error shape; an auto call of that tool is served."""
+    client, model = await _client(aiohttp_client, tiny_model_dir)
+    for schema in ENDLESS:
+        for path, body, param in _enforcing(model, schema):
+            resp = await client.post(path, json=body)
+            data = await resp.json()
+            assert resp.status == 400, (path, body, data)
+            assert data["error"]["type"] == "invalid_request_error", (path, data)
+            assert "no finite JSON value satisfies this schema" in data["error"]["message"], data
+            if param is not None:
+                assert data["error"]["param"] == param, (path, data)
+    go = {"type": "function", "function": {"name": "go", "parameters": ENDLESS[2]}}
+    resp = await client.post("/v1/chat/completions", json=_chat(model, tools=[go], max_tokens=8))
+    assert resp.status == 200, await resp.text()

@@ -110,6 +110,36 @@ async def test_a_chained_turn_goes_back_as_the_call_the_model_wrote(
                        + json.dumps({"input": call.input}, ensure_ascii=False) + "}\n</tool_call>")
 
 
+# A freeform tool whose grammar lets its input begin "say ", then allows nothing: its rule x
+# derives no finite text (each x needs another x before anything).
+STUCK = {"type": "custom", "name": "say", "description": "Say a word.",
+         "format": {"type": "grammar", "syntax": "lark", "definition": 'start: "say " x\nx: x "!"'}}
+
+
+async def test_a_required_call_whose_grammar_dead_ends_fails_with_no_call(
+    aiohttp_client, tiny_model_dir
+):
+    """Decoding reaches the grammar's dead end inside the call: the answer is the error (its
+    status before any header, the response.failed event in a stream), never a completed
+    response without the call."""
+    client, model = await _client(aiohttp_client, tiny_model_dir)
+    body = dict(model=model, input="Say fox.", tools=[STUCK], temperature=0,
+                tool_choice={"type": "custom", "name": "say"}, max_output_tokens=200)
+    resp = await client.post("/v1/responses", json=body)
+    data = await resp.json()
+    assert resp.status == 400, data
+    assert "dead end" in data["error"]["message"] and data["error"]["param"] is None
+    resp = await client.post("/v1/responses", json={**body, "stream": True})
+    assert resp.status == 200
+    events = [json.loads(line[len("data: "):]) for line in (await resp.text()).splitlines()
+              if line.startswith("data: ")]
+    assert events[-1]["type"] == "response.failed", events[-1]
+    failed = Response.model_validate(events[-1]["response"])
+    assert failed.error is not None and failed.error.code == "invalid_prompt"
+    assert "dead end" in failed.error.message
+    assert not [item for item in failed.output if item.type == "custom_tool_call"]
+
+
 def _tool(tool: dict[str, Any]) -> Any:
     from api.responses_tools import Tool
 

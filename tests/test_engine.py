@@ -112,6 +112,28 @@ def test_a_repeated_call_ends_the_request_at_once_with_tool_calls(loaded, block_
     assert finish.usage.completion_tokens == len(tokens)
 
 
+@pytest.mark.parametrize("ignore_eos", [False, True], ids=["eos-stops", "ignore-eos"])
+def test_a_grammar_at_a_dead_end_ends_its_request_with_an_error(loaded, ignore_eos):
+    """The grammar lets the answer begin "ab", then allows nothing (its rule x derives no
+    finite text): the request ends there with an invalid-request error, never as a stop with
+    the unfinished text, and the request beside it goes on alone."""
+    model, tok = loaded
+    constraint = Grammars(tok, vocab_size=model.args.vocab_size).for_format(
+        OutputFormat(type="lark", pattern='start: "ab" x\nx: x "c"'))
+    other = encode(tok, PROMPTS[1])
+    engine = Engine(model, tok, engine_config())
+    engine.add("a", encode(tok, PROMPTS[0]), greedy(40, ignore_eos=ignore_eos),
+               constraint=constraint)
+    engine.add("b", other, greedy(12))
+    res = run(engine)
+    finish = res["a"]["finish"]
+    assert finish.finish_reason == "error" and finish.error_kind == "invalid", finish
+    assert "dead end" in finish.error
+    assert tok.decode(res["a"]["tokens"]) == "ab"
+    assert res["b"]["tokens"] == reference_tokens(model, tok, other, 12)
+    assert engine.runner.decoding == 0
+
+
 def test_stop_string_filter_holds_back_partial_matches():
     f = StopStringFilter(["END"])
     assert f.feed("abc E") == ("abc ", False)

@@ -227,11 +227,28 @@ def test_a_forced_token_the_grammar_refuses_leaves_only_eos(tokenizer, grammars)
     proc = constraint.processor()
     width = len(tokenizer._tokenizer)
     proc(mx.array(PROMPT), mx.zeros((1, width)))
+    digit = tokenizer._tokenizer.encode("7", add_special_tokens=False)
     letter = tokenizer._tokenizer.encode("x", add_special_tokens=False)
-    logits = proc(mx.array(PROMPT + letter), mx.zeros((1, width)))
-    assert proc.failed
+    logits = proc(mx.array(PROMPT + digit + letter), mx.zeros((1, width)))
+    assert proc.failed and "refused token" in proc.error
+    assert proc.error_at == len(digit)  # the refused token's place in the answer
     finite = [i for i, f in enumerate(mx.logical_not(mx.isinf(logits[0])).tolist()) if f]
     assert finite == sorted(tokenizer.eos_token_ids)
+
+
+# A grammar that lets an answer begin "ab", then allows nothing: its rule x derives no finite
+# text (each x needs another x before anything).
+DEAD_END = 'start: "ab" x\nx: x "c"'
+
+
+def test_a_dead_end_fails_the_grammar_at_the_token_it_cannot_give(tokenizer, grammars):
+    """Random logits walk the only way the grammar allows, into the dead end: only EOS is
+    left, and the processor says the grammar cannot give the token after "ab"."""
+    proc = grammars.for_format(OutputFormat(type="lark", pattern=DEAD_END)).processor()
+    out, ended = drive(tokenizer, [proc], seed=0)
+    assert ended and tokenizer.decode(out) == "ab"
+    assert proc.failed and "dead end" in proc.error
+    assert proc.error_at == len(out)
 
 
 def test_processors_of_one_constraint_keep_separate_state(tokenizer, grammars):
@@ -435,6 +452,40 @@ def test_unknown_tool_format_and_unknown_function_raise_grammar_error(grammars):
         grammars.for_tools(TOOLS, ToolChoice(mode="function", name="nope"), "json_tools")
     with pytest.raises(ValueError):
         grammars.for_tools(TOOLS, ToolChoice(mode="auto"), "json_tools")
+
+
+# The issue's schemas whose every value would nest without end (see test_finite_schema).
+ENDLESS = {
+    "self": {"$ref": "#"},
+    "mutual": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+               "$ref": "#/$defs/a"},
+    "nested": {"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}},
+                               "required": ["c"]}},
+               "$ref": "#/$defs/n"},
+}
+
+
+@pytest.mark.parametrize("name", ENDLESS)
+def test_a_schema_no_finite_value_satisfies_is_refused_saying_why(grammars, name):
+    fmt = OutputFormat(type="json_schema", schema=ENDLESS[name])
+    with pytest.raises(GrammarError, match="no finite JSON value satisfies this schema: "
+                                           r".*a cycle with no way out") as err:
+        grammars.for_format(fmt)
+    assert err.value.param is None  # the constraint's own field: response_format
+
+
+@pytest.mark.parametrize("name", ENDLESS)
+def test_an_enforced_call_of_a_tool_without_finite_arguments_is_refused_naming_it(
+    grammars, name
+):
+    go = tool(ENDLESS[name])
+    with pytest.raises(GrammarError, match="the parameters of tool 'go': no finite JSON "
+                                           "value satisfies this schema") as err:
+        grammars.for_tools([WEATHER, go], ToolChoice(mode="required"), "json_tools")
+    assert err.value.param == "tools[1].function.parameters"
+    # A call of another tool named by tool_choice can end: it is enforced as usual.
+    grammars.for_tools([WEATHER, go], ToolChoice(mode="function", name="get_weather"),
+                       "json_tools")
 
 
 def test_qwen3_coder_text_parameter_cannot_hold_a_closing_tag_or_null(tokenizer, grammars):

@@ -23,7 +23,7 @@ from mlx_lm.sample_utils import (
 from actors.engine.agent_output import OutputParser
 from actors.engine.batch import chunk_of
 from actors.engine.config import DEFAULTS, EngineConfig
-from actors.engine.grammar import thinking_budget_processor
+from actors.engine.grammar import GrammarProcessor, thinking_budget_processor
 from actors.engine.kv_blocks import (
     ARRAYS,
     KVBlock,
@@ -192,8 +192,9 @@ class Engine:
             frequency_penalty=sampling.frequency_penalty or None,
             frequency_context_size=PENALTY_CONTEXT,
         )
-        if constraint is not None:
-            processors.append(constraint.processor())
+        grammar = constraint.processor() if constraint is not None else None
+        if grammar is not None:
+            processors.append(grammar)
         if output is not None and output.think and output.thinking_budget is not None:
             start, end = output.think
             processors.append(thinking_budget_processor(
@@ -230,6 +231,7 @@ class Engine:
             hashes=hashes,
             stored=n_cached,
             parser=OutputParser(output) if output is not None else None,
+            grammar=grammar,
         )
         self.requests[request_id] = req
         self._by_uid[uid] = req
@@ -515,6 +517,10 @@ class Engine:
             log.exception("could not cut prefix blocks of %s", req.request_id)
 
     def _on_token(self, req: Request, resp: Any) -> list[Event]:
+        grammar = req.grammar
+        if grammar is not None and grammar.error_at is not None \
+                and req.generated >= grammar.error_at:
+            return [self._grammar_failed(req, grammar, resp)]
         token = resp.token
         now = time.perf_counter()
         if req.first_token_at is None:
@@ -559,6 +565,17 @@ class Engine:
         elif finish is not None:
             events.append(self._finish(req, finish))
         return events
+
+    def _grammar_failed(self, req: Request, grammar: GrammarProcessor, resp: Any
+                        ) -> RequestFinished:
+        """End a request at the token its grammar could not give (``GrammarProcessor``): with
+        an error, never with an answer the grammar did not finish. The grammar is the
+        client's (its schema, its tools), whence a 400 "invalid"."""
+        if resp.finish_reason is None:  # the EOS it was left to was not a stop (ignore_eos)
+            self.runner.remove(req.uid)
+        log.warning("request %s failed: %s; llguidance: %s", req.request_id, grammar.error,
+                    grammar.detail or "-")
+        return self._finish(req, "error", error=grammar.error, kind="invalid")
 
     def _take_out(self, req: Request) -> None:
         """Take a request that ended before the generator saw it end (a stop string, a

@@ -29,6 +29,7 @@ import numpy as np
 from llguidance import LLMatcher, LLTokenizer
 
 from actors.engine.custom_tools import LarkInput, nested_grammars, with_inputs
+from actors.engine.finite_schema import unsatisfiable
 from actors.messages import OutputFormat, ToolChoice
 from actors.mlx_lm_private import hf_tokenizer
 
@@ -67,8 +68,13 @@ MAX_ERROR = 600
 
 
 class GrammarError(ValueError):
-    """A grammar llguidance cannot compile (unsupported keyword, bad regex...): str(err) says
-    why, for a 400."""
+    """A grammar that cannot be enforced (llguidance cannot compile it: an unsupported keyword,
+    a bad regex...; or no finite answer follows it): str(err) says why, for a 400. ``param``:
+    the request field at fault, when narrower than the constraint's own."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 # --- compiling (admission thread) -----------------------------------------------------------
@@ -129,7 +135,11 @@ class Grammars:
 
         ``think`` (the model's reasoning tags) and ``in_reasoning`` (the prompt ends inside an
         open tag), as in ``OutputSpec``: the reasoning stays free and the constraint starts
-        after its closing tag. Without ``think`` the constraint starts at the first token."""
+        after its closing tag. Without ``think`` the constraint starts at the first token.
+
+        A schema no finite JSON value satisfies (``unsatisfiable``) raises GrammarError: its
+        grammar could never end. A regex or Lark grammar gets no such check; one that cannot
+        end fails its request when decoding reaches the dead end (``GrammarProcessor``)."""
         if fmt.type == "text":
             return None
         if fmt.type in ("json_object", "json_schema"):
@@ -148,12 +158,16 @@ class Grammars:
             raise GrammarError(f"unknown response_format type {fmt.type!r}")
         reasoning = self._reasoning(think, in_reasoning)
         if reasoning is None:
-            return self.compile(body)
-        # The answer's grammar is nested whole (a Lark grammar keeps its own start rule).
-        answer = {**json.loads(body)["grammars"][0], "name": "answer"}
-        prefix, rules = reasoning
-        top = "\n".join([f"start: {prefix} @answer", *rules])
-        return self.compile(json.dumps({"grammars": [{"lark_grammar": top}, answer]}))
+            constraint = self.compile(body)
+        else:
+            # The answer's grammar is nested whole (a Lark grammar keeps its own start rule).
+            answer = {**json.loads(body)["grammars"][0], "name": "answer"}
+            prefix, rules = reasoning
+            top = "\n".join([f"start: {prefix} @answer", *rules])
+            constraint = self.compile(json.dumps({"grammars": [{"lark_grammar": top}, answer]}))
+        # After compiling: llguidance's own refusals say more of what they find.
+        _check_finite(fmt.schema if fmt.type == "json_schema" else None)
+        return constraint
 
     def for_tools(
         self,
@@ -173,7 +187,9 @@ class Grammars:
         nothing of other keys takes no other key: ``_closed``); exactly one call unless
         ``choice.parallel``, and then the answer may end after any complete call. ``think`` /
         ``in_reasoning``: as in ``for_format``. Raises GrammarError (a 400) when the calls
-        cannot be constrained, ValueError for a mode that constrains nothing."""
+        cannot be constrained (among them the calls of a tool whose parameters no finite JSON
+        value satisfies: the error's ``param`` names the tool), ValueError for a mode that
+        constrains nothing."""
         if choice.mode not in ("required", "function"):
             raise ValueError(f"tool_choice {choice.mode!r} does not constrain the answer")
         fmt = tool_format or "json_tools"
@@ -182,15 +198,16 @@ class Grammars:
                 f"tool_choice {choice.mode!r} cannot be enforced for this model: its tool-call "
                 f"format {fmt!r} cannot be constrained (only {', '.join(TOOL_FORMATS)})"
             )
-        funcs = [(name, _closed(params))
-                 for name, params in (f for f in map(_function, tools) if f is not None)]
+        # (index in ``tools``, (name, parameters)) of the tools a call may name
+        declared = [(i, f) for i, f in enumerate(map(_function, tools)) if f is not None]
         if choice.mode == "function":
-            funcs = [f for f in funcs if f[0] == choice.name]
-            if not funcs:
+            declared = [(i, f) for i, f in declared if f[0] == choice.name]
+            if not declared:
                 raise GrammarError(f"tool_choice names {choice.name!r}, which is not a tool")
-        if not funcs:
+        if not declared:
             raise GrammarError("tool_choice requires a tool call, but no function tool is given")
-        funcs = with_inputs(funcs, choice.input_formats)
+        funcs = with_inputs([(name, _closed(params)) for _, (name, params) in declared],
+                            choice.input_formats)
         rules = getattr(self, f"_{fmt}")(funcs, choice.parallel)  # they define "calls"
         start = "start: calls"
         reasoning = self._reasoning(think, in_reasoning)
@@ -201,8 +218,15 @@ class Grammars:
         # A freeform tool's Lark input is a grammar of its own, which its call's items name.
         nested = nested_grammars(funcs, raw=fmt == "qwen3_coder")
         if nested:
-            return self.compile(json.dumps({"grammars": [{"lark_grammar": top}, *nested]}))
-        return self.compile(LLMatcher.grammar_from_lark(top))
+            constraint = self.compile(json.dumps({"grammars": [{"lark_grammar": top}, *nested]}))
+        else:
+            constraint = self.compile(LLMatcher.grammar_from_lark(top))
+        # A tool no call of which can end is refused, though others could be called: the
+        # model may start that call.
+        for i, (name, params) in declared:
+            _check_finite(params, param=f"tools[{i}].function.parameters",
+                          where=f"the parameters of tool {name!r}: ")
+        return constraint
 
     # -- the tool-call markups -------------------------------------------------------------
 
@@ -301,6 +325,15 @@ def _lit(text: str) -> str:
 
 def _short(message: str) -> str:
     return message if len(message) <= MAX_ERROR else message[:MAX_ERROR] + "..."
+
+
+def _check_finite(schema: Any, *, param: str | None = None, where: str = "") -> None:
+    """Raise GrammarError when no finite JSON value satisfies ``schema`` (None: no schema):
+    its grammar would never let an answer end."""
+    why = unsatisfiable(schema) if schema is not None else None
+    if why is not None:
+        raise GrammarError(_short(f"{where}no finite JSON value satisfies this schema: {why}"),
+                           param=param)
 
 
 def _json(schema: dict) -> str:
@@ -499,7 +532,7 @@ class Constraint:
         self.eos_ids = list(eos_ids)
         self.grammar = grammar  # its source: what another rank compiles for the same mask
 
-    def processor(self) -> LogitsProcessor:
+    def processor(self) -> GrammarProcessor:
         """An mlx-lm logits processor for one sequence (each call makes a fresh one): every
         token the grammar does not allow gets -inf."""
         return GrammarProcessor(self._matcher.deep_copy(), self.n_vocab, self.eos_ids)
@@ -510,7 +543,13 @@ class GrammarProcessor:
 
     mlx-lm calls it as ``processor(context, logits)`` each step: ``context`` holds the prompt,
     then every token generated so far; the first call's length is the prompt's. Each later call
-    feeds the matcher only the new tail (one token, normally)."""
+    feeds the matcher only the new tail (one token, normally).
+
+    When the grammar cannot go on, it allows only EOS from then on, and says why in ``error``
+    and where in ``error_at`` (the index, among the generated tokens, of the first one the
+    grammar did not give), for the engine to end the request there with that error: at a dead
+    end (the grammar allows no token and is not complete: a rule that derives no finite text),
+    or after a token the grammar refused that another processor forced."""
 
     def __init__(self, matcher: LLMatcher, n_vocab: int, eos_ids: list[int]) -> None:
         self.matcher = matcher
@@ -518,29 +557,47 @@ class GrammarProcessor:
         self.eos_ids = eos_ids
         self.bitmask = llguidance.numpy.allocate_token_bitmask(1, n_vocab)
         self.seen: int | None = None
-        self.failed = False
+        self.prompt_len = 0
+        self.error: str | None = None
+        self.error_at: int | None = None
+        self.detail = ""  # llguidance's own word on the failure, for the log
+
+    @property
+    def failed(self) -> bool:
+        """Whether the grammar cannot go on (``error`` says why)."""
+        return self.error is not None
 
     def __call__(self, context: mx.array, logits: mx.array) -> mx.array:
         n = context.shape[-1]
         if self.seen is None:
-            self.seen = n
+            self.seen = self.prompt_len = n
         elif n > self.seen:
-            new = context[self.seen :].tolist()
+            at, new = self.seen, context[self.seen :].tolist()
             self.seen = n
             # One by one: consume_tokens refuses the EOS of a finished grammar that
             # consume_token takes.
-            if not self.failed and not all(self.matcher.consume_token(t) for t in new):
-                # A token the grammar did not allow was forced (another processor?): end the
-                # request rather than let it write text the grammar cannot follow.
-                self.failed = True
-                log.warning("grammar rejected tokens %s; allowing only EOS: %s",
-                            new, self.matcher.get_error().split("\n", 1)[0])
-        if self.failed:
+            for i, token in enumerate(new):
+                if self.error is None and not self.matcher.consume_token(token):
+                    self._fail(at + i, f"refused token {token}, forced by another processor")
+                    break
+        if self.error is None:
+            llguidance.numpy.fill_next_token_bitmask(self.matcher, self.bitmask)
+            # A complete grammar allows EOS (alone once it takes nothing more, even after an
+            # EOS with ignore_eos); one that is not complete and allows nothing is stuck.
+            if self.matcher.is_stopped() and not self.matcher.is_accepting():
+                self._fail(n, "reached a dead end: it allows no next token, and the text so far "
+                              "does not complete it (a rule that derives no finite text does "
+                              "this)")
+        if self.error is not None:
             return _only(logits, self.eos_ids)
-        # Once the grammar is complete llguidance allows EOS alone, even after taking one
-        # (ignore_eos), so a mask is never empty.
-        llguidance.numpy.fill_next_token_bitmask(self.matcher, self.bitmask)
         return _apply(logits, self.bitmask[0])
+
+    def _fail(self, position: int, what: str) -> None:
+        """The grammar cannot take the token at ``position`` of the context."""
+        self.error_at = position - self.prompt_len
+        self.error = (f"the grammar of this request's response_format or enforced tool call "
+                      f"{what} (after {self.error_at} generated tokens)")
+        self.detail = self.matcher.get_error().split("\n", 1)[0]
 
 
 def _apply(logits: mx.array, words: np.ndarray) -> mx.array:

@@ -11,6 +11,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, greedy_sampler, make_sampler
 
 from actors.engine.agent_output import OutputParser
+from actors.engine.grammar import GrammarProcessor
 from actors.engine.output import StopStringFilter
 from actors.messages import SamplingParams
 
@@ -87,3 +88,5 @@ class Request:
     # Reads tool calls and reasoning out of a chat answer (None: the text is all content).
     parser: OutputParser | None = None
     reasoning_tokens: int = 0
+    # The grammar's logits processor (None: unconstrained), which says when it cannot go on.
+    grammar: GrammarProcessor | None = None
