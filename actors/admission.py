@@ -6,12 +6,19 @@ an ``AdmissionTicket``. Every refusal is an ``AdmissionError`` carrying its HTTP
 
 One request's tokenizing never holds the others: the handler checks what is cheap (the model,
 the tools, an empty conversation), takes the ask's answer and returns, so the actor takes the
-next message at once. The templating, tokenizing and grammar compiling run in a small thread
-pool the actor owns (the fast tokenizer releases the GIL while it encodes); the rest (the
-context and memory checks, loading the model, the send to the scheduler, the counters) runs
-back on the actor's thread, which then gives the answer. A prompt that cannot fit the context
-is refused from a floor on its token count, before it is tokenized (``PromptBound``); one that
-fits but whose ``max_tokens`` does not is served with ``max_tokens`` cut to the room left.
+next message at once. The templating, tokenizing and grammar compiling run in a small pool of
+daemon threads the actor owns (the fast tokenizer releases the GIL while it encodes); the rest
+(the context and memory checks, loading the model, the send to the scheduler, the counters)
+runs back on the actor's thread, which then gives the answer. A prompt that cannot fit the
+context is refused from a floor on its token count, before it is tokenized (``PromptBound``);
+one that fits but whose ``max_tokens`` does not is served with ``max_tokens`` cut to the room
+left.
+
+The chat template is the model's: ``chat_template_kwargs`` may set the template's variables
+(``enable_thinking``...), never ``apply_chat_template``'s own parameters (``chat_template``
+would replace the template). A render is bounded in time (``template_timeout``: a
+``Watchdog`` cuts it, which frees its worker at once) and in length
+(``RENDER_CHARS_PER_TOKEN``).
 
 A request's model name is resolved here (``_model``): a served model's id, then an alias
 (``--alias``); with one model served, any other name is served by it.
@@ -29,10 +36,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import json
 import logging
 from collections.abc import Callable, Coroutine
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from types import TracebackType
@@ -40,8 +47,12 @@ from typing import Any, TypeVar
 
 import jinja2
 import msgspec
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_tokenizer
+from transformers import PreTrainedTokenizerBase
+from transformers.utils.chat_template_utils import render_jinja_template
 
+from actors.config import TEMPLATE_TIMEOUT_S
 from actors.distributed import rank_memory_of
 from actors.engine.agent_output import (
     FALLBACK_TOOL_FORMAT,
@@ -79,6 +90,7 @@ from actors.messages import (
 )
 from actors.retry import Drain
 from actors.tool_prompt import uses_tools, with_parsed_arguments, with_tools_in_prompt
+from actors.workers import DaemonPool, Overrun, Watchdog
 from runtime import Actor, ActorDead, ActorRef, MailboxFull, Reply, ReplyStream
 
 log = logging.getLogger("actors.admission")
@@ -99,6 +111,23 @@ ADMISSION_WORKERS = 4
 LARGE_PROMPT_CHARS = 32_768
 # A graceful stop lets the admissions under way finish within this long, then cancels them.
 STOP_WAIT_S = 10.0
+# A rendered chat longer than this many characters a token of the model's context (or than
+# its tokenizer's longest token, when that is longer) could never fit: it is refused before it
+# is tokenized. Tokenizers take 3 to 5 characters a token of prose, a few more of indented code.
+RENDER_CHARS_PER_TOKEN = 64
+# apply_chat_template's own parameters (mlx-lm's wrapper's, transformers' and those of the
+# render it calls), read off their signatures so that one a new version adds is refused too,
+# and the conversation itself: in chat_template_kwargs they would replace the model's template
+# (chat_template), what it renders (messages, tools, documents) or what it returns (tokenize,
+# return_dict...). Every other key is a variable of the template (enable_thinking...).
+TEMPLATE_PARAMETERS = frozenset(
+    {"messages"}
+    | {name
+       for fn in (TokenizerWrapper.apply_chat_template,
+                  PreTrainedTokenizerBase.apply_chat_template, render_jinja_template)
+       for name, p in inspect.signature(fn).parameters.items()
+       if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and name != "self"}
+)
 # With one model served, the first use of each other name is logged once: for this many names
 # at the most, each kept to this many characters (a client sending random names cannot grow
 # the set, nor the log, without bound).
@@ -277,6 +306,14 @@ class _Prompt:
     tool_format: str | None
 
 
+@dataclass(frozen=True)
+class _RenderBound:
+    """How long a chat template may take to render: ``seconds``, cut by ``watchdog``."""
+
+    watchdog: Watchdog
+    seconds: float
+
+
 class Admission(Actor):
     """Turns API requests into scheduler requests, or into a refusal with a status code.
 
@@ -285,7 +322,8 @@ class Admission(Actor):
     "pipeline") over ``ranks`` processes, or None for one process. ``aliases``: other names
     (or glob patterns, tried in order) of served models, by the model id each names; one
     naming a model not served is a ValueError. ``max_tokens_limit``: the most tokens any
-    answer may have (None: the context's room alone)."""
+    answer may have (None: the context's room alone). ``template_timeout``: the seconds a
+    chat template may take to render one request's conversation."""
 
     def __init__(
         self,
@@ -299,6 +337,7 @@ class Admission(Actor):
         ranks: int = 1,
         aliases: dict[str, str] | None = None,
         max_tokens_limit: int | None = None,
+        template_timeout: float = TEMPLATE_TIMEOUT_S,
     ) -> None:
         self.models = {card.id: ModelEntry(card, ref) for card, ref in models}
         aliases = aliases or {}
@@ -313,6 +352,9 @@ class Admission(Actor):
         if max_tokens_limit is not None and max_tokens_limit < 1:
             raise ValueError(f"--max-tokens-limit must be at least 1, not {max_tokens_limit}")
         self.max_tokens_limit = max_tokens_limit
+        if not template_timeout > 0:
+            raise ValueError(f"--template-timeout must be above 0, not {template_timeout}")
+        self.template_timeout = template_timeout
         self.pool_name = pool
         self.prefill_step_size = prefill_step_size
         self.block_size = block_size
@@ -327,7 +369,8 @@ class Admission(Actor):
         self.last_estimate = 0
         self.last_retry_after: float | None = None
         self._pending: set[asyncio.Task[Any]] = set()
-        self._executor: ThreadPoolExecutor | None = None
+        self._executor: DaemonPool | None = None
+        self._render: _RenderBound | None = None
         self._large: asyncio.Semaphore | None = None
         self._load_gate: asyncio.Lock | None = None
 
@@ -343,7 +386,8 @@ class Admission(Actor):
             if entry.bound is None:
                 log.info("%s: no cheap bound on prompt length; every prompt is tokenized",
                          entry.card.id)
-        self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="admission-work")
+        self._executor = DaemonPool(self.workers, "admission-work")
+        self._render = _RenderBound(Watchdog("admission-watchdog"), self.template_timeout)
         self._large = asyncio.Semaphore(self.workers - 1)
         self._load_gate = asyncio.Lock()
 
@@ -354,8 +398,11 @@ class Admission(Actor):
         for task in list(self._pending):
             task.cancel()
         if self._executor is not None:
-            # A tokenizer call under way cannot be interrupted: its thread ends after it.
+            # A tokenizer call under way cannot be interrupted: its thread ends after it (or
+            # with the process: the pool's threads are daemons).
             self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._render is not None:
+            self._render.watchdog.close()  # a render still under way ends now
 
     async def handle(self, msg: Any) -> Any:
         try:
@@ -369,6 +416,7 @@ class Admission(Actor):
         match msg:
             case AdmitChat():
                 entry = self._model(msg.model)
+                _check_template_kwargs(msg.chat_template_kwargs)
                 tools = self._tools(msg.tools, msg.tool_choice)
                 self._defer(self._admit_chat(entry, msg, tools))
             case AdmitCompletion():
@@ -454,8 +502,8 @@ class Admission(Actor):
                           tools: list[dict] | None) -> AdmissionTicket:
         args = (tools, msg.tool_choice, msg.response_format, msg.thinking_budget)
         # One trip to the pool for a short prompt; a large one comes back to wait its turn.
-        prepared = await self._work(_chat_short, entry, msg.messages, msg.chat_template_kwargs,
-                                    self.large_prompt_chars, *args)
+        prepared = await self._work(_chat_short, entry, self._render, msg.messages,
+                                    msg.chat_template_kwargs, self.large_prompt_chars, *args)
         if isinstance(prepared, _Prompt):
             prepared = await self._large_turn(_prepare_chat, entry, prepared, *args)
         tokens, output, constraint = prepared
@@ -484,7 +532,9 @@ class Admission(Actor):
 
     async def _count_tokens(self, entry: ModelEntry, msg: CountTokens,
                             tools: list[dict] | None) -> int:
-        prompt = await self._work(_render_chat, entry, msg.messages, tools, None, False)
+        prompt = await self._work(_render_chat, entry, self._render, msg.messages, tools, None,
+                                  False)
+        _check_rendered(entry, prompt.text)
         if len(prompt.text) <= self.large_prompt_chars:
             return len(await self._work(_encode, entry, prompt.text, False))
         return len(await self._large_turn(_encode, entry, prompt.text, False))
@@ -751,11 +801,27 @@ def without_billing_header(messages: list[dict]) -> list[dict]:
     return out
 
 
-def _render_chat(entry: ModelEntry, messages: list[dict], tools: list[dict] | None,
-                 extra: dict | None, generation_prompt: bool) -> _Prompt:
+def _check_template_kwargs(kwargs: dict | None) -> None:
+    """Refuse a ``chat_template_kwargs`` key that is not a variable of the template but a
+    parameter of ``apply_chat_template`` (``TEMPLATE_PARAMETERS``)."""
+    for key in kwargs or ():
+        if key in TEMPLATE_PARAMETERS:
+            raise _refusal(
+                "invalid",
+                f"chat_template_kwargs may set the chat template's variables (such as "
+                f"enable_thinking), not {key!r}: the model's own template renders every "
+                f"request",
+                param=f"chat_template_kwargs.{key}",
+            )
+
+
+def _render_chat(entry: ModelEntry, render: _RenderBound, messages: list[dict],
+                 tools: list[dict] | None, extra: dict | None,
+                 generation_prompt: bool) -> _Prompt:
     """The chat as the template renders it, not tokenized yet (so that its floor of tokens is
-    checked first). A template without a tool format gets the tools written into the
-    conversation instead (``actors.tool_prompt``), read back in troupe's fallback format."""
+    checked first), within ``render``'s time. A template without a tool format gets the tools
+    written into the conversation instead (``actors.tool_prompt``), read back in troupe's
+    fallback format."""
     messages = without_billing_header(messages)
     tool_format = entry.tool_format
     if tool_format is None and (tools or uses_tools(messages)):
@@ -769,10 +835,18 @@ def _render_chat(entry: ModelEntry, messages: list[dict], tools: list[dict] | No
         raise _refusal("invalid", f"model {entry.card.id!r} has no chat template; "
                        "use /v1/completions", param="messages")
     try:
-        text = entry.tokenizer.apply_chat_template(
+        text = render.watchdog.call(
+            render.seconds, entry.tokenizer.apply_chat_template,
             messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False,
             **(extra or {}),
         )
+    except Overrun:
+        raise _refusal(
+            "invalid",
+            f"the chat template did not finish rendering these messages within "
+            f"{render.seconds:g} s (the server's --template-timeout)",
+            param="messages", code="template_timeout",
+        ) from None
     except (jinja2.TemplateError, TypeError, ValueError, KeyError) as exc:
         # Templates reject what they cannot render (roles out of order, bad tool specs).
         raise _refusal("invalid", f"the chat template rejected the messages: {exc}",
@@ -780,17 +854,35 @@ def _render_chat(entry: ModelEntry, messages: list[dict], tools: list[dict] | No
     return _Prompt(text=text, tool_format=tool_format)
 
 
+def _check_rendered(entry: ModelEntry, text: str) -> None:
+    """Refuse, from its length alone, a rendered chat that no tokenizing could fit in the
+    context (see ``RENDER_CHARS_PER_TOKEN``): a template that wrote far more than it was
+    given is not tokenized. Checked after ``_check_floor``, whose refusal (the prompt's
+    least number of tokens) says more where the tokenizer gives a floor."""
+    context = entry.card.context_length
+    most = context * max(RENDER_CHARS_PER_TOKEN, entry.bound.chars if entry.bound else 0)
+    if len(text) > most:
+        raise _refusal(
+            "invalid",
+            f"the chat template rendered these messages as {len(text)} characters, more than "
+            f"this model's context of {context} tokens can hold ({most} at the most): "
+            f"shorten them",
+            param="messages", code="context_length_exceeded",
+        )
+
+
 _Prepared = tuple[list[int], OutputSpec | None, Constraint | None]
 
 
-def _chat_short(entry: ModelEntry, messages: list[dict], extra: dict | None,
-                large: int, tools: list[dict] | None,
+def _chat_short(entry: ModelEntry, render: _RenderBound, messages: list[dict],
+                extra: dict | None, large: int, tools: list[dict] | None,
                 choice: ToolChoice, fmt: OutputFormat | None, thinking_budget: int | None,
                 ) -> _Prepared | _Prompt:
     """The chat rendered for generation, refused if its floor of tokens cannot fit; prepared
     at once if it has at most ``large`` characters, else returned to wait its turn."""
-    prompt = _render_chat(entry, messages, tools, extra, True)
+    prompt = _render_chat(entry, render, messages, tools, extra, True)
     _check_floor(entry, prompt.text, "messages")
+    _check_rendered(entry, prompt.text)
     if len(prompt.text) > large:
         return prompt
     return _prepare_chat(entry, prompt, tools, choice, fmt, thinking_budget)

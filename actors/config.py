@@ -7,6 +7,9 @@ import msgspec
 from actors.engine.config import DEFAULTS as ENGINE
 from actors.engine.config import EngineConfig
 
+# Seconds a chat template may take to render one request's conversation (admission's bound).
+TEMPLATE_TIMEOUT_S = 2.0
+
 
 class ServeConfig(msgspec.Struct, kw_only=True):
     """Everything ``troupe serve`` can set (docs/configuration.md explains each field)."""
@@ -32,6 +35,9 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     # The most tokens any answer may have (None: the model's context is the only bound): a
     # request asking for more is served with that many.
     max_tokens_limit: int | None = None
+    # Seconds the model's chat template may take to render a request's conversation; a
+    # render still running then is cut, and the request refused (400).
+    template_timeout: float = TEMPLATE_TIMEOUT_S
     # Responses API: how many responses are kept in memory for previous_response_id and
     # GET /v1/responses/{id}, the least recently used dropped first (0: none are kept).
     responses_store: int = 256

@@ -95,6 +95,7 @@ async def start_serving(system: ActorSystem, config: ServeConfig) -> ServingHand
         distributed=config.distributed,
         aliases=config.aliases,
         max_tokens_limit=config.max_tokens_limit,
+        template_timeout=config.template_timeout,
         # The group start_rank joined: its guard counts one rank's share, as the gate does.
         ranks=mx.distributed.init().size() if config.distributed else 1,
     )

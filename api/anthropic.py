@@ -38,6 +38,7 @@ from api.generation import Renderer
 from api.generation_route import generate
 from api.shutdown import generation
 from api.sse import Frame
+from api.stops import stop_sequences
 from api.telemetry import RECORD
 from runtime import ActorRef
 
@@ -424,9 +425,7 @@ def _output_format(req: MessagesRequest) -> OutputFormat | None:
 
 def admit_message(req: MessagesRequest, request_id: str) -> AdmitChat:
     """Validate what the schema cannot express and build the admission message."""
-    stops = list(req.stop_sequences or [])
-    if any(s == "" for s in stops):
-        raise ApiError(400, "Stop sequences must not be empty.", param="stop_sequences")
+    stops = stop_sequences(list(req.stop_sequences or []), "stop_sequences")
     messages, tools, choice = _chat(req)
     template_kwargs, budget = _thinking(req)
     sent = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k}

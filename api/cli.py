@@ -420,6 +420,14 @@ def build_parser() -> argparse.ArgumentParser:
         "N (default: no limit but the model's context)",
     )
     serve_cmd.add_argument(
+        "--template-timeout",
+        type=float,
+        metavar="SECONDS",
+        default=opt,
+        help="seconds the chat template may take to render a request; a longer render is "
+        f"cut and the request refused with 400 (default: {_DEFAULTS.template_timeout})",
+    )
+    serve_cmd.add_argument(
         "--responses-store",
         type=int,
         metavar="N",

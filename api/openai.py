@@ -39,6 +39,7 @@ from api.generation import Renderer
 from api.generation_route import generate
 from api.shutdown import generation
 from api.sse import DONE, Frame
+from api.stops import stop_sequences
 from runtime import ActorRef
 
 # --- request schemas -----------------------------------------------------------------------
@@ -340,9 +341,8 @@ def _sampling(
 ) -> SamplingParams:
     if req.n is not None and req.n != 1:
         raise ApiError(400, "Only n=1 is supported.", param="n")
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if any(s == "" for s in stop):
-        raise ApiError(400, "Stop sequences must not be empty.", param="stop")
+    stop = stop_sequences([req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+                          "stop")
     fields = {name: getattr(req, name) for name in _SAMPLING_FIELDS}
     return SamplingParams(
         max_tokens=max_tokens,

@@ -46,6 +46,7 @@ from actors.messages import (
 )
 from api.anthropic import MessagesRenderer, MessagesRequest
 from api.app import create_app
+from api.stops import MAX_STOP_CHARS, MAX_STOPS
 from runtime import Actor, ActorSystem
 
 MESSAGES = "/v1/messages"
@@ -285,6 +286,24 @@ async def test_bad_request_is_invalid_request_error_in_anthropic_shape(
     assert resp.status == 400
     assert_anthropic_error(await resp.json(), "invalid_request_error")
     assert not [m for m in scripted.seen if isinstance(m, AdmitChat)]  # refused before admission
+
+
+async def test_stop_sequences_over_their_count_or_size_are_a_400_naming_the_limit(
+    client: TestClient, scripted: Scripted
+) -> None:
+    # As many as allowed, of the size allowed (32 characters each).
+    at_the_limits = [f"{i:0{MAX_STOP_CHARS // MAX_STOPS}d}" for i in range(MAX_STOPS)]
+    resp = await client.post(MESSAGES, json=body(stop_sequences=at_the_limits))
+    assert resp.status == 200, await resp.text()
+    admitted = [m for m in scripted.seen if isinstance(m, AdmitChat)]
+    assert admitted[-1].sampling.stop == at_the_limits
+    for stops, limit in ((["x"] * (MAX_STOPS + 1), MAX_STOPS),
+                         ([*at_the_limits[:-1], at_the_limits[-1] + "x"], MAX_STOP_CHARS)):
+        resp = await client.post(MESSAGES, json=body(stop_sequences=stops))
+        assert resp.status == 400
+        message = assert_anthropic_error(await resp.json(), "invalid_request_error")
+        assert "'stop_sequences'" in message and f"the limit is {limit}" in message
+    assert [m for m in scripted.seen if isinstance(m, AdmitChat)] == admitted
 
 
 async def test_malformed_json_is_invalid_request_error(client: TestClient) -> None:

@@ -30,6 +30,7 @@ from http_stack import (
 )
 
 from actors.messages import AdmitChat, AdmitCompletion, OutputFormat
+from api.stops import MAX_STOP_CHARS
 
 # --- fixtures and helpers ------------------------------------------------------------------
 
@@ -485,6 +486,26 @@ async def test_bad_request_is_400_in_error_shape_and_server_keeps_serving(
     assert error["type"] == "invalid_request_error"
     assert scripted.seen == []  # refused before admission
     await assert_still_serving(client)
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+async def test_stop_sequences_over_their_total_size_are_a_400_naming_the_limit(
+    client: TestClient, scripted: Scripted, path: str
+) -> None:
+    def ask(stop: list[str]) -> dict[str, Any]:
+        if path == CHAT:
+            return chat_body(stop=stop)
+        return {"model": MODEL, "prompt": "hello", "stop": stop}
+
+    at_the_limit = ["x" * (MAX_STOP_CHARS // 4)] * 4  # OpenAI's 4, of the size allowed
+    resp = await client.post(path, json=ask(at_the_limit))
+    assert resp.status == 200, await resp.text()
+    assert scripted.seen[-1].sampling.stop == at_the_limit
+    resp = await client.post(path, json=ask([*at_the_limit[:3], at_the_limit[3] + "x"]))
+    assert resp.status == 400
+    error = assert_error_shape(await resp.json(), param="stop")
+    assert f"the limit is {MAX_STOP_CHARS}" in error["message"]
+    assert len(scripted.seen) == 1  # refused before admission
 
 
 async def test_oversized_body_is_413_in_error_shape(client: TestClient) -> None:

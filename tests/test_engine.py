@@ -6,6 +6,8 @@ import json
 
 import pytest
 from engine_helpers import encode, engine_config, fix_budget, greedy, run, run_arriving
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from mlx_lm import load
 from reference import PROMPTS, detokenize, reference_tokens
 
@@ -142,6 +144,54 @@ def test_stop_string_filter_holds_back_partial_matches():
     assert f.feed("..EN") == ("..", False)
     assert f.feed("D tail") == ("", True)
     assert f.matched == "END"
+
+
+class OneStopAtATime:
+    """The stop string filter as it was: each stop string looked for on its own in each
+    delta, and a held-back prefix found for each (the reference for the automaton's)."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+        self.matched: str | None = None
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        buf = self.pending + text
+        hits = [(i, s) for s, i in ((s, buf.find(s)) for s in self.stops) if i >= 0]
+        if hits:
+            self.pending = ""
+            at, self.matched = min(hits)
+            return buf[:at], True
+        hold = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(buf)), 0, -1):
+                if buf.endswith(s[:n]):
+                    hold = max(hold, n)
+                    break
+        self.pending = buf[len(buf) - hold:] if hold else ""
+        return buf[: len(buf) - hold], False
+
+    def flush(self) -> str:
+        text, self.pending = self.pending, ""
+        return text
+
+
+# Few characters, so that stop strings overlap, share prefixes and recur in the text.
+_STOP_TEXT = st.text(alphabet="ab\né<|>", max_size=12)
+
+
+@settings(max_examples=400, deadline=None)
+@given(stops=st.lists(_STOP_TEXT.filter(bool), min_size=1, max_size=64),
+       deltas=st.lists(_STOP_TEXT, max_size=24))
+def test_stop_string_filter_with_many_stops_matches_each_stop_looked_for_alone(
+    stops: list[str], deltas: list[str]
+) -> None:
+    f, reference = StopStringFilter(stops), OneStopAtATime(stops)
+    for text in deltas:
+        assert f.feed(text) == reference.feed(text)
+        assert f.matched == reference.matched
+        assert f.pending == reference.pending
+    assert f.flush() == reference.flush()
 
 
 def test_abort_removes_request_and_frees_its_cache(loaded):

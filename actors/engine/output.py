@@ -3,8 +3,10 @@ tool calls and reasoning taken out of the text (``delta``), and logprobs (``toke
 
 from __future__ import annotations
 
+import functools
+from collections import deque
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 
@@ -16,37 +18,92 @@ class StopStringFilter:
     """Holds back text that may be the start of a stop string, and cuts at the first match.
 
     Matching is on decoded text, not token ids: a stop string can be spelled by many token
-    sequences, and it must never leak into the output.
+    sequences, and it must never leak into the output. All the stop strings are matched in
+    one pass over each delta (an Aho-Corasick automaton, ``_Automaton``), so a delta costs
+    the same whatever their number; the automaton's state after the text so far is the
+    longest end of it that begins a stop string, which is the text held back.
     """
 
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = [s for s in stops if s]
         self.pending = ""
         self.matched: str | None = None
+        self._automaton = _automaton(tuple(self.stops)) if self.stops else None
+        self._state = 0  # the automaton's state after ``pending``
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Add decoded text; return (text safe to emit, whether a stop string matched).
         The stop string that matched first in the text is kept in ``matched``."""
-        if not self.stops:
+        auto = self._automaton
+        if auto is None:
             return text, False
         buf = self.pending + text
-        hits = [(i, s) for s, i in ((s, buf.find(s)) for s in self.stops) if i >= 0]
-        if hits:
-            self.pending = ""
-            at, self.matched = min(hits)
+        goto, fail, longest = auto.goto, auto.fail, auto.longest
+        state, at, base = self._state, len(buf), len(self.pending) + 1
+        for i, ch in enumerate(text):
+            while state and ch not in goto[state]:
+                state = fail[state]
+            state = goto[state].get(ch, 0)
+            if longest[state]:  # of the stop strings ending here, the longest starts first
+                at = min(at, base + i - longest[state])
+        if at < len(buf):
+            self.pending, self._state = "", 0
+            # Of those starting there, the least (as when each was looked for on its own).
+            self.matched = min(s for s in self.stops if buf.startswith(s, at))
             return buf[:at], True
-        hold = 0
-        for s in self.stops:
-            for n in range(min(len(s) - 1, len(buf)), 0, -1):
-                if buf.endswith(s[:n]):
-                    hold = max(hold, n)
-                    break
-        self.pending = buf[len(buf) - hold :] if hold else ""
+        hold = auto.depth[state]
+        self.pending, self._state = buf[len(buf) - hold:], state
         return buf[: len(buf) - hold], False
 
     def flush(self) -> str:
-        text, self.pending = self.pending, ""
+        text, self.pending, self._state = self.pending, "", 0
         return text
+
+
+class _Automaton(NamedTuple):
+    """An Aho-Corasick automaton over stop strings: a trie (state 0 its root; ``goto`` the
+    edges out of each state, ``depth`` its length), each state's failure link (the state of
+    its longest proper suffix in the trie), and the length of the longest stop string that
+    ends each state's text (0: none)."""
+
+    goto: list[dict[str, int]]
+    fail: list[int]
+    depth: list[int]
+    longest: list[int]
+
+
+@functools.lru_cache(maxsize=16)
+def _automaton(stops: tuple[str, ...]) -> _Automaton:
+    """The automaton of ``stops``, built once for each set a client sends (agents send the same
+    ones on every turn); it is never changed after, so requests share it."""
+    goto: list[dict[str, int]] = [{}]
+    depth = [0]
+    word = [0]  # the length of the stop string that is exactly this state's text (0: none)
+    for stop in stops:
+        state = 0
+        for ch in stop:
+            nxt = goto[state].get(ch)
+            if nxt is None:
+                nxt = goto[state][ch] = len(goto)
+                goto.append({})
+                depth.append(depth[state] + 1)
+                word.append(0)
+            state = nxt
+        word[state] = len(stop)
+    fail = [0] * len(goto)
+    longest = [0] * len(goto)
+    queue = deque(goto[0].values())  # breadth first: a state's suffixes come before it
+    while queue:
+        state = queue.popleft()
+        longest[state] = word[state] or longest[fail[state]]
+        for ch, child in goto[state].items():
+            if state:
+                link = fail[state]
+                while link and ch not in goto[link]:
+                    link = fail[link]
+                fail[child] = goto[link].get(ch, 0)
+            queue.append(child)
+    return _Automaton(goto, fail, depth, longest)
 
 
 def delta(req: Any, text: str, token_ids: list[int], logprobs: list[TokenLogprob] | None, *,
