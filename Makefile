@@ -54,10 +54,13 @@ serve: setup
 
 # One model sharded over N ranks on this machine's loopback (docs/distributed.md). Three by
 # default: the bundled model's 9 attention heads and 3 key/value heads split over 3, not 2.
+# Every launch gets a fresh shared secret, which the ranks inherit from mlx.launch.
 N ?= 3
 MODE ?= tensor
 serve-distributed: setup
-	$(BIN)/mlx.launch --backend ring --hosts 127.0.0.1 -n $(N) -- \
+	env -u TROUPE_DISTRIBUTED_SECRET_FILE \
+	  TROUPE_DISTRIBUTED_SECRET=$$($(BIN)/python -c 'import secrets; print(secrets.token_hex(32))') \
+	  $(BIN)/mlx.launch --backend ring --hosts 127.0.0.1 -n $(N) -- \
 	  $(BIN)/troupe serve --distributed $(MODE) $(ARGS)
 
 # The serving harness against mlx_lm.server (docs/benchmarks.md); e.g. make bench ARGS="--reps 1".

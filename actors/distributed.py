@@ -21,10 +21,20 @@ Why a side channel and not a collective (as mlx_lm.server sends its prompts): me
 loopback with the ring backend, a round trip of a step message over TCP took ~0.1 ms and a
 single ``all_sum`` of a scalar ~1.7 ms (docs/distributed.md); the socket also tells at once
 when a follower is gone.
+
+The channel listens on rank 0's network address, so nothing crosses it before both ends prove
+they hold the group's shared secret (``read_secret``): rank 0 challenges each connection with
+a nonce and checks the follower's HMAC of it, then answers the follower's own nonce with one of
+its own. A connection that fails (a bad frame, a bad MAC, another model, a rank that is not a
+free follower's, silence) is dropped and logged while rank 0 goes on waiting for the real
+followers. Frames are not encrypted and carry no MAC after the handshake (docs/distributed.md
+says to use a trusted network or a tunnel).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import math
@@ -35,14 +45,14 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from actors.engine.config import EngineConfig
-from actors.engine.memory_estimate import ModelMemory, model_memory_of
+from actors.engine.memory_estimate import ModelMemory, machine_memory, model_memory_of
 from actors.messages import OutputSpec, SamplingParams
 
 if TYPE_CHECKING:
@@ -61,27 +71,65 @@ PROBE_TIMEOUT_S = 5.0
 # ring backend fails the collective in flight within about a second, but one queued after it
 # gave up can wait forever.
 STUCK_AFTER_S = 5.0
+# How long one connection may take to prove itself, on either side: a peer that sends nothing,
+# or too slowly, is dropped after this.
+HANDSHAKE_TIMEOUT_S = 10.0
+# The most handshakes rank 0 runs at once; further connections wait in the listen backlog.
+MAX_HANDSHAKES = 32
+# The largest frame before its sender has proved it holds the secret (a Hello is ~200 bytes),
+# and after it (rank 0's Add carries a prompt's token ids and a grammar's source): a length
+# prefix above it is refused before anything is read or allocated.
+HANDSHAKE_FRAME_MAX = 64 * 1024
+FRAME_MAX = 256 * 1024 * 1024
+# Where every rank finds the group's shared secret: the secret itself, or a file holding it
+# that only its owner may read. ``make serve-distributed`` makes one per launch.
+SECRET_ENV = "TROUPE_DISTRIBUTED_SECRET"
+SECRET_FILE_ENV = "TROUPE_DISTRIBUTED_SECRET_FILE"
+# 128 bits as hex: someone who saw a handshake must not be able to guess the secret from it.
+MIN_SECRET_CHARS = 32
+NONCE_BYTES = 32
+_HELLO_MAC = b"mlx-troupe distributed hello"
+_WELCOME_MAC = b"mlx-troupe distributed welcome"
 _HEADER = struct.Struct("<I")
 
 
 # -- the channel's messages --------------------------------------------------------------------
 
 
+class Challenge(msgspec.Struct, tag=True, frozen=True):
+    """Rank 0's first message on a new connection: a fresh nonce for the follower's MAC."""
+
+    nonce: bytes
+
+
 class Hello(msgspec.Struct, tag=True, frozen=True):
-    """A follower's first message: who it is, and the model it loaded."""
+    """A follower's answer to the challenge: who it is, the model it loaded, its machine's RAM
+    (the most memory its reports may claim), a nonce of its own for rank 0's MAC, and ``mac``:
+    HMAC-SHA256 under the secret of rank 0's nonce, its own, its rank and its fingerprint."""
 
     rank: int
     host: str
     pid: int
     fingerprint: str
+    ram_bytes: int
+    nonce: bytes
+    mac: bytes
 
 
 class Welcome(msgspec.Struct, tag=True, frozen=True):
     """Rank 0's answer: the PRNG seed every rank starts from (unseeded sampling draws from
-    it), and the engine settings every rank runs with."""
+    it), the engine settings every rank runs with, and ``mac``: HMAC-SHA256 under the secret
+    of the follower's nonce, rank 0's and the rank, which proves rank 0 holds the secret."""
 
     seed: int
     config: EngineConfig
+    mac: bytes
+
+
+class Refused(msgspec.Struct, tag=True, frozen=True):
+    """Rank 0 will not take this connection: why (a bad MAC, another model, a rank taken)."""
+
+    reason: str
 
 
 class Add(msgspec.Struct, tag=True, frozen=True):
@@ -177,12 +225,19 @@ class Supply(msgspec.Struct, tag=True, frozen=True):
     partials: list[int]
 
 
-ToFollower = Welcome | Add | Abort | Plan | Reset | Bye | Probe | Release | Spill
-ToLeader = Hello | Status | Supply
+ToFollower = Add | Abort | Plan | Reset | Bye | Probe | Release | Spill
+ToLeader = Status | Supply
 
 _encoder = msgspec.msgpack.Encoder()
 _to_follower = msgspec.msgpack.Decoder(ToFollower)
 _to_leader = msgspec.msgpack.Decoder(ToLeader)
+_hello = msgspec.msgpack.Decoder(Hello)
+_handshake_to_follower = msgspec.msgpack.Decoder(Challenge | Welcome | Refused)
+
+
+class ChannelError(Exception):
+    """A peer sent what the channel does not carry: a frame above the size bound, or one that
+    does not decode as a message expected there."""
 
 
 def _send(sock: socket.socket, msg: Any) -> None:
@@ -190,28 +245,83 @@ def _send(sock: socket.socket, msg: Any) -> None:
     sock.sendall(_HEADER.pack(len(body)) + body)
 
 
-def _recv(sock: socket.socket, decoder: msgspec.msgpack.Decoder) -> Any | None:
-    """The next message, or None when the peer closed the connection."""
-    header = _read_exactly(sock, _HEADER.size)
+def _recv(sock: socket.socket, decoder: msgspec.msgpack.Decoder, limit: int = FRAME_MAX,
+          deadline: float | None = None) -> Any | None:
+    """The next message, or None when the peer closed the connection. Raises ChannelError for
+    a frame above ``limit`` bytes (before reading it) or one that does not decode, and
+    TimeoutError when ``deadline`` (``time.monotonic``) passes first."""
+    header = _read_exactly(sock, _HEADER.size, deadline)
     if header is None:
         return None
-    body = _read_exactly(sock, _HEADER.unpack(header)[0])
+    size = _HEADER.unpack(header)[0]
+    if size > limit:
+        raise ChannelError(f"a frame of {size} bytes (at most {limit})")
+    body = _read_exactly(sock, size, deadline)
     if body is None:
         return None
-    return decoder.decode(body)
+    try:
+        return decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise ChannelError(f"a frame that is not a message expected there ({exc})") from None
 
 
-def _read_exactly(sock: socket.socket, n: int) -> bytes | None:
+def _read_exactly(sock: socket.socket, n: int, deadline: float | None = None) -> bytes | None:
     buf = bytearray()
     while len(buf) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            sock.settimeout(left)
         try:
             chunk = sock.recv(n - len(buf))
-        except (ConnectionResetError, OSError):
+        except TimeoutError:
+            raise
+        except OSError:
             return None
         if not chunk:
             return None
         buf += chunk
     return bytes(buf)
+
+
+def _mac(secret: bytes, label: bytes, *parts: bytes | int | str) -> bytes:
+    """HMAC-SHA256 under ``secret`` of ``label`` and ``parts``, each part length-prefixed so
+    that no two lists of parts read the same."""
+    mac = hmac.new(secret, label, hashlib.sha256)
+    for part in parts:
+        data = part if isinstance(part, bytes) else str(part).encode()
+        mac.update(_HEADER.pack(len(data)) + data)
+    return mac.digest()
+
+
+def read_secret(env: Mapping[str, str] = os.environ) -> bytes:
+    """The group's shared secret, which every rank must hold: ``$TROUPE_DISTRIBUTED_SECRET``,
+    or the contents of the file ``$TROUPE_DISTRIBUTED_SECRET_FILE`` names (refused when other
+    users may read or write it), without surrounding whitespace. Raises ValueError, saying
+    what to do, when there is none, both are set, or it is shorter than MIN_SECRET_CHARS."""
+    value, path = env.get(SECRET_ENV), env.get(SECRET_FILE_ENV)
+    if value and path:
+        raise ValueError(f"set ${SECRET_ENV} or ${SECRET_FILE_ENV}, not both")
+    if path:
+        try:
+            mode = os.stat(path).st_mode
+            value = Path(path).read_text()
+        except OSError as exc:
+            raise ValueError(f"${SECRET_FILE_ENV}: cannot read {path}: {exc}") from None
+        if mode & 0o077:
+            raise ValueError(f"${SECRET_FILE_ENV}: other users may read or write {path} (mode "
+                             f"{mode & 0o777:o}); chmod 600 it")
+    value = (value or "").strip()
+    if not value:
+        raise ValueError(f"--distributed needs the group's shared secret on every rank, in "
+                         f"${SECRET_ENV} or a file named by ${SECRET_FILE_ENV}: e.g. export "
+                         f"{SECRET_ENV}=$(openssl rand -hex 32) before mlx.launch; `make "
+                         "serve-distributed` makes one (docs/distributed.md)")
+    if len(value) < MIN_SECRET_CHARS:
+        raise ValueError(f"the distributed secret has {len(value)} characters; it needs at "
+                         f"least {MIN_SECRET_CHARS} (e.g. openssl rand -hex 32)")
+    return value.encode()
 
 
 # -- where the ranks are -----------------------------------------------------------------------
@@ -313,7 +423,7 @@ class Followers:
     answer within PROBE_TIMEOUT_S or was lost. ``on_lost(reason)`` is called once, when the
     first follower is lost. Both are called on a reader or timer thread."""
 
-    def __init__(self, size: int, port: int, host: str | None = None) -> None:
+    def __init__(self, size: int, port: int, secret: bytes, host: str | None = None) -> None:
         self.size = size
         self.host = host or leader_host()
         self.port = port
@@ -322,47 +432,129 @@ class Followers:
         self.on_supply: Callable[[str, int, list[int]], None] | None = None
         self.on_lost: Callable[[str], None] | None = None
         self.probe_timeouts = 0
+        self._secret = secret
         self._socks: dict[int, socket.socket] = {}
+        self._joining: set[int] = set()  # ranks being welcomed: taken for any other connection
+        self._ram: dict[int, int] = {}  # each follower's machine RAM, as its Hello said
+        self._implausible: set[int] = set()  # ranks whose impossible reports were logged
         self._lock = threading.Lock()
         self._probes: dict[str, _Probe] = {}
         self._peaks: dict[int, int] = {}  # the highest peak each reported since take_peak
-        self._server: socket.socket | None = None
 
     def accept(self, fingerprint: str, seed: int, config: EngineConfig,
-               timeout: float = CONNECT_TIMEOUT_S) -> None:
-        """Wait for every follower's ``Hello``, check it loaded the same model, welcome it."""
+               timeout: float = CONNECT_TIMEOUT_S,
+               handshake_timeout: float = HANDSHAKE_TIMEOUT_S) -> None:
+        """Wait until every follower has joined: proved it holds the secret, loaded the same
+        model and claimed a rank of the group no other holds (``_join``). Each connection's
+        handshake runs on a thread of its own, so one that fails or stays silent (dropped,
+        after ``handshake_timeout`` at most) holds up no other; rank 0 stops listening once
+        the group is whole, and raises, naming the missing ranks, after ``timeout``."""
         global _leader
         server = socket.create_server((self.host, self.port))
-        server.settimeout(timeout)
-        self._server = server
         deadline = time.monotonic() + timeout
-        while len(self._socks) < self.size - 1:
-            server.settimeout(max(0.1, deadline - time.monotonic()))
-            try:
-                sock, _ = server.accept()
-            except TimeoutError:
-                missing = sorted(set(range(1, self.size)) - set(self._socks))
-                raise RuntimeError(f"distributed: ranks {missing} did not connect to "
-                                   f"{self.host}:{self.port} within {timeout:.0f} s") from None
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            hello = _recv(sock, _to_leader)
-            if not isinstance(hello, Hello):
-                sock.close()
-                continue
-            if hello.fingerprint != fingerprint:
-                sock.close()
-                raise RuntimeError(
-                    f"distributed: rank {hello.rank} on {hello.host} loaded a different model "
-                    f"({hello.fingerprint} != {fingerprint})")
-            _send(sock, Welcome(seed=seed, config=config))
-            self._socks[hello.rank] = sock
-            self.status[hello.rank] = {"rank": hello.rank, "host": hello.host,
-                                       "pid": hello.pid, "step": 0, "connected": True}
-            threading.Thread(target=self._read, args=(hello.rank, sock), daemon=True,
-                             name=f"follower-{hello.rank}").start()
+        slots = threading.BoundedSemaphore(MAX_HANDSHAKES)
+        try:
+            while True:
+                with self._lock:
+                    missing = sorted(set(range(1, self.size)) - set(self._socks))
+                if not missing:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RuntimeError(f"distributed: ranks {missing} did not connect to "
+                                       f"{self.host}:{self.port} within {timeout:.0f} s")
+                # Short waits: a handshake on another thread may complete the group meanwhile.
+                if not slots.acquire(timeout=min(left, 0.1)):
+                    continue
+                server.settimeout(min(left, 0.1))
+                try:
+                    sock, addr = server.accept()
+                except TimeoutError:
+                    slots.release()
+                    continue
+                threading.Thread(target=self._handshake, daemon=True, name="handshake", args=(
+                    sock, f"{addr[0]}:{addr[1]}", fingerprint, seed, config, handshake_timeout,
+                    slots)).start()
+        finally:
+            server.close()  # a complete group takes no more connections, a failed one none
         _leader = self
         log.info("distributed: %d followers connected on %s:%d", self.size - 1, self.host,
                  self.port)
+
+    def _handshake(self, sock: socket.socket, peer: str, fingerprint: str, seed: int,
+                   config: EngineConfig, timeout: float,
+                   slots: threading.BoundedSemaphore) -> None:
+        """One connection's handshake: the follower joins, or the connection is dropped and
+        logged (with the peer's address; nothing of the secret)."""
+        try:
+            why = self._join(sock, fingerprint, seed, config, time.monotonic() + timeout)
+        except TimeoutError:
+            why = f"it did not complete the handshake within {timeout:g} s"
+        except ChannelError as exc:
+            why = f"it sent {exc}"
+        except OSError as exc:
+            why = f"the connection failed: {exc}"
+        finally:
+            slots.release()
+        if why is not None:
+            sock.close()
+            log.warning("distributed: dropped a connection from %s: %s", peer, why)
+
+    def _join(self, sock: socket.socket, fingerprint: str, seed: int, config: EngineConfig,
+              deadline: float) -> str | None:
+        """Challenge the peer, check its ``Hello``, and welcome it as the rank it claims; or
+        say why not (a peer that sent a well-formed Hello is told, in a ``Refused``)."""
+        sock.settimeout(max(0.01, deadline - time.monotonic()))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        nonce = os.urandom(NONCE_BYTES)
+        _send(sock, Challenge(nonce=nonce))
+        hello = _recv(sock, _hello, HANDSHAKE_FRAME_MAX, deadline)
+        if hello is None:
+            return "it closed the connection before its Hello"
+        why = self._refusal(hello, nonce, fingerprint)
+        if why is None:
+            with self._lock:  # the first connection to prove itself for a rank keeps it
+                if hello.rank in self._socks or hello.rank in self._joining:
+                    why = f"rank {hello.rank} has already joined"
+                else:
+                    self._joining.add(hello.rank)
+        if why is not None:
+            try:
+                _send(sock, Refused(reason=why))
+            except OSError:
+                pass
+            return f"rank {hello.rank} on {hello.host} (pid {hello.pid}): {why}"
+        try:
+            _send(sock, Welcome(seed=seed, config=config, mac=_mac(
+                self._secret, _WELCOME_MAC, hello.nonce, nonce, hello.rank)))
+        except OSError:
+            with self._lock:
+                self._joining.discard(hello.rank)
+            raise
+        sock.settimeout(None)
+        with self._lock:
+            self._joining.discard(hello.rank)
+            self._socks[hello.rank] = sock
+            self._ram[hello.rank] = hello.ram_bytes
+            self.status[hello.rank] = {"rank": hello.rank, "host": hello.host,
+                                       "pid": hello.pid, "step": 0, "connected": True}
+        threading.Thread(target=self._read, args=(hello.rank, sock), daemon=True,
+                         name=f"follower-{hello.rank}").start()
+        return None
+
+    def _refusal(self, hello: Hello, nonce: bytes, fingerprint: str) -> str | None:
+        """Why ``hello``, answering the challenge ``nonce``, cannot join; None if it can."""
+        expected = _mac(self._secret, _HELLO_MAC, nonce, hello.nonce, hello.rank,
+                        hello.fingerprint)
+        # compare_digest: the time taken must not reveal how much of the MAC matched.
+        if not hmac.compare_digest(expected, hello.mac):
+            return (f"it did not prove it holds the group's secret (is ${SECRET_ENV} the same "
+                    "on every rank?)")
+        if not 1 <= hello.rank < self.size:
+            return f"rank {hello.rank} is not a follower's rank in a group of {self.size}"
+        if hello.fingerprint != fingerprint:
+            return f"it loaded a different model ({hello.fingerprint} != {fingerprint})"
+        return None
 
     def add(self, request_id: str, prompt: list[int], sampling: SamplingParams,
             output: OutputSpec | None, grammar: str | None, blocks: int = 0,
@@ -422,13 +614,11 @@ class Followers:
             _leader = None
         if self.dead is None:
             self._broadcast(Bye())
-        for sock in self._socks.values():
+        for sock in list(self._socks.values()):
             try:
                 sock.close()
             except OSError:
                 pass
-        if self._server is not None:
-            self._server.close()
         with self._lock:
             probes, self._probes = list(self._probes.values()), {}
         for p in probes:
@@ -447,11 +637,15 @@ class Followers:
 
     def _read(self, rank: int, sock: socket.socket) -> None:
         while True:
-            msg = _recv(sock, _to_leader)
+            try:
+                msg = _recv(sock, _to_leader)
+            except ChannelError as exc:
+                self._lost(rank, f"sent {exc}")
+                return
             if msg is None:
                 self._lost(rank, "closed its connection")
                 return
-            if isinstance(msg, Status):
+            if isinstance(msg, Status) and self._plausible(rank, msg):
                 fields = msgspec.structs.asdict(msg)
                 del fields["rank"]
                 with self._lock:
@@ -462,6 +656,20 @@ class Followers:
                     status.update(fields, seen=time.time())
             elif isinstance(msg, Supply):
                 self._supplied(rank, msg)
+
+    def _plausible(self, rank: int, msg: Status) -> bool:
+        """Whether a follower's memory figures can be true: none negative, none above its
+        machine's RAM. Counted, an impossible one would starve the memory gate (or hide a
+        real shortage), so it is ignored, and logged once per rank."""
+        ram = self._ram[rank]
+        if 0 <= msg.active_bytes <= ram and 0 <= msg.peak_bytes <= ram:
+            return True
+        if rank not in self._implausible:
+            self._implausible.add(rank)
+            log.warning("distributed: rank %d reported %d bytes of memory in use (peak %d) on a "
+                        "machine of %d; such reports are ignored", rank, msg.active_bytes,
+                        msg.peak_bytes, ram)
+        return False
 
     def _supplied(self, rank: int, msg: Supply) -> None:
         with self._lock:
@@ -519,9 +727,12 @@ class Followers:
 # -- the other ranks ---------------------------------------------------------------------------
 
 
-def connect(rank: int, port: int, fingerprint: str, host: str | None = None,
-            timeout: float = CONNECT_TIMEOUT_S) -> tuple[socket.socket, Welcome]:
-    """A follower's connection to rank 0 (retried while rank 0 is still loading)."""
+def connect(rank: int, port: int, fingerprint: str, secret: bytes, host: str | None = None,
+            timeout: float = CONNECT_TIMEOUT_S,
+            handshake_timeout: float = HANDSHAKE_TIMEOUT_S) -> tuple[socket.socket, Welcome]:
+    """A follower's connection to rank 0 (retried while rank 0 is still loading). Nothing of
+    this rank's reaches the peer but its Hello before the peer has proved it holds ``secret``
+    (``_introduce``); raises RuntimeError, saying why, when it does not or refuses this rank."""
     host = host or leader_host()
     deadline = time.monotonic() + timeout
     while True:
@@ -533,14 +744,47 @@ def connect(rank: int, port: int, fingerprint: str, host: str | None = None,
                 raise RuntimeError(f"distributed: rank {rank} could not reach rank 0 at "
                                    f"{host}:{port} within {timeout:.0f} s") from None
             time.sleep(0.2)
-    sock.settimeout(None)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    where = f"{host}:{port}"
+    try:
+        welcome = _introduce(sock, rank, fingerprint, secret, where,
+                             time.monotonic() + handshake_timeout)
+    except TimeoutError:
+        why = f"rank {rank}: the handshake with {where} took over {handshake_timeout:g} s"
+    except ChannelError as exc:
+        why = f"rank {rank}: {where} sent {exc}"
+    except OSError as exc:
+        why = f"rank {rank}: the connection to {where} failed: {exc}"
+    except RuntimeError as exc:
+        why = str(exc)
+    else:
+        sock.settimeout(None)
+        return sock, welcome
+    sock.close()
+    raise RuntimeError(f"distributed: {why}")
+
+
+def _introduce(sock: socket.socket, rank: int, fingerprint: str, secret: bytes, where: str,
+               deadline: float) -> Welcome:
+    """A follower's side of the handshake: answer rank 0's challenge, and take its
+    ``Welcome`` only with a MAC of this rank's own nonce under the secret."""
+    challenge = _recv(sock, _handshake_to_follower, HANDSHAKE_FRAME_MAX, deadline)
+    if not isinstance(challenge, Challenge):
+        raise RuntimeError(f"rank {rank}: {where} sent no challenge")
+    nonce = os.urandom(NONCE_BYTES)
     _send(sock, Hello(rank=rank, host=socket.gethostname(), pid=os.getpid(),
-                      fingerprint=fingerprint))
-    welcome = _recv(sock, _to_follower)
-    if not isinstance(welcome, Welcome):
-        raise RuntimeError(f"distributed: rank 0 refused rank {rank}")
-    return sock, welcome
+                      fingerprint=fingerprint, ram_bytes=machine_memory()[0], nonce=nonce,
+                      mac=_mac(secret, _HELLO_MAC, challenge.nonce, nonce, rank, fingerprint)))
+    answer = _recv(sock, _handshake_to_follower, HANDSHAKE_FRAME_MAX, deadline)
+    if isinstance(answer, Refused):
+        raise RuntimeError(f"rank 0 refused rank {rank}: {answer.reason}")
+    if not isinstance(answer, Welcome):
+        raise RuntimeError(f"rank {rank}: {where} closed the connection during the handshake")
+    if not hmac.compare_digest(answer.mac, _mac(secret, _WELCOME_MAC, nonce, challenge.nonce,
+                                                rank)):
+        raise RuntimeError(f"rank {rank}: {where} did not prove it holds the group's secret "
+                           f"(is ${SECRET_ENV} the same on every rank?); not following it")
+    return answer
 
 
 def follow(engine: Any, sock: socket.socket, rank: int, grammars: Any = None,
@@ -551,7 +795,7 @@ def follow(engine: Any, sock: socket.socket, rank: int, grammars: Any = None,
     compiles the grammars of constrained requests (``actors.engine.grammar.Grammars``).
     ``disk``: this rank's prefix-cache files (``follower_cache.ShardDisk``; None: RAM only).
     Returns the process's exit code: 0 when rank 0 stopped, 1 when this rank diverged or
-    cannot supply the cached blocks it promised."""
+    cannot supply the cached blocks it promised, or rank 0 sent a frame it cannot read."""
     import mlx.core as mx
 
     from actors.engine.schedule import StepPlan
@@ -584,7 +828,11 @@ def follow(engine: Any, sock: socket.socket, rank: int, grammars: Any = None,
             if not select.select([sock], [], [], wait)[0]:
                 cache.persist()
                 continue
-        msg = _recv(sock, _to_follower)
+        try:
+            msg = _recv(sock, _to_follower)
+        except ChannelError as exc:
+            log.error("distributed rank %d: rank 0 sent %s; exiting", rank, exc)
+            return 1
         match msg:
             case None | Bye():
                 cache.persist(everything=True)
@@ -641,7 +889,8 @@ def start_rank(config: Any) -> tuple[Any, int | None]:
     Every rank's prefix cache lives in its own directory under the cache directory
     (``rank_cache_dir``). Rank 0 gets back the configuration to serve with (that directory,
     and for pipeline stages mlx-lm's own model call: ``engine_config_for``) and None; every
-    other rank follows rank 0 until it stops and gets back its exit code."""
+    other rank follows rank 0 until it stops and gets back its exit code. Raises ValueError
+    when this rank has no usable shared secret (``read_secret``)."""
     import mlx.core as mx
 
     from actors.config import model_specs
@@ -656,6 +905,7 @@ def start_rank(config: Any) -> tuple[Any, int | None]:
     if group.size() < 2:
         raise RuntimeError("--distributed needs the ranks of `mlx.launch` (this process is "
                            "alone in its group); see docs/distributed.md")
+    read_secret()  # every rank stops here, saying why, before it loads its shard
     engine = engine_config_for(config.engine(), config.distributed)
     here = rank_cache_dir(cache_dir(config), config.distributed, group.size(), group.rank())
     config = msgspec.structs.replace(config, mixed_step=engine.mixed_step, cache_dir=str(here))
@@ -738,7 +988,7 @@ def _serve_follower(config: Any, spec: str | None, group: Any) -> int:
     with mx.stream(stream):
         model, tokenizer = load_shard(str(resolved.path), config.distributed, group)
     fingerprint = model_fingerprint(resolved.path)
-    sock, welcome = connect(rank, config.distributed_port, fingerprint)
+    sock, welcome = connect(rank, config.distributed_port, fingerprint, read_secret())
     log.info("distributed: rank %d of %d follows rank 0 (%s parallel)", rank, group.size(),
              config.distributed)
     mx.random.seed(welcome.seed)

@@ -49,7 +49,7 @@ from actors.cache_messages import (
     SpillRam,
     WriteBlock,
 )
-from actors.distributed import STUCK_AFTER_S, Followers, load_shard, shard_memory
+from actors.distributed import STUCK_AFTER_S, Followers, load_shard, read_secret, shard_memory
 from actors.engine.config import DEFAULTS, EngineConfig
 from actors.engine.core import Engine, RequestError
 from actors.engine.kv_blocks import KVBlock, from_numpy, to_numpy
@@ -255,7 +255,8 @@ class Scheduler(Actor):
         """Rank 0 of a sharded model: wait for the other ranks (they load their shards
         meanwhile), give every rank the same PRNG seed, and tell them each change to the
         batch from now on (actors/distributed.py)."""
-        followers = Followers(mx.distributed.init().size(), self.config.distributed_port)
+        followers = Followers(mx.distributed.init().size(), self.config.distributed_port,
+                              read_secret())
         seed = int.from_bytes(os.urandom(4), "little")
         followers.accept(fingerprint, seed, self.config)
         mx.random.seed(seed)

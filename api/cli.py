@@ -604,7 +604,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["tensor", "pipeline"],
         default=opt,
         help="shard the model over the ranks `mlx.launch` started (docs/distributed.md); rank 0 "
-        "serves HTTP, the others follow its batch (default: one process)",
+        "serves HTTP, the others follow its batch; every rank needs the group's shared secret "
+        "in $TROUPE_DISTRIBUTED_SECRET (default: one process)",
     )
     serve_cmd.add_argument(
         "--distributed-port",

@@ -1,16 +1,21 @@
 """Serving one model over several ranks (actors/distributed.py).
 
-The channel between rank 0 and its followers is tested with stand-in engines; the whole thing
-runs as two `troupe serve --distributed` processes on loopback (ranks started the way
-`mlx.launch` starts them), compared with one process over HTTP.
+The channel between rank 0 and its followers is tested with stand-in engines, and who may join
+it with real sockets (bad frames, silence, a wrong secret, model or rank, a false rank 0); the
+whole thing runs as two `troupe serve --distributed` processes on loopback (ranks started the
+way `mlx.launch` starts them, and once by `mlx.launch` itself), compared with one process over
+HTTP.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import secrets
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -18,6 +23,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import httpx
 import msgspec
@@ -25,12 +31,19 @@ import pytest
 
 from actors.distributed import (
     MODES,
+    SECRET_ENV,
+    SECRET_FILE_ENV,
+    Abort,
+    Challenge,
     Followers,
+    Status,
+    Welcome,
     check_tensor_split,
     connect,
     engine_config_for,
     follow,
     rank_cache_dir,
+    read_secret,
     shard_memory,
 )
 from actors.engine.config import EngineConfig
@@ -117,11 +130,14 @@ class Grammars:
         return f"compiled:{source}"
 
 
+SECRET = secrets.token_hex(32).encode()  # the group's shared secret in these tests
+
+
 def _pair(port: int, fingerprint: str = "fp") -> tuple[Followers, socket.socket]:
-    followers = Followers(size=2, port=port, host="127.0.0.1")
+    followers = Followers(size=2, port=port, secret=SECRET, host="127.0.0.1")
     result = {}
     t = threading.Thread(target=lambda: result.setdefault(
-        "sock", connect(1, port, fingerprint, host="127.0.0.1", timeout=10)))
+        "sock", connect(1, port, fingerprint, SECRET, host="127.0.0.1", timeout=10)))
     t.start()
     followers.accept("fp", seed=7, config=EngineConfig(), timeout=10)
     t.join()
@@ -193,30 +209,245 @@ def test_a_follower_that_diverged_from_rank_0_stops_and_rank_0_says_which_rank()
     followers.close()
 
 
-def test_a_follower_with_another_model_is_refused():
-    port = free_port()
-    followers = Followers(size=2, port=port, host="127.0.0.1")
-    refused = {}
-
-    def other_model() -> None:
-        with pytest.raises(RuntimeError, match="rank 0 refused rank 1") as caught:
-            connect(1, port, "other", host="127.0.0.1", timeout=10)
-        refused["error"] = caught.value
-
-    t = threading.Thread(target=other_model)
-    t.start()
-    with pytest.raises(RuntimeError, match="different model"):
-        followers.accept("fp", seed=1, config=EngineConfig(), timeout=10)
-    t.join(10)
-    followers.close()
-    assert "error" in refused
-
-
 def test_rank_0_names_the_ranks_that_never_connected():
-    followers = Followers(size=3, port=free_port(), host="127.0.0.1")
+    followers = Followers(size=3, port=free_port(), secret=SECRET, host="127.0.0.1")
     with pytest.raises(RuntimeError, match=r"ranks \[1, 2\] did not connect"):
         followers.accept("fp", seed=1, config=EngineConfig(), timeout=0.5)
     followers.close()
+
+
+# -- who may join: the handshake over real sockets ---------------------------------------------
+
+
+def _accepting(followers: Followers, **kwargs: Any) -> tuple[threading.Thread, dict]:
+    """Rank 0's ``accept`` on a thread of its own; what it raised lands under "error"."""
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            followers.accept("fp", seed=7, config=EngineConfig(), **kwargs)
+        except Exception as exc:
+            out["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def _joined(t: threading.Thread, out: dict) -> bool:
+    """Whether ``accept`` returned with the group whole (it waits 30 s at most here)."""
+    t.join(30)
+    return not t.is_alive() and "error" not in out
+
+
+def _dial(port: int) -> socket.socket:
+    """A raw connection to a listening port (retried until it listens), whose reads give up
+    after 30 s rather than hang the test."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            return socket.create_connection(("127.0.0.1", port), timeout=30)
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def _frame(msg: Any) -> bytes:
+    """A message as the channel frames it: a 4-byte little-endian length, then msgpack."""
+    body = msgspec.msgpack.encode(msg)
+    return struct.pack("<I", len(body)) + body
+
+
+def _read_frame(sock: socket.socket) -> bytes:
+    def exactly(n: int) -> bytes:
+        buf = b""
+        while len(buf) < n:
+            chunk = sock.recv(n - len(buf))
+            assert chunk, "the peer closed the connection"
+            buf += chunk
+        return buf
+
+    return exactly(struct.unpack("<I", exactly(4))[0])
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the peer closes the connection within the socket's timeout (what it sends
+    before is read and dropped)."""
+    try:
+        while sock.recv(65536):
+            pass
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        pass
+    return True
+
+
+@pytest.mark.parametrize("sends,why", [
+    pytest.param(struct.pack("<I", 5) + b"hello", "a frame that is not a message",
+                 id="garbage"),
+    pytest.param(struct.pack("<I", 0xFFFF_FFF0), "a frame of 4294967280 bytes",
+                 id="a 4 GB length prefix"),
+    pytest.param(_frame(Status(rank=1, step=9, digest=0, active_bytes=10**15,
+                               peak_bytes=10**15)), "a frame that is not a message",
+                 id="a status without a handshake"),
+])
+def test_a_peer_that_sends_no_hello_is_dropped_and_the_real_follower_still_joins(
+        sends, why, caplog):
+    port = free_port()
+    followers = Followers(size=2, port=port, secret=SECRET, host="127.0.0.1")
+    # A handshake timeout longer than the peer's socket waits: the frame itself gets it dropped.
+    with caplog.at_level(logging.WARNING, logger="actors.distributed"):
+        t, out = _accepting(followers, timeout=60, handshake_timeout=60)
+        bad = _dial(port)
+        bad.sendall(sends)
+        assert _closed_by_peer(bad)
+        sock, _ = connect(1, port, "fp", SECRET, host="127.0.0.1", timeout=10)
+        assert _joined(t, out), out
+    dropped = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+    assert len(dropped) == 1 and why in dropped[0], dropped
+    assert f"dropped a connection from 127.0.0.1:{bad.getsockname()[1]}" in dropped[0]
+    assert SECRET.decode() not in caplog.text
+    # Nothing the peer sent counts: rank 1 has reported nothing yet.
+    assert followers.report() == [{"rank": 1, "host": socket.gethostname(), "pid": os.getpid(),
+                                   "step": 0, "connected": True}]
+    assert followers.usage() == 0
+    followers.close()
+    sock.close()
+    bad.close()
+
+
+@pytest.mark.parametrize("sends", [b"", struct.pack("<I", 100) + b"\x87"],
+                         ids=["nothing", "half a frame"])
+def test_a_silent_peer_holds_up_no_follower_and_is_dropped_after_the_handshake_timeout(sends):
+    port = free_port()
+    followers = Followers(size=2, port=port, secret=SECRET, host="127.0.0.1")
+    t, out = _accepting(followers, timeout=60, handshake_timeout=8)
+    silent = _dial(port)
+    msgspec.msgpack.decode(_read_frame(silent), type=Challenge)  # rank 0 took it first
+    silent.sendall(sends)
+    # The follower gives up sooner than rank 0 drops the silent peer: it joins only if its
+    # handshake runs beside the silent one.
+    sock, _ = connect(1, port, "fp", SECRET, host="127.0.0.1", timeout=10, handshake_timeout=4)
+    assert _joined(t, out), out
+    assert _closed_by_peer(silent)  # after 8 s; the socket gives up after 30
+    followers.close()
+    sock.close()
+    silent.close()
+
+
+OTHER_SECRET = secrets.token_hex(32).encode()
+
+
+@pytest.mark.parametrize("rank,fingerprint,secret,why", [
+    (1, "fp", OTHER_SECRET, "it did not prove it holds the group's secret"),
+    (1, "other", SECRET, r"it loaded a different model \(other != fp\)"),
+    (0, "fp", SECRET, "rank 0 is not a follower's rank in a group of 2"),
+    (2, "fp", SECRET, "rank 2 is not a follower's rank in a group of 2"),
+], ids=["another secret", "another model", "rank 0", "rank 2"])
+def test_a_follower_rank_0_cannot_take_is_told_why_and_the_real_one_still_joins(
+        rank, fingerprint, secret, why):
+    port = free_port()
+    followers = Followers(size=2, port=port, secret=SECRET, host="127.0.0.1")
+    t, out = _accepting(followers, timeout=60)
+    with pytest.raises(RuntimeError, match=f"rank 0 refused rank {rank}: {why}"):
+        connect(rank, port, fingerprint, secret, host="127.0.0.1", timeout=10)
+    sock, _ = connect(1, port, "fp", SECRET, host="127.0.0.1", timeout=10)
+    assert _joined(t, out), out
+    assert [s["rank"] for s in followers.report()] == [1]
+    followers.close()
+    sock.close()
+
+
+def test_a_second_connection_for_a_taken_rank_is_refused_and_the_first_keeps_it():
+    port = free_port()
+    followers = Followers(size=3, port=port, secret=SECRET, host="127.0.0.1")
+    t, out = _accepting(followers, timeout=60)
+    first, _ = connect(1, port, "fp", SECRET, host="127.0.0.1", timeout=10)
+    with pytest.raises(RuntimeError, match="rank 0 refused rank 1: rank 1 has already joined"):
+        connect(1, port, "fp", SECRET, host="127.0.0.1", timeout=10)
+    rank2, _ = connect(2, port, "fp", SECRET, host="127.0.0.1", timeout=10)
+    assert _joined(t, out), out
+    followers.abort("r")
+    for sock in (first, rank2):
+        sock.settimeout(30)
+        assert msgspec.msgpack.decode(_read_frame(sock), type=Abort) == Abort(request_id="r")
+    followers.close()
+    first.close()
+    rank2.close()
+
+
+def test_a_status_claiming_more_memory_than_the_followers_machine_has_is_not_counted():
+    followers, sock = _pair(free_port())
+    for step, active, peak in [(1, 10**15, 10**15), (2, -1, 5), (3, 2000, 3000)]:
+        sock.sendall(_frame(Status(rank=1, step=step, digest=0, active_bytes=active,
+                                   peak_bytes=peak)))
+    deadline = time.monotonic() + 10
+    while followers.report()[0]["step"] < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert followers.report()[0]["step"] == 3
+    assert followers.report()[0]["peak_bytes"] == 3000
+    assert (followers.usage(), followers.take_peak()) == (2000, 3000)
+    followers.close()
+    sock.close()
+
+
+def _welcome_without_the_secret(conn: socket.socket) -> None:
+    conn.sendall(_frame(Challenge(nonce=os.urandom(32))))
+    _read_frame(conn)  # the follower's Hello
+    conn.sendall(_frame(Welcome(seed=1, config=EngineConfig(), mac=os.urandom(32))))
+
+
+@pytest.mark.parametrize("impostor,why", [
+    (_welcome_without_the_secret, "did not prove it holds the group's secret"),
+    (lambda conn: conn.sendall(_frame(Welcome(seed=1, config=EngineConfig(), mac=b""))),
+     "sent no challenge"),
+    (lambda conn: conn.sendall(struct.pack("<I", 0xFFFF_FFF0)), "sent a frame of 4294967280"),
+    (lambda conn: None, "the handshake with 127.0.0.1:[0-9]+ took over 2 s"),
+], ids=["a welcome without the secret", "no challenge", "a 4 GB length prefix", "silence"])
+def test_a_follower_never_follows_a_rank_0_that_does_not_prove_it_holds_the_secret(
+        impostor: Callable[[socket.socket], None], why: str):
+    port = free_port()
+    server = socket.create_server(("127.0.0.1", port))
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.settimeout(30)
+            impostor(conn)
+            _closed_by_peer(conn)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    with pytest.raises(RuntimeError, match=why):
+        connect(1, port, "fp", SECRET, host="127.0.0.1", timeout=10, handshake_timeout=2)
+    t.join(30)
+    server.close()
+
+
+def test_the_secret_comes_from_the_environment_or_a_file_only_its_owner_can_read(tmp_path):
+    key = secrets.token_hex(32)
+    assert read_secret({SECRET_ENV: key}) == key.encode()
+    path = tmp_path / "secret"
+    path.write_text(key + "\n")
+    path.chmod(0o600)
+    assert read_secret({SECRET_FILE_ENV: str(path)}) == key.encode()
+    path.chmod(0o640)
+    with pytest.raises(ValueError, match="other users may read or write .* chmod 600"):
+        read_secret({SECRET_FILE_ENV: str(path)})
+
+
+@pytest.mark.parametrize("env,why", [
+    ({}, "needs the group's shared secret on every rank, in \\$TROUPE_DISTRIBUTED_SECRET"),
+    ({SECRET_ENV: "  "}, "needs the group's shared secret"),
+    ({SECRET_ENV: "too short"}, "has 9 characters; it needs at least 32"),
+    ({SECRET_ENV: "k" * 32, SECRET_FILE_ENV: "/etc/hostname"}, "not both"),
+    ({SECRET_FILE_ENV: "/nonexistent/secret"}, "cannot read /nonexistent/secret"),
+], ids=["none", "blank", "short", "both", "a missing file"])
+def test_a_rank_without_a_usable_secret_is_refused_saying_what_to_do(env, why):
+    with pytest.raises(ValueError, match=why):
+        read_secret(env)
 
 
 # -- two ranks over HTTP -----------------------------------------------------------------------
@@ -264,12 +495,22 @@ def _wait_healthy(url: str, procs: list[subprocess.Popen], logs: Callable[[], st
     raise AssertionError("the server did not start: " + logs())
 
 
+def _environment(secret: str | None) -> dict[str, str]:
+    """This process's environment with ``secret`` as the group's shared secret (none: without
+    one)."""
+    env = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, SECRET_FILE_ENV)}
+    if secret is not None:
+        env[SECRET_ENV] = secret
+    return env
+
+
 class Ranks:
     """``troupe serve --distributed`` as two processes on loopback, started as ``mlx.launch``
-    starts them (MLX_RANK and a host file), so a test can kill one and watch the other."""
+    starts them (MLX_RANK, a host file, and the same environment: the shared secret), so a
+    test can kill one and watch the other."""
 
     def __init__(self, tmp: Path, model: Path, mode: str, log: Path,
-                 extra: tuple[str, ...] = ()) -> None:
+                 extra: tuple[str, ...] = (), secret: str | None = SECRET.decode()) -> None:
         ring = [free_port(), free_port()]
         hostfile = tmp / "hosts.json"
         hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ring]))
@@ -282,7 +523,7 @@ class Ranks:
         self.procs = []
         self.logs = []
         for rank in (0, 1):
-            env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)}
+            env = {**_environment(secret), "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)}
             out = open(log.with_suffix(f".rank{rank}.log"), "w")
             self.logs.append(out)
             self.procs.append(subprocess.Popen(args, cwd=ROOT, env=env, stdout=out,
@@ -493,3 +734,60 @@ def test_two_ranks_hit_the_prefix_cache_together_and_find_it_on_disk_after_a_res
     assert scheduler["disk_loads"] == 1  # rank 0 read its shard from disk
     assert follower["disk_read_blocks"] == again_cached // 16  # and so did rank 1
     assert follower["hit_tokens"] == again_cached
+
+
+# -- the shared secret, from the launcher to every rank ----------------------------------------
+
+
+@pytest.mark.timeout(300)
+def test_ranks_without_the_shared_secret_refuse_to_start_saying_how_to_set_one(tmp_path):
+    reason = _distributed_available()
+    if reason:
+        pytest.skip(reason)
+    # Both ranks stop before they load anything: the model need not exist.
+    ranks = Ranks(tmp_path, tmp_path / "model", "tensor", tmp_path / "ranks", secret=None)
+    try:
+        codes = [p.wait(120) for p in ranks.procs]
+    finally:
+        ranks.stop()
+    logs = [Path(f.name).read_text() for f in ranks.logs]
+    assert codes == [1, 1], logs
+    for text in logs:
+        assert "needs the group's shared secret on every rank, in $TROUPE_DISTRIBUTED_SECRET" \
+            in text, text
+
+
+@pytest.mark.timeout(600)
+def test_ranks_started_by_mlx_launch_take_the_secret_from_its_environment_and_serve(tmp_path):
+    reason = _distributed_available()
+    if reason:
+        pytest.skip(reason)
+    model = _sharded_model(tmp_path, "llama")
+    port = free_port()
+    log = tmp_path / "launch.log"
+    # As `make serve-distributed` runs it: a fresh secret in the launcher's environment.
+    with open(log, "w") as out:
+        launcher = subprocess.Popen(
+            [str(Path(sys.executable).with_name("mlx.launch")), "--backend", "ring",
+             "--hosts", "127.0.0.1", "-n", "2", "--starting-port", str(free_port()), "--",
+             sys.executable, "-m", "api.cli", "serve", "--model", str(model),
+             "--distributed", "tensor", "--distributed-port", str(free_port()),
+             "--port", str(port), "--arrival-window", "0",
+             "--cache-dir", str(tmp_path / "kv-cache")],
+            cwd=ROOT, env=_environment(secrets.token_hex(32)), stdin=subprocess.DEVNULL,
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            _wait_healthy(url, [launcher], lambda: log.read_text()[-3000:])
+            _complete(url, model.name, PROMPTS[0])
+            _, follower = _reports(url)
+        finally:
+            # As Ctrl-C does: the launcher and every rank get the signal.
+            os.killpg(launcher.pid, signal.SIGINT)
+            try:
+                launcher.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(launcher.pid, signal.SIGKILL)
+                launcher.wait()
+    assert follower["rank"] == 1 and follower["step"] > 0
+    assert "exited with code" not in log.read_text(), log.read_text()[-3000:]

@@ -16,7 +16,7 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
-from test_distributed import Grammars, _following, _pair, _plan, free_port
+from test_distributed import SECRET, Grammars, _following, _pair, _plan, free_port
 
 from actors import block_store
 from actors.distributed import Followers, Supply, combine, connect, follow, follower_memory
@@ -303,11 +303,11 @@ def test_a_follower_asked_for_blocks_it_never_promised_exits_and_rank_0_says_whi
 
 def test_a_probe_nobody_answers_gives_no_cached_blocks_after_the_timeout():
     port = free_port()
-    followers = Followers(size=2, port=port, host="127.0.0.1")
+    followers = Followers(size=2, port=port, secret=SECRET, host="127.0.0.1")
     got = _supplies(followers)
     result = {}
     t = threading.Thread(target=lambda: result.setdefault(
-        "sock", connect(1, port, "fp", host="127.0.0.1", timeout=10)))
+        "sock", connect(1, port, "fp", SECRET, host="127.0.0.1", timeout=10)))
     t.start()
     followers.accept("fp", seed=1, config=EngineConfig(), timeout=10)
     t.join()
