@@ -1002,6 +1002,11 @@ def _serve_follower(config: Any, spec: str | None, group: Any) -> int:
         try:
             return follow(engine, sock, rank, Grammars(tokenizer), disk)
         finally:
+            # Exiting now: a signal still on its way (mlx.launch signals every rank, and rank 0
+            # may finish first) must not land after the interpreter has restored the default
+            # handlers at exit, which would end this rank with -SIGTERM instead of its code.
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_IGN)
             if disk is not None:
                 disk.close()
             engine.close()
