@@ -29,6 +29,7 @@ from typing import Any
 
 from actors import block_store
 from actors.cache_index import DiskTable
+from actors.cache_lock import CacheDirLock
 from actors.cache_messages import BlockData
 from actors.engine.kv_blocks import KVBlock, from_numpy, to_numpy
 
@@ -60,11 +61,13 @@ class ShardDisk:
 
     One thread does every scan, read, write and deletion; reads go before queued writes (a
     request waits for a read, nobody waits for a write). The catalogue is rebuilt from the
-    files at start, so a restarted group finds what it wrote."""
+    files at start, so a restarted group finds what it wrote. It holds the directory's lock
+    (``cache_lock``) until ``close``: raises ``CacheDirBusy`` when another process holds it."""
 
     def __init__(self, cache_dir: str | Path, fingerprint: str, disk_max_bytes: int, *,
                  max_pending: int = MAX_PENDING) -> None:
         self.cache_dir = Path(cache_dir)
+        self._lock = CacheDirLock.acquire(self.cache_dir)
         self.fingerprint = fingerprint
         self.max_pending = max_pending
         self.table = DiskTable(disk_max_bytes=disk_max_bytes)
@@ -110,6 +113,7 @@ class ShardDisk:
                 self._deadline = time.monotonic() + deadline_s
             self._cond.notify()
         self._thread.join(deadline_s + 5.0)
+        self._lock.release()
 
     def stats(self) -> dict[str, int]:
         return {"disk_blocks": len(self.table.disk), "disk_bytes": self.table.disk_bytes,

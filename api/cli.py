@@ -42,8 +42,13 @@ def _setup_logging(level: str) -> None:
 # --- serve ---------------------------------------------------------------------------------
 
 
+# What stops the server gracefully: Ctrl-C, a service manager's stop, and the end of the
+# terminal or SSH session it was started from (SIGHUP's default would kill it at once).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 async def serve(config: ServeConfig) -> None:
-    """Run the server until SIGINT/SIGTERM, then shut down in order and return.
+    """Run the server until SIGINT, SIGTERM or SIGHUP, then shut down in order and return.
 
     On the signal new connections are refused at once; requests already running get up to
     ``config.shutdown_grace`` seconds, then end cleanly (a stream gets an error event); a
@@ -56,7 +61,8 @@ async def serve(config: ServeConfig) -> None:
     assert main_task is not None  # serve() always runs inside a task
     server: HttpServer | None = None
 
-    def on_signal() -> None:
+    def on_signal(sig: signal.Signals) -> None:
+        log.info("received %s", sig.name)
         if server is None:
             # The model is still downloading or loading: nothing to drain, give up at once.
             main_task.cancel()
@@ -65,8 +71,8 @@ async def serve(config: ServeConfig) -> None:
         else:
             server.hurry()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal)
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, on_signal, sig)
     try:
         # Lazy: the serving actors import MLX, which the rest of this module must not.
         from actors.engine import cpu_kernels
@@ -86,7 +92,7 @@ async def serve(config: ServeConfig) -> None:
                 )
             log.info("stopping the actors")
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in STOP_SIGNALS:
             loop.remove_signal_handler(sig)
 
 
