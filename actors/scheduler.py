@@ -364,7 +364,7 @@ class Scheduler(Actor):
             self.pace.busy()
         self._epoch += 1
         self._epochs[msg.request_id] = self._epoch
-        ram, disk = await self._find_prefix(msg.prompt_tokens)
+        ram, disk = await self._find_prefix(msg.prompt_tokens, msg.cache_namespace)
         if msg.request_id in self._loading:
             # Its id is taken by a request still loading: it waits for no blocks of its own.
             self._start(msg, reply, ram if self.followers is None else [])
@@ -394,19 +394,21 @@ class Scheduler(Actor):
             return False
         if not offered:
             room = min(engine.block_size, len(prompt) - 1)
-            if engine.hybrid or room <= 0 or not engine.blocks.best_partial(None,
-                                                                             prompt[:room])[1]:
+            root = engine.chain_root(msg.cache_namespace)
+            if engine.hybrid or room <= 0 or not engine.blocks.best_partial(
+                    None, prompt[:room], root)[1]:
                 return False
-        self.followers.probe(msg.request_id, prompt, offered)
+        self.followers.probe(msg.request_id, prompt, offered, msg.cache_namespace)
         self._probed.add(msg.request_id)
         self.probes += 1
         return True
 
-    async def _find_prefix(self, prompt: list[int]) -> tuple[list[KVBlock], list[str]]:
-        """The prompt's leading cached blocks: those in RAM (a plain call), then the hashes of
-        the next ones that are on disk. A prompt whose usable blocks are all in RAM asks the
-        index nothing."""
-        hashes = self.engine.prompt_hashes(prompt)
+    async def _find_prefix(self, prompt: list[int], namespace: str
+                           ) -> tuple[list[KVBlock], list[str]]:
+        """The prompt's leading cached blocks in its cache namespace: those in RAM (a plain
+        call), then the hashes of the next ones that are on disk. A prompt whose usable blocks
+        are all in RAM asks the index nothing."""
+        hashes = self.engine.prompt_hashes(prompt, namespace)
         ram = self.engine.blocks.lookup(hashes)
         rest = hashes[len(ram):]
         index = self.system.find(self.index_name)
@@ -444,14 +446,17 @@ class Scheduler(Actor):
         cached = loading.cached
         size = self.engine.block_size
         prompt = loading.msg.prompt_tokens
+        root = self.engine.chain_root(loading.msg.cache_namespace)
         for data in msg.blocks:
             try:
                 block = from_numpy(data, self.engine.kinds, self.engine.state_sizes)
             except Exception:
                 log.exception("block %s read from disk is unusable", data.block_hash)
                 break
-            # Its tokens are the prompt's at its place in the chain: partial hits compare them.
+            # Its tokens are the prompt's at its place in the chain: partial hits compare them
+            # (a chain's first block, with those of its namespace only).
             block.tokens = tuple(prompt[len(cached) * size : (len(cached) + 1) * size])
+            block.root = root
             cached.append(block)
             # Promoted to RAM: the next request with this prefix skips the disk.
             self.engine.blocks.store(block)
@@ -492,7 +497,7 @@ class Scheduler(Actor):
         try:
             req = self.engine.add(msg.request_id, msg.prompt_tokens, msg.sampling,
                                   cached=cached, output=msg.output, constraint=msg.constraint,
-                                  partial_max=partial_max)
+                                  partial_max=partial_max, namespace=msg.cache_namespace)
         except RequestError as exc:
             reply.send(_refused(msg, exc.kind, str(exc)))
             reply.close()
@@ -502,7 +507,8 @@ class Scheduler(Actor):
             self._probed.discard(msg.request_id)
             self.followers.add(msg.request_id, msg.prompt_tokens, msg.sampling, msg.output,
                                msg.constraint.grammar if msg.constraint is not None else None,
-                               blocks=len(cached), cached_tokens=req.cached_tokens)
+                               blocks=len(cached), cached_tokens=req.cached_tokens,
+                               namespace=msg.cache_namespace)
         self.counters["hit_tokens"] += req.cached_tokens
         self.counters["miss_tokens"] += req.prompt_len - req.cached_tokens
         self._replies[msg.request_id] = reply
