@@ -508,7 +508,8 @@ class Admission(Actor):
             prepared = await self._large_turn(_prepare_chat, entry, prepared, *args)
         tokens, output, constraint = prepared
         return await self._admit(entry, msg.request_id, tokens, msg.sampling, "messages",
-                                 output=output, constraint=constraint)
+                                 output=output, constraint=constraint,
+                                 namespace=msg.cache_namespace)
 
     async def _admit_text(self, entry: ModelEntry, msg: AdmitCompletion,
                           prompt: str) -> AdmissionTicket:
@@ -520,7 +521,7 @@ class Admission(Actor):
             tokens, constraint = await self._large_turn(_prepare_text, entry, prompt,
                                                         msg.response_format)
         return await self._admit(entry, msg.request_id, tokens, msg.sampling, "prompt",
-                                 constraint=constraint)
+                                 constraint=constraint, namespace=msg.cache_namespace)
 
     async def _admit_ids(self, entry: ModelEntry, msg: AdmitCompletion,
                          tokens: list[int]) -> AdmissionTicket:
@@ -528,7 +529,7 @@ class Admission(Actor):
         if msg.response_format is not None and msg.response_format.type != "text":
             constraint = await self._work(_format_constraint, entry, msg.response_format)
         return await self._admit(entry, msg.request_id, tokens, msg.sampling, "prompt",
-                                 constraint=constraint)
+                                 constraint=constraint, namespace=msg.cache_namespace)
 
     async def _count_tokens(self, entry: ModelEntry, msg: CountTokens,
                             tools: list[dict] | None) -> int:
@@ -611,6 +612,7 @@ class Admission(Actor):
         *,
         output: OutputSpec | None = None,
         constraint: Constraint | None = None,
+        namespace: str = "",
     ) -> AdmissionTicket:
         if not tokens:
             raise _refusal("invalid", "the prompt is empty", param=prompt_param)
@@ -619,7 +621,7 @@ class Admission(Actor):
                                        self.max_tokens_limit)
         self._check_memory(entry, len(tokens), prompt_param)
         request = AddRequest(request_id=request_id, prompt_tokens=tokens, sampling=sampling,
-                             output=output, constraint=constraint)
+                             output=output, constraint=constraint, cache_namespace=namespace)
         try:
             try:
                 events = (await self._scheduler(entry)).try_stream(request)

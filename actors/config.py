@@ -48,7 +48,12 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     cache_ram_max: int = ENGINE.cache_ram_max
     cache_disk_max: int = 8 << 30
     max_body_bytes: int = 8 * 1024 * 1024
-    api_key: str | None = None
+    # The API keys every route but /health takes: one, or several, and those of a file (one a
+    # line, ``#`` comments). Each key's requests have a prefix-cache namespace of their own
+    # (another key's requests can neither hit nor probe their blocks) unless shared_cache.
+    api_key: str | list[str] | None = None
+    api_keys_file: str | None = None
+    shared_cache: bool = False
     # Needed instead of api_key on the introspection routes (/actors..., /metrics); None:
     # they take api_key like every other route.
     admin_api_key: str | None = None
@@ -94,3 +99,22 @@ def model_specs(config: ServeConfig) -> list[str | None]:
     if isinstance(config.model, str):
         return [config.model]
     return list(config.model) or [None]
+
+
+def api_keys(config: ServeConfig) -> list[str]:
+    """The API keys the server takes (the admin key aside): ``api_key``, then the lines of
+    ``api_keys_file`` (blank lines and ``#`` comments skipped), in order, each once. Raises
+    ValueError when the file cannot be read or holds no key."""
+    keys = [config.api_key] if isinstance(config.api_key, str) else list(config.api_key or [])
+    if config.api_keys_file:
+        path = config.api_keys_file
+        try:
+            with open(path, encoding="utf-8", errors="surrogateescape") as f:
+                lines = [line.strip() for line in f]
+        except OSError as exc:
+            raise ValueError(f"--api-keys-file {path}: {exc.strerror or exc}") from None
+        found = [line for line in lines if line and not line.startswith("#")]
+        if not found:
+            raise ValueError(f"--api-keys-file {path} holds no key (one a line, # comments)")
+        keys += found
+    return list(dict.fromkeys(key for key in keys if key))

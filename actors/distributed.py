@@ -135,7 +135,8 @@ class Refused(msgspec.Struct, tag=True, frozen=True):
 class Add(msgspec.Struct, tag=True, frozen=True):
     """A request joins the batch. ``blocks``: the prompt's leading cached blocks rank 0 took,
     and ``cached_tokens``: those blocks' tokens and those of the partial hit after them; every
-    rank starts the request from exactly that much cache."""
+    rank starts the request from exactly that much cache. ``namespace``: its cache namespace
+    (``AddRequest.cache_namespace``), which names its blocks on every rank."""
 
     request_id: str
     prompt: list[int]
@@ -144,16 +145,18 @@ class Add(msgspec.Struct, tag=True, frozen=True):
     grammar: str | None = None  # the source of the request's grammar, compiled by each rank
     blocks: int = 0
     cached_tokens: int = 0
+    namespace: str = ""
 
 
 class Probe(msgspec.Struct, tag=True, frozen=True):
     """How many of the prompt's first ``blocks`` cached blocks can this rank supply? The
     follower reserves what it answers (``Supply``) for the request until its ``Add`` or
-    ``Release``."""
+    ``Release``. ``namespace``: the request's cache namespace, as in ``Add``."""
 
     request_id: str
     prompt: list[int]
     blocks: int
+    namespace: str = ""
 
 
 class Release(msgspec.Struct, tag=True, frozen=True):
@@ -558,10 +561,10 @@ class Followers:
 
     def add(self, request_id: str, prompt: list[int], sampling: SamplingParams,
             output: OutputSpec | None, grammar: str | None, blocks: int = 0,
-            cached_tokens: int = 0) -> None:
+            cached_tokens: int = 0, namespace: str = "") -> None:
         self._broadcast(Add(request_id=request_id, prompt=prompt, sampling=sampling,
                             output=output, grammar=grammar, blocks=blocks,
-                            cached_tokens=cached_tokens))
+                            cached_tokens=cached_tokens, namespace=namespace))
 
     def abort(self, request_id: str) -> None:
         self._broadcast(Abort(request_id=request_id))
@@ -575,16 +578,17 @@ class Followers:
     def reset(self, reason: str) -> None:
         self._broadcast(Reset(reason=reason))
 
-    def probe(self, request_id: str, prompt: list[int], blocks: int,
+    def probe(self, request_id: str, prompt: list[int], blocks: int, namespace: str = "",
               timeout: float = PROBE_TIMEOUT_S) -> None:
-        """Ask every follower how many of the prompt's first ``blocks`` cached blocks it can
-        supply; ``on_supply`` gets the answer."""
+        """Ask every follower how many of the prompt's first ``blocks`` cached blocks (in cache
+        namespace ``namespace``) it can supply; ``on_supply`` gets the answer."""
         timer = threading.Timer(timeout, self._expire, (request_id, timeout))
         timer.daemon = True
         with self._lock:
             self._probes[request_id] = _Probe(timer)
         timer.start()
-        self._broadcast(Probe(request_id=request_id, prompt=prompt, blocks=blocks))
+        self._broadcast(Probe(request_id=request_id, prompt=prompt, blocks=blocks,
+                              namespace=namespace))
 
     def release(self, request_id: str) -> None:
         """A probed request will not be added: the followers drop what they reserved."""
@@ -839,7 +843,7 @@ def follow(engine: Any, sock: socket.socket, rank: int, grammars: Any = None,
                 log.info("distributed rank %d: rank 0 stopped; exiting", rank)
                 return 0
             case Probe():
-                cache.probe(msg.request_id, msg.prompt, msg.blocks)
+                cache.probe(msg.request_id, msg.prompt, msg.blocks, msg.namespace)
             case Release():
                 cache.release(msg.request_id)
             case Spill():
@@ -848,13 +852,14 @@ def follow(engine: Any, sock: socket.socket, rank: int, grammars: Any = None,
                 constraint = grammars.compile(msg.grammar) if msg.grammar else None
                 try:
                     cached, partial = cache.claim(msg.request_id, msg.prompt, msg.blocks,
-                                                  msg.cached_tokens)
+                                                  msg.cached_tokens, msg.namespace)
                 except SupplyError as exc:
                     log.error("distributed rank %d cannot supply the cache rank 0 took: %s; "
                               "exiting", rank, exc)
                     return 1
                 req = engine.add(msg.request_id, msg.prompt, msg.sampling, cached=cached,
-                                 partial_max=partial, output=msg.output, constraint=constraint)
+                                 partial_max=partial, output=msg.output, constraint=constraint,
+                                 namespace=msg.namespace)
                 if req.cached_tokens != msg.cached_tokens:
                     log.error("distributed rank %d starts %s from %d cached tokens, rank 0 "
                               "from %d; exiting", rank, msg.request_id, req.cached_tokens,
@@ -981,7 +986,7 @@ def _serve_follower(config: Any, spec: str | None, group: Any) -> int:
             raise SystemExit(1)
         log.info("distributed rank %d: stopping when rank 0 stops", rank)
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, on_signal)
     resolved = resolve_model(spec)
     stream = mx.new_stream(mx.default_device())

@@ -29,6 +29,7 @@ from typing import Any
 
 from actors import block_store
 from actors.cache_index import DiskTable
+from actors.cache_lock import CacheDirLock
 from actors.cache_messages import BlockData
 from actors.engine.kv_blocks import KVBlock, from_numpy, to_numpy
 
@@ -60,11 +61,13 @@ class ShardDisk:
 
     One thread does every scan, read, write and deletion; reads go before queued writes (a
     request waits for a read, nobody waits for a write). The catalogue is rebuilt from the
-    files at start, so a restarted group finds what it wrote."""
+    files at start, so a restarted group finds what it wrote. It holds the directory's lock
+    (``cache_lock``) until ``close``: raises ``CacheDirBusy`` when another process holds it."""
 
     def __init__(self, cache_dir: str | Path, fingerprint: str, disk_max_bytes: int, *,
                  max_pending: int = MAX_PENDING) -> None:
         self.cache_dir = Path(cache_dir)
+        self._lock = CacheDirLock.acquire(self.cache_dir)
         self.fingerprint = fingerprint
         self.max_pending = max_pending
         self.table = DiskTable(disk_max_bytes=disk_max_bytes)
@@ -110,6 +113,7 @@ class ShardDisk:
                 self._deadline = time.monotonic() + deadline_s
             self._cond.notify()
         self._thread.join(deadline_s + 5.0)
+        self._lock.release()
 
     def stats(self) -> dict[str, int]:
         return {"disk_blocks": len(self.table.disk), "disk_bytes": self.table.disk_bytes,
@@ -254,13 +258,17 @@ class FollowerCache:
         """New blocks wait, and the disk thread has room for one."""
         return bool(self._unsaved) and self.disk is not None and self.disk.has_room()
 
-    def probe(self, request_id: str, prompt: list[int], offered: int) -> None:
-        """How many of the prompt's first ``offered`` blocks this rank can supply: reserve
-        them, and answer now, or once the disk thread has read those RAM does not hold."""
+    def probe(self, request_id: str, prompt: list[int], offered: int,
+              namespace: str = "") -> None:
+        """How many of the prompt's first ``offered`` blocks (in its cache namespace) this rank
+        can supply: reserve them, and answer now, or once the disk thread has read those RAM
+        does not hold."""
         engine = self.engine
-        hashes = engine.prompt_hashes(prompt)[:offered]
+        hashes = engine.prompt_hashes(prompt, namespace)[:offered]
         ram = engine.blocks.lookup(hashes)
-        res = Reservation(ram, [self._partial(prompt, ram, j) for j in range(len(ram) + 1)])
+        root = engine.chain_root(namespace)
+        res = Reservation(ram, [self._partial(prompt, ram, j, root)
+                                for j in range(len(ram) + 1)])
         self.reserved[request_id] = res
         rest = hashes[len(ram):]
         if rest and self.disk is not None:
@@ -273,11 +281,11 @@ class FollowerCache:
         self.answer(request_id, res.blocks, res.partial_tokens())
 
     def claim(self, request_id: str, prompt: list[int], blocks: int,
-              cached_tokens: int) -> tuple[list[KVBlock], int]:
+              cached_tokens: int, namespace: str = "") -> tuple[list[KVBlock], int]:
         """The cached blocks rank 0 took for a request (``blocks`` whole ones and
-        ``cached_tokens`` in all), for ``Engine.add``: the blocks, and the tokens of the partial
-        hit after them. Blocks read from disk join the RAM table. Raises ``SupplyError`` when
-        this rank cannot produce them."""
+        ``cached_tokens`` in all, in cache namespace ``namespace``), for ``Engine.add``: the
+        blocks, and the tokens of the partial hit after them. Blocks read from disk join the
+        RAM table. Raises ``SupplyError`` when this rank cannot produce them."""
         res = self.reserved.pop(request_id, None)
         if cached_tokens == 0:
             return [], 0
@@ -297,6 +305,7 @@ class FollowerCache:
                                   f"is unusable: {exc}") from exc
             # Its tokens are the prompt's at its place in the chain: partial hits compare them.
             block.tokens = tuple(prompt[len(cached) * size : (len(cached) + 1) * size])
+            block.root = self.engine.chain_root(namespace)
             cached.append(block)
             self.engine.blocks.store(block)  # promoted, as rank 0 promotes what it reads
         if partial:
@@ -359,9 +368,11 @@ class FollowerCache:
                 "disk_written": disk.get("disk_written", 0),
                 "disk_dropped": disk.get("disk_dropped", 0)}
 
-    def _partial(self, prompt: list[int], ram: list[KVBlock], j: int) -> tuple[KVBlock, int] | None:
-        """After the prompt's first j blocks, the RAM block sharing most of its next tokens, as
-        ``Engine.add`` looks for one (plain KV models; one prompt token left to run)."""
+    def _partial(self, prompt: list[int], ram: list[KVBlock], j: int,
+                 root: str) -> tuple[KVBlock, int] | None:
+        """After the prompt's first j blocks (of the chain from ``root``), the RAM block
+        sharing most of its next tokens, as ``Engine.add`` looks for one (plain KV models; one
+        prompt token left to run)."""
         engine = self.engine
         if not engine.caching or engine.hybrid:
             return None
@@ -370,5 +381,5 @@ class FollowerCache:
         if room <= 0:
             return None
         parent = ram[j - 1].block_hash if j else None
-        block, n = engine.blocks.best_partial(parent, prompt[start : start + room])
+        block, n = engine.blocks.best_partial(parent, prompt[start : start + room], root)
         return (block, n) if block is not None and n > 0 else None

@@ -18,8 +18,11 @@ admission then answers new requests with 503).
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import functools
 import logging
 import os
+import sys
 import time
 from collections import deque
 from typing import Any
@@ -76,6 +79,29 @@ def process_rss() -> int:
         import resource  # macOS reports ru_maxrss in bytes
 
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+
+
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim  # noqa: B018 (musl has no malloc_trim)
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def trim_heap() -> bool:
+    """Give the C heap's free memory back to the system (glibc's ``malloc_trim``, Linux only):
+    glibc keeps what a burst freed (numpy snapshots, MLX's buffers once cleared) resident, in
+    every thread's arena. False where there is no glibc to ask."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = _glibc()
+    if libc is None:
+        return False
+    libc.malloc_trim(0)
+    return True
 
 
 class MemoryMonitor(Actor):

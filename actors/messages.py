@@ -108,6 +108,8 @@ class AdmitChat(Message, frozen=True, kw_only=True):
     response_format: OutputFormat | None = None
     # Reasoning tokens after which the closing tag is forced (Anthropic's budget_tokens).
     thinking_budget: int | None = None
+    # Whose prefix-cache blocks it may read and write ("": the shared namespace).
+    cache_namespace: str = ""
 
 
 class AdmitCompletion(Message, frozen=True, kw_only=True):
@@ -118,6 +120,8 @@ class AdmitCompletion(Message, frozen=True, kw_only=True):
     prompt: str | list[int]
     sampling: SamplingParams
     response_format: OutputFormat | None = None
+    # Whose prefix-cache blocks it may read and write ("": the shared namespace).
+    cache_namespace: str = ""
 
 
 class CountTokens(Message, frozen=True, kw_only=True):
@@ -208,13 +212,17 @@ class AddRequest(Message, frozen=True, kw_only=True):
 
     ``output``: how to read the answer (tool calls, reasoning); None for plain text.
     ``constraint``: a compiled grammar (``actors.engine.grammar.Constraint``, made in admission, off
-    the MLX thread) that masks every sampled token; None when unconstrained."""
+    the MLX thread) that masks every sampled token; None when unconstrained.
+    ``cache_namespace``: the prefix-cache namespace whose blocks alone it reads and into which
+    it cuts its own (an API key's, a ``cache_salt``'s; "": the shared one). A hash, never a
+    key."""
 
     request_id: str
     prompt_tokens: list[int]
     sampling: SamplingParams
     output: OutputSpec | None = None
     constraint: Any = None
+    cache_namespace: str = ""
 
 
 class AbortRequest(Message, frozen=True, kw_only=True):

@@ -28,6 +28,7 @@ from typing import Any
 import mlx.core as mx
 
 from actors.cache_index import CACHE_INDEX_THREAD, CacheIndex
+from actors.cache_lock import CacheDirLock
 from actors.engine.config import EngineConfig
 from actors.engine.memory_estimate import ModelMemory, model_memory_of
 from actors.engine.prefix import model_fingerprint
@@ -97,7 +98,8 @@ class EnginePool(Actor):
 
     ``specs``: the models as given to ``--model`` (None: the bundled default). ``engine``:
     each model's engine settings. ``cache``: the prefix cache's disk settings (``cache_dir``,
-    ``disk_max_bytes``), or None.
+    ``disk_max_bytes``), or None; the pool holds the directory's lock (``cache_lock``) while
+    it runs, so that a second server on it refuses to start.
     """
 
     def __init__(
@@ -129,8 +131,19 @@ class EnginePool(Actor):
         self.refused = 0
         self.last_load_s = 0.0
         self.last_unload_s = 0.0
+        self._lock: CacheDirLock | None = None
 
     async def on_start(self) -> None:
+        if self.cache is not None:
+            # Before any model is resolved or loaded: a second server stops at once.
+            self._lock = CacheDirLock.acquire(self.cache["cache_dir"])
+        try:
+            await self._start()
+        except BaseException:
+            self._release_cache_dir()  # no on_stop follows a failed start
+            raise
+
+    async def _start(self) -> None:
         for position, spec in enumerate(self.specs):
             resolved = resolve_model(spec)
             if resolved.name in self.slots:
@@ -167,6 +180,13 @@ class EnginePool(Actor):
     async def on_stop(self, error: BaseException | None) -> None:
         if self._ticker is not None:
             self._ticker.cancel()
+        # At shutdown the cache index and SSD writer (started after the pool) have stopped.
+        self._release_cache_dir()
+
+    def _release_cache_dir(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     async def _tick(self, ttl: float) -> None:
         while True:

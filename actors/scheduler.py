@@ -62,6 +62,7 @@ from actors.memory_messages import (
     MemoryLimits,
     Retire,
 )
+from actors.memory_monitor import trim_heap
 from actors.messages import (
     AbortRequest,
     AddRequest,
@@ -98,6 +99,10 @@ STUCK_EXIT_GRACE_S = 2.0
 ARRIVAL_WINDOWS_MAX = 5
 # A starting scheduler asks the memory monitor for the limits; it does not wait longer.
 LIMITS_TIMEOUT_S = 2.0
+# An engine idle this long gives back the memory its last requests freed (MLX's buffer
+# cache, the C heap's free pages): a burst of long prompts left the process 2.3 GB larger
+# for good. Not at once: a request arriving soon after reuses that memory.
+IDLE_RELEASE_S = 2.0
 
 
 def context_length(config: dict[str, Any]) -> int:
@@ -107,6 +112,10 @@ def context_length(config: dict[str, Any]) -> int:
             if isinstance(cfg.get(key), int):
                 return cfg[key]
     return 4096
+
+
+class ReleaseMemory(Message, frozen=True, kw_only=True):
+    """The scheduler's note to itself: it may have been idle for IDLE_RELEASE_S."""
 
 
 class PrefixSupplied(Message, frozen=True, kw_only=True):
@@ -149,7 +158,7 @@ class Scheduler(Actor):
     """Continuous batching for one model. Messages: AddRequest (via ``stream``), AbortRequest,
     DescribeEngine (via ``ask``), BlocksRead (from the SSD writer), MemoryLimits and SpillRam
     (from the memory monitor), DescribeLoad and Retire (from the engine pool), and its own
-    Step."""
+    Step and ReleaseMemory."""
 
     def __init__(
         self,
@@ -199,6 +208,8 @@ class Scheduler(Actor):
         self.write_wait_s = 0.0  # time steps spent waiting for room in the writer's queue
         # The other ranks of a sharded model (rank 0 only; actors/distributed.py).
         self.followers: Followers | None = None
+        self._release_timer: asyncio.TimerHandle | None = None
+        self.memory_releases = 0  # times an idle engine gave memory back
 
     async def on_start(self) -> None:
         started = time.perf_counter()
@@ -280,6 +291,8 @@ class Scheduler(Actor):
         self.followers = self.engine.mirror = followers
 
     async def on_stop(self, error: BaseException | None) -> None:
+        if self._release_timer is not None:
+            self._release_timer.cancel()
         if error is None and self._unsaved:
             await self._persist(self._take_unsaved(everything=True))  # the disk keeps them
         if self.engine is not None:
@@ -312,6 +325,8 @@ class Scheduler(Actor):
                 self._loaded(msg)
             case PrefixSupplied():
                 self._supplied(msg)
+            case ReleaseMemory():
+                self._release_if_idle()
             case AbortRequest(request_id=rid):
                 self._abort(rid)
             case SpillRam(unpersisted=unpersisted):
@@ -365,7 +380,7 @@ class Scheduler(Actor):
             self.pace.busy()
         self._epoch += 1
         self._epochs[msg.request_id] = self._epoch
-        ram, disk = await self._find_prefix(msg.prompt_tokens)
+        ram, disk = await self._find_prefix(msg.prompt_tokens, msg.cache_namespace)
         if msg.request_id in self._loading:
             # Its id is taken by a request still loading: it waits for no blocks of its own.
             self._start(msg, reply, ram if self.followers is None else [])
@@ -395,19 +410,21 @@ class Scheduler(Actor):
             return False
         if not offered:
             room = min(engine.block_size, len(prompt) - 1)
-            if engine.hybrid or room <= 0 or not engine.blocks.best_partial(None,
-                                                                             prompt[:room])[1]:
+            root = engine.chain_root(msg.cache_namespace)
+            if engine.hybrid or room <= 0 or not engine.blocks.best_partial(
+                    None, prompt[:room], root)[1]:
                 return False
-        self.followers.probe(msg.request_id, prompt, offered)
+        self.followers.probe(msg.request_id, prompt, offered, msg.cache_namespace)
         self._probed.add(msg.request_id)
         self.probes += 1
         return True
 
-    async def _find_prefix(self, prompt: list[int]) -> tuple[list[KVBlock], list[str]]:
-        """The prompt's leading cached blocks: those in RAM (a plain call), then the hashes of
-        the next ones that are on disk. A prompt whose usable blocks are all in RAM asks the
-        index nothing."""
-        hashes = self.engine.prompt_hashes(prompt)
+    async def _find_prefix(self, prompt: list[int], namespace: str
+                           ) -> tuple[list[KVBlock], list[str]]:
+        """The prompt's leading cached blocks in its cache namespace: those in RAM (a plain
+        call), then the hashes of the next ones that are on disk. A prompt whose usable blocks
+        are all in RAM asks the index nothing."""
+        hashes = self.engine.prompt_hashes(prompt, namespace)
         ram = self.engine.blocks.lookup(hashes)
         rest = hashes[len(ram):]
         index = self.system.find(self.index_name)
@@ -445,14 +462,17 @@ class Scheduler(Actor):
         cached = loading.cached
         size = self.engine.block_size
         prompt = loading.msg.prompt_tokens
+        root = self.engine.chain_root(loading.msg.cache_namespace)
         for data in msg.blocks:
             try:
                 block = from_numpy(data, self.engine.kinds, self.engine.state_sizes)
             except Exception:
                 log.exception("block %s read from disk is unusable", data.block_hash)
                 break
-            # Its tokens are the prompt's at its place in the chain: partial hits compare them.
+            # Its tokens are the prompt's at its place in the chain: partial hits compare them
+            # (a chain's first block, with those of its namespace only).
             block.tokens = tuple(prompt[len(cached) * size : (len(cached) + 1) * size])
+            block.root = root
             cached.append(block)
             # Promoted to RAM: the next request with this prefix skips the disk.
             self.engine.blocks.store(block)
@@ -493,7 +513,7 @@ class Scheduler(Actor):
         try:
             req = self.engine.add(msg.request_id, msg.prompt_tokens, msg.sampling,
                                   cached=cached, output=msg.output, constraint=msg.constraint,
-                                  partial_max=partial_max)
+                                  partial_max=partial_max, namespace=msg.cache_namespace)
         except RequestError as exc:
             reply.send(_refused(msg, exc.kind, str(exc)))
             reply.close()
@@ -503,7 +523,8 @@ class Scheduler(Actor):
             self._probed.discard(msg.request_id)
             self.followers.add(msg.request_id, msg.prompt_tokens, msg.sampling, msg.output,
                                msg.constraint.grammar if msg.constraint is not None else None,
-                               blocks=len(cached), cached_tokens=req.cached_tokens)
+                               blocks=len(cached), cached_tokens=req.cached_tokens,
+                               namespace=msg.cache_namespace)
         self.counters["hit_tokens"] += req.cached_tokens
         self.counters["miss_tokens"] += req.prompt_len - req.cached_tokens
         self._replies[msg.request_id] = reply
@@ -570,6 +591,35 @@ class Scheduler(Actor):
             self._unsaved.extend((rid, self._epochs.get(rid, 0), blk) for rid, blk in new)
         if self._unsaved:
             await self._persist(self._take_unsaved())
+        if not self._in_flight() and not self._unsaved:
+            self._arm_release(IDLE_RELEASE_S)
+
+    def _arm_release(self, delay: float) -> None:
+        """Remind this actor to release memory in ``delay`` seconds (once: a later step
+        that leaves it idle finds the reminder set)."""
+        if self._release_timer is None:
+            self._release_timer = asyncio.get_running_loop().call_later(delay, self._remind)
+
+    def _remind(self) -> None:
+        self._release_timer = None
+        try:
+            self.ref.try_tell(ReleaseMemory())
+        except (MailboxFull, ActorDead):
+            pass  # busy (the step that leaves it idle reminds it again), or stopping
+
+    def _release_if_idle(self) -> None:
+        """Give back what an idle engine does not use: MLX's buffer cache and the C heap's free
+        pages. The model, the prefix cache's blocks and its hot caches stay: they are within
+        their own budgets. Not while requests run, nor before IDLE_RELEASE_S of quiet."""
+        if self._in_flight() or self._unsaved:
+            return  # the step that leaves it idle again arms a new reminder
+        quiet = time.monotonic() - self._last_active
+        if quiet < IDLE_RELEASE_S:
+            self._arm_release(IDLE_RELEASE_S - quiet)
+            return
+        mx.clear_cache()
+        trim_heap()
+        self.memory_releases += 1
 
     def _watch_stuck(self, reason: str) -> None:
         """A follower is lost (on a reader thread): if the step in flight has not returned
@@ -723,6 +773,7 @@ class Scheduler(Actor):
             "tokens_per_s": round(tps, 2),
             **engine.blocks.stats(),
             "write_wait_s": round(self.write_wait_s, 3),
+            "memory_releases": self.memory_releases,
             **self.counters,
             "requests": engine.progress(),
             **({"followers": self.followers.report(), "probes": self.probes,

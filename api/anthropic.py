@@ -32,6 +32,7 @@ from actors.messages import (
     ToolCall,
     ToolChoice,
 )
+from api.cache_namespace import CacheSalt
 from api.decode import decode_body
 from api.errors import ApiError, ask_admission
 from api.generation import Renderer
@@ -127,6 +128,7 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
     # Structured outputs: ``output_config.format`` today, top-level ``output_format`` in beta.
     output_config: OutputConfig | None = None
     output_format: JsonOutputFormat | None = None
+    cache_salt: CacheSalt | None = None
 
 
 # --- response schemas ----------------------------------------------------------------------

@@ -12,8 +12,9 @@ import hmac
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from actors.config import ServeConfig
+from actors.config import ServeConfig, api_keys
 from api.anthropic import AnthropicRoutes
+from api.cache_namespace import CACHE_NAMESPACE, key_namespace
 from api.dashboard import PUBLIC_PATHS, DashboardRoutes
 from api.decode import read_body
 from api.errors import ApiError, error_middleware
@@ -79,19 +80,37 @@ def _holds(keys: list[bytes], expected: bytes | None) -> bool:
     return found
 
 
+def _match(keys: list[bytes], expected: list[tuple[bytes, str]]) -> str | None:
+    """The namespace of the expected key one of ``keys`` is, or None. Every pair is
+    compared, in constant time: the time taken reveals neither which key matched nor how
+    much of one."""
+    found = None
+    for key, namespace in expected:
+        if _holds(keys, key) and found is None:
+            found = namespace
+    return found
+
+
 def _key_bytes(key: str | None) -> bytes | None:
     # surrogateescape: a key passed as bytes that are not UTF-8 (argv, the environment)
     # compares as those bytes.
     return key.encode("utf-8", "surrogateescape") if key else None
 
 
-def _api_key_middleware(api_key: str | None, admin_api_key: str | None) -> Middleware:
-    """Refuse requests without the key, sent as a Bearer token or as ``x-api-key``.
+def _api_key_middleware(accepted: list[str], admin_api_key: str | None,
+                        shared_cache: bool = False) -> Middleware:
+    """Refuse requests without a key, sent as a Bearer token or as ``x-api-key``.
 
-    ``api_key`` guards every route but the open ones; ``admin_api_key``, when set, guards
-    the introspection routes instead (and is taken wherever ``api_key`` is).
+    The ``accepted`` API keys (any of them) guard every route but the open ones;
+    ``admin_api_key``, when set, guards the introspection routes instead (and is taken
+    wherever an API key is). A request with a valid key gets the key's cache namespace
+    (``api.cache_namespace``), unless ``shared_cache``.
     """
-    api, admin = _key_bytes(api_key), _key_bytes(admin_api_key)
+    admin = _key_bytes(admin_api_key)
+    # Every key the other routes take (the admin key too), with its cache namespace; none
+    # without API keys: those routes are open.
+    api = [(key, key_namespace(key)) for key in [*map(_key_bytes, accepted), admin]
+           if key is not None] if accepted else []
 
     @web.middleware
     async def check_api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -102,12 +121,16 @@ def _api_key_middleware(api_key: str | None, admin_api_key: str | None) -> Middl
         keys = _presented_keys(request)
         if admin is not None and _is_admin_route(request):
             if not _holds(keys, admin):
-                if _holds(keys, api):
+                if _match(keys, api) is not None:
                     raise ApiError(403, "This route needs the admin API key.",
                                    code="admin_key_required")
                 raise ApiError(401, _NO_KEY, code="invalid_api_key")
-        elif api is not None and not (_holds(keys, api) or _holds(keys, admin)):
-            raise ApiError(401, _NO_KEY, code="invalid_api_key")
+        elif api:
+            namespace = _match(keys, api)
+            if namespace is None:
+                raise ApiError(401, _NO_KEY, code="invalid_api_key")
+            if not shared_cache:
+                request[CACHE_NAMESPACE] = namespace
         return await handler(request)
 
     return check_api_key
@@ -200,8 +223,10 @@ def create_app(*, system: ActorSystem, admission: ActorRef, config: ServeConfig)
     cors = _Cors(config.allowed_origins) if config.allowed_origins else None
     if cors is not None:
         middlewares.append(cors.preflight)
-    if config.api_key or config.admin_api_key:
-        middlewares.append(_api_key_middleware(config.api_key, config.admin_api_key))
+    keys = api_keys(config)
+    if keys or config.admin_api_key:
+        middlewares.append(_api_key_middleware(keys, config.admin_api_key,
+                                               config.shared_cache))
     # After the key: a body is read only for a client that may send one.
     middlewares.append(_body_middleware(config))
     # client_max_size: aiohttp refuses larger bodies with 413 when the handler reads them.

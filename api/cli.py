@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from actors.config import ServeConfig
+from actors.config import ServeConfig, api_keys
 from api.server import HttpServer, serve_http
 from runtime import ActorSystem
 
@@ -42,8 +42,13 @@ def _setup_logging(level: str) -> None:
 # --- serve ---------------------------------------------------------------------------------
 
 
+# What stops the server gracefully: Ctrl-C, a service manager's stop, and the end of the
+# terminal or SSH session it was started from (SIGHUP's default would kill it at once).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 async def serve(config: ServeConfig) -> None:
-    """Run the server until SIGINT/SIGTERM, then shut down in order and return.
+    """Run the server until SIGINT, SIGTERM or SIGHUP, then shut down in order and return.
 
     On the signal new connections are refused at once; requests already running get up to
     ``config.shutdown_grace`` seconds, then end cleanly (a stream gets an error event); a
@@ -56,7 +61,8 @@ async def serve(config: ServeConfig) -> None:
     assert main_task is not None  # serve() always runs inside a task
     server: HttpServer | None = None
 
-    def on_signal() -> None:
+    def on_signal(sig: signal.Signals) -> None:
+        log.info("received %s", sig.name)
         if server is None:
             # The model is still downloading or loading: nothing to drain, give up at once.
             main_task.cancel()
@@ -65,8 +71,8 @@ async def serve(config: ServeConfig) -> None:
         else:
             server.hurry()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal)
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, on_signal, sig)
     try:
         # Lazy: the serving actors import MLX, which the rest of this module must not.
         from actors.engine import cpu_kernels
@@ -86,7 +92,7 @@ async def serve(config: ServeConfig) -> None:
                 )
             log.info("stopping the actors")
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in STOP_SIGNALS:
             loop.remove_signal_handler(sig)
 
 
@@ -109,14 +115,20 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     """The ``ServeConfig`` of parsed ``serve`` arguments (flags not given keep its defaults)."""
     fields = {f.name for f in msgspec.structs.fields(ServeConfig)}
     values = {k: v for k, v in vars(args).items() if k in fields}
-    if isinstance(values.get("model"), list) and len(values["model"]) == 1:
-        values["model"] = values["model"][0]  # one --model: the one-model server of old
+    for name in ("model", "api_key"):
+        if isinstance(values.get(name), list) and len(values[name]) == 1:
+            values[name] = values[name][0]  # given once: the one value of old
     return ServeConfig(**values)
 
 
 def _serve(args: argparse.Namespace) -> int:
     config = serve_config(args)
     _setup_logging(config.log_level)
+    try:
+        api_keys(config)  # a keys file that cannot be read fails now, not after a model load
+    except ValueError as exc:
+        log.error("troupe serve: %s", exc)
+        return 1
     _maybe_preload_openblas(args.blas)
     if config.distributed:
         # Lazy: it imports MLX. Every rank but 0 follows rank 0's batch and serves no HTTP.
@@ -276,6 +288,21 @@ class _CommaList(argparse.Action):
         items = list(getattr(namespace, self.dest, None) or [])
         items.extend(item.strip() for item in str(values).split(",") if item.strip())
         setattr(namespace, self.dest, items)
+
+
+class _Repeated(argparse.Action):
+    """Collect a flag's repeats into a list: the first one given replaces the default (taken
+    from the environment), each next one adds to it."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        given = getattr(namespace, self.dest, None)
+        setattr(namespace, self.dest, [*(given if isinstance(given, list) else []), values])
 
 
 class _Aliases(argparse.Action):
@@ -495,9 +522,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve_cmd.add_argument(
         "--api-key",
+        action=_Repeated,
         metavar="KEY",
         default=os.environ.get("TROUPE_API_KEY", opt),
-        help="require this key on every route but /health (default: $TROUPE_API_KEY, else none)",
+        help="require this key on every route but /health; repeat it for several clients, "
+        "each with a prefix-cache namespace of its own (default: $TROUPE_API_KEY, else none)",
+    )
+    serve_cmd.add_argument(
+        "--api-keys-file",
+        metavar="PATH",
+        default=opt,
+        help="take the keys in this file too, one a line (# comments)",
+    )
+    serve_cmd.add_argument(
+        "--shared-cache",
+        action="store_true",
+        default=opt,
+        help="let every API key's requests share prefix-cache blocks (each key then can "
+        "probe, through cached token counts, what the others' prompts begin with)",
     )
     serve_cmd.add_argument(
         "--admin-api-key",

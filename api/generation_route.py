@@ -15,6 +15,7 @@ import msgspec
 from aiohttp import web
 
 from actors.messages import AdmissionTicket, AdmitChat, AdmitCompletion, Admitted
+from api.cache_namespace import request_namespace
 from api.decode import decode_body
 from api.errors import ask_admission
 from api.generation import Renderer, answer
@@ -31,6 +32,9 @@ class GenerationRequest(Protocol):
     @property
     def stream(self) -> bool | None: ...
 
+    @property
+    def cache_salt(self) -> str | None: ...
+
 
 R = TypeVar("R", bound=GenerationRequest)
 M = TypeVar("M", AdmitChat, AdmitCompletion)
@@ -44,13 +48,17 @@ async def generate(
     admit: Callable[[R, str], M],
     renderer: Callable[[R, M, Admitted], Renderer],
 ) -> web.StreamResponse:
-    """Answer a generation request: ``admit(body, request_id)`` is what admission is asked,
-    ``renderer(body, admit_message, admitted)`` renders the answer."""
+    """Answer a generation request: ``admit(body, request_id)`` is what admission is asked
+    (in the request's cache namespace), ``renderer(body, admit_message, admitted)`` renders
+    the answer."""
     req = decode_body(await request.read(), decoder)
     request_id = f"{id_prefix}{uuid.uuid4().hex}"
     record = request[RECORD]
     record.request_id, record.model = request_id, req.model
     msg = admit(req, request_id)
+    namespace = request_namespace(request, req.cache_salt)
+    if namespace:
+        msg = msgspec.structs.replace(msg, cache_namespace=namespace)
     ticket: AdmissionTicket = await ask_admission(admission, msg)
     rendering = renderer(req, msg, ticket.admitted)
     return await answer(request, ticket, rendering, stream=bool(req.stream))

@@ -34,6 +34,7 @@ from actors.messages import (
     ToolChoice,
     Usage,
 )
+from api.cache_namespace import CacheSalt
 from api.errors import ApiError, ask_admission
 from api.generation import Renderer
 from api.generation_route import generate
@@ -99,6 +100,7 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
     n: int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
+    cache_salt: CacheSalt | None = None
 
 
 class ChatCompletionRequest(SamplingRequest, kw_only=True):

@@ -49,6 +49,7 @@ from actors.messages import (
     ToolChoice,
     Usage,
 )
+from api.cache_namespace import CacheSalt
 from api.errors import ApiError
 from api.generation import Renderer
 from api.generation_route import generate
@@ -130,6 +131,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     background: bool | None = None
     previous_response_id: str | None = None
     conversation: str | dict[str, Any] | None = None
+    cache_salt: CacheSalt | None = None
 
 
 # --- response schemas ----------------------------------------------------------------------

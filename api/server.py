@@ -34,7 +34,7 @@ from aiohttp.http import RawRequestMessage
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
-from actors.config import ServeConfig
+from actors.config import ServeConfig, api_keys
 from api.app import create_app
 from api.errors import ApiError, shape_for
 from api.shutdown import ABORT_WAIT_S, INFLIGHT
@@ -290,7 +290,7 @@ class _AcceptFloodLog:
 
 def exposed_without_key(config: ServeConfig) -> bool:
     """True when the server would listen beyond this machine with no API key."""
-    if config.api_key:
+    if api_keys(config):
         return False
     if config.host == "localhost":
         return False
@@ -345,6 +345,13 @@ async def start_http(
         log.warning(
             "listening on %r without an API key: anyone who can reach it can generate and "
             "read /actors and /metrics; set --api-key (or TROUPE_API_KEY)", config.host
+        )
+    keys = len(api_keys(config))
+    if keys > 1 and not config.admin_api_key and not config.shared_cache:
+        log.warning(
+            "%d API keys and no admin key: every key can read /actors, /metrics and the "
+            "dashboard, which show how many tokens of each request's prompt were cached; set "
+            "--admin-api-key to keep them to operators", keys
         )
     app = create_app(system=system, admission=serving.admission, config=config)
     runner = _ApiRunner(

@@ -107,6 +107,10 @@ CRASH_MARKS = ("Traceback (most recent call last)", "Fatal Python error", "termi
 # Leak bounds over the warm baseline (Soak.check_resources says why these).
 RSS_SLACK = 0.5
 FD_SLACK = 16
+# How long the soak leaves the server quiet after a phase before it reads RSS: the engine
+# gives back what it holds beyond the model and the cache 2 s after its last request
+# (IDLE_RELEASE_S in actors/scheduler.py), then the C heap and MLX's buffer cache shrink.
+RELEASE_WAIT_S = 4.0
 
 # Outcomes: every request gets exactly one. The first are answers a server may give; the
 # last three fail the run.
@@ -1027,6 +1031,8 @@ class Soak:
         self.samples: list[tuple[float, int, str, float, int]] = []
         self.reference: list[str] | None = None
         self.baseline: dict[str, float] | None = None
+        # RSS at the first start, and after the load once the idle engine gave memory back.
+        self.rss: dict[str, Any] = {}
         self.bursts: list[dict[str, Any]] = []
         self.killed: set[int] = set()
         self.terminating: set[int] = set()
@@ -1281,6 +1287,9 @@ class Soak:
         if restarted:
             self.fail(name, f"actors crashed and were restarted: {restarted}")
         checks["corrupt_loaded"] = self.check_corrupt_loaded(name)
+        # RSS is read once the quiet engine gave back what the phase freed, at every check
+        # alike: the baseline's bound means nothing against a reading taken before it.
+        await asyncio.sleep(RELEASE_WAIT_S)
         checks.update(self.check_resources(name))
         checks.update(self.check_ledger(name))
         checks["log_crashes"] = self.check_logs(name)
@@ -1436,6 +1445,16 @@ class Soak:
     async def phase_load(self) -> None:
         async with self.phase("load") as (phase, clients):
             await self.run_traffic(clients, phase.seconds)
+        await self.released_rss()
+
+    async def released_rss(self) -> None:
+        """The quiet server's RSS once its engine has given back the memory the load left
+        (MLX's buffer cache, the C heap's free pages: the phase's checks waited for it), and
+        how often it did."""
+        report = (await self.get_json("/actors/scheduler"))["report"]
+        usage = proc_usage(self.server.pid) if self.server.pid else None
+        self.rss["after_load_mb"] = round(usage[0] / 2**20, 1) if usage else None
+        self.rss["memory_releases"] = report.get("memory_releases")
 
     async def phase_burst(self) -> None:
         async with self.phase("burst") as (phase, clients):
@@ -1597,6 +1616,8 @@ class Soak:
         try:
             self.disk.setup()
             self.first_start_s = await self.server.start()
+            usage = proc_usage(self.server.pid) if self.server.pid else None
+            self.rss["start_mb"] = round(usage[0] / 2**20, 1) if usage else None
             # The budget counts from here: a first start may convert the model first.
             self.t0 = time.monotonic()
             self.deadline = self.t0 + self.minutes * 60
@@ -1725,6 +1746,9 @@ class Soak:
             "blocks": blocks,
             "resources": {
                 "baseline": self.baseline,
+                "rss_start_mb": self.rss.get("start_mb"),
+                "rss_after_load_mb": self.rss.get("after_load_mb"),
+                "memory_releases_after_load": self.rss.get("memory_releases"),
                 "rss_peak_mb": max(rss, default=None), "fds_peak": max(fds, default=None),
                 "samples": [list(s) for s in self.samples],
                 "sample_fields": ["t_s", "instance", "phase", "rss_mb", "fds"],
@@ -1848,6 +1872,10 @@ def markdown(report: dict[str, Any]) -> str:
         f"{base.get('rss_bound_mb', 0):.0f} MB and {base.get('fd_bound')} fds at each "
         f"checkpoint; peaks over the run {res['rss_peak_mb']} MB and {res['fds_peak']} fds "
         "(sampled every second).",
+        "",
+        f"RSS at the first start {res['rss_start_mb']} MB; after the load, once the idle "
+        f"engine gave memory back ({res['memory_releases_after_load']} releases so far), "
+        f"{res['rss_after_load_mb']} MB.",
         "", "![RSS, latency and throughput over time](soak.png)", "",
     ]
     return "\n".join(lines)

@@ -378,12 +378,16 @@ def _free_port() -> int:
 @contextlib.contextmanager
 def serve_default_model(server_log: Path, *args: str) -> Iterator[str]:
     """`troupe serve` on the bundled default model with ``args``, its output in
-    ``server_log``, until the block ends: its base URL."""
+    ``server_log`` and its prefix cache beside it (unless ``args`` name a --cache-dir), until
+    the block ends: its base URL."""
     port = _free_port()
     log = server_log.open("w")
+    # A directory of its own: one server at a time may use a cache directory, and the
+    # session's servers (and in-process stacks on $TROUPE_HOME's) run side by side.
+    cache = [] if "--cache-dir" in args else ["--cache-dir", str(server_log.parent / "kv-cache")]
     proc = subprocess.Popen(
         [sys.executable, "-m", "api.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-         *args],
+         *cache, *args],
         stdout=log, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )

@@ -1,5 +1,7 @@
 """SIGTERM on ``troupe serve`` (a real process on the tiny model): streams end cleanly, new
-connections are refused at once, and the process exits 0 within the grace period.
+connections are refused at once, and the process exits 0 within the grace period. SIGHUP (the
+terminal that started it closed) stops it the same way; a second server on its cache
+directory refuses to start.
 """
 
 from __future__ import annotations
@@ -44,17 +46,26 @@ class Served:
         return False
 
 
+def _command(model_dir: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "api.cli", "serve", "--model", str(model_dir), "--port", "0",
+            *args]
+
+
+def _env(home: Path) -> dict[str, str]:
+    # TROUPE_HOME: the default cache directory is $TROUPE_HOME/kv-cache.
+    return {**os.environ, "PYTHONPATH": str(ROOT), "TROUPE_HOME": str(home),
+            "PYTHONUNBUFFERED": "1"}
+
+
 @pytest.fixture
 def serve(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Callable[[float], Served]]:
     procs: list[subprocess.Popen[str]] = []
 
     def start(grace: float) -> Served:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "api.cli", "serve", "--model", str(tiny_model_dir),
-             "--port", "0", "--shutdown-grace", str(grace)],
+            _command(tiny_model_dir, "--shutdown-grace", str(grace)),
             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, "PYTHONPATH": str(ROOT), "TROUPE_HOME": str(tmp_path),
-                 "PYTHONUNBUFFERED": "1"},
+            env=_env(tmp_path),
         )
         procs.append(proc)
         log: list[str] = []
@@ -133,3 +144,32 @@ def test_sigterm_lets_a_request_in_flight_finish_then_exits_0(
     assert events[-1]["choices"][0]["finish_reason"] == "length"
     assert served.proc.wait(timeout=30) == 0, "".join(served.log)
     assert time.monotonic() - signalled < 20  # it did not sit out the whole grace period
+
+
+def test_sighup_stops_the_server_as_sigterm_does_with_a_log_line(
+    serve: Callable[[float], Served],
+) -> None:
+    served = serve(30.0)
+    chunks = _stream(served, max_tokens=600)
+    received = next(chunks)
+    served.proc.send_signal(signal.SIGHUP)
+    received += b"".join(chunks)
+    events = parse_data_sse(received.decode())
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert served.proc.wait(timeout=30) == 0, "".join(served.log)
+    log = "".join(served.log)
+    assert "received SIGHUP" in log and "stopping the actors" in log
+
+
+def test_a_second_server_on_the_same_cache_directory_exits_naming_it_and_the_first(
+    serve: Callable[[float], Served], tiny_model_dir: Path, tmp_path: Path,
+) -> None:
+    served = serve(30.0)
+    second = subprocess.run(_command(tiny_model_dir), cwd=ROOT, env=_env(tmp_path),
+                            capture_output=True, text=True, timeout=120)
+    assert second.returncode == 1
+    assert f"the cache directory {tmp_path / 'kv-cache'} is in use by another troupe server " \
+           f"(pid {served.proc.pid})" in second.stderr, second.stderr
+    assert f"loaded {served.model} from" not in second.stderr  # it stopped before a load
+    with httpx.Client() as client:  # the first serves on
+        assert client.get(f"{served.url}/health").status_code == 200

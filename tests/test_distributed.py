@@ -107,7 +107,7 @@ class Recorder:
         self.blocks = PrefixCache(0)
 
     def add(self, request_id, prompt, sampling, cached=(), *, partial_max=None, output=None,
-            constraint=None):
+            constraint=None, namespace=""):
         self.calls.append(("add", request_id, prompt, sampling.max_tokens, constraint))
         return SimpleNamespace(cached_tokens=0)
 

@@ -22,7 +22,7 @@ from actors import block_store
 from actors.distributed import Followers, Supply, combine, connect, follow, follower_memory
 from actors.engine.config import EngineConfig
 from actors.engine.kv_blocks import KV, KVBlock, to_numpy
-from actors.engine.prefix import block_hashes, usable_blocks
+from actors.engine.prefix import block_hashes, namespace_root, usable_blocks
 from actors.engine.prefix_cache import PrefixCache
 from actors.follower_cache import FollowerCache, ShardDisk, SupplyError
 from actors.messages import SamplingParams
@@ -46,8 +46,11 @@ class Engine:
         self.added: list[tuple[str, list[KVBlock], int | None]] = []
         self.last_digest = 0
 
-    def prompt_hashes(self, prompt: list[int]) -> list[str]:
-        return block_hashes(self.fingerprint, prompt, B)[: usable_blocks(len(prompt), B)]
+    def chain_root(self, namespace: str = "") -> str:
+        return namespace_root(self.fingerprint, namespace)
+
+    def prompt_hashes(self, prompt: list[int], namespace: str = "") -> list[str]:
+        return block_hashes(self.chain_root(namespace), prompt, B)[: usable_blocks(len(prompt), B)]
 
     def take_new_blocks(self) -> list[tuple[str, KVBlock]]:
         out, self.new_blocks = self.new_blocks, []
@@ -55,7 +58,7 @@ class Engine:
 
     def add(self, request_id: str, prompt: list[int], sampling: SamplingParams,
             cached: list[KVBlock] = (), *, partial_max: int | None = None, output: Any = None,
-            constraint: Any = None) -> SimpleNamespace:
+            constraint: Any = None, namespace: str = "") -> SimpleNamespace:
         self.added.append((request_id, list(cached), partial_max))
         return SimpleNamespace(cached_tokens=len(cached) * B + (partial_max or 0))
 
@@ -76,7 +79,8 @@ def block(prompt: list[int], i: int, fill: float | None = None) -> KVBlock:
     layers = [(mx.full((1, 1, B, 2), value), mx.full((1, 1, B, 2), -value)) for _ in range(2)]
     mx.eval(layers)  # a follower thread may snapshot it: MLX streams are per thread
     return KVBlock(block_hash=hashes[i], parent_hash=hashes[i - 1] if i else None,
-                   n_tokens=B, layers=layers, tokens=tuple(prompt[i * B:(i + 1) * B]))
+                   n_tokens=B, layers=layers, tokens=tuple(prompt[i * B:(i + 1) * B]),
+                   root="fp")  # the shared namespace's root: the fingerprint
 
 
 def answers() -> tuple[list[tuple[str, int, list[int]]], Any]:
@@ -289,6 +293,35 @@ def test_rank_0_learns_what_the_follower_can_supply_and_the_follower_starts_from
     assert report["hit_tokens"] == 2 * B and report["ram_blocks"] == 2
 
 
+def test_a_follower_supplies_a_requests_blocks_from_its_own_cache_namespace_only():
+    """Rank 0 names a request's cache namespace in its probe and its ``Add``: the follower
+    looks the prompt's blocks up (and starts it) within that namespace alone."""
+    followers, sock = _pair(free_port())
+    got = _supplies(followers)
+    engine = Engine()
+    named = block_hashes(namespace_root("fp", "key-a"), PROMPT, B)
+    for i in (0, 1):
+        blk = block(PROMPT, i)
+        blk.block_hash, blk.parent_hash = named[i], named[i - 1] if i else None
+        blk.root = namespace_root("fp", "key-a")
+        engine.blocks.store(blk)
+    t, out = _following(engine, sock)
+    followers.probe("shared", PROMPT, 2)
+    followers.probe("other", PROMPT, 2, "key-b")
+    followers.probe("mine", PROMPT, 2, "key-a")
+    wait_for(lambda: len(got) == 3)
+    assert sorted(got) == [("mine", 2, [4, 4, 0]), ("other", 0, [0]), ("shared", 0, [0])]
+    followers.add("mine", PROMPT, SAMPLING, None, None, blocks=2, cached_tokens=2 * B,
+                  namespace="key-a")
+    followers.plan(_plan(), step=0, digest=0)
+    wait_for(lambda: followers.report()[0]["step"] == 1)
+    followers.close()
+    t.join(10)
+    assert out["exit"] == 0
+    (rid, cached, _), = engine.added
+    assert rid == "mine" and [b.block_hash for b in cached] == named[:2]
+
+
 def test_a_follower_asked_for_blocks_it_never_promised_exits_and_rank_0_says_which_rank():
     followers, sock = _pair(free_port())
     t, out = _following(Engine(), sock)
@@ -385,13 +418,15 @@ class OneFollower:
         self.probe_timeouts = 0
         self.told: list[tuple] = []
 
-    def probe(self, request_id: str, prompt: list[int], blocks: int) -> None:
+    def probe(self, request_id: str, prompt: list[int], blocks: int,
+              namespace: str = "") -> None:
         self.told.append(("probe", request_id, blocks))
         threading.Thread(target=self.on_supply, args=(
             request_id, min(blocks, self.blocks), self.partials)).start()
 
     def add(self, request_id: str, prompt: list[int], sampling: SamplingParams, output: Any,
-            grammar: Any, blocks: int = 0, cached_tokens: int = 0) -> None:
+            grammar: Any, blocks: int = 0, cached_tokens: int = 0,
+            namespace: str = "") -> None:
         self.told.append(("add", blocks, cached_tokens))
 
     def release(self, request_id: str) -> None:

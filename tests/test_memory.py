@@ -17,9 +17,11 @@ from http_stack import real_client
 from mlx_lm.utils import load_tokenizer
 from tiny_model import make_tiny_model
 
+from actors import scheduler as scheduler_module
 from actors.config import ServeConfig
 from actors.engine.memory_estimate import model_memory_of, prompt_need
 from actors.memory_messages import SetMemoryLimit
+from actors.messages import DescribeEngine
 from actors.serving import ServingHandles
 from runtime import ActorSystem
 
@@ -415,3 +417,56 @@ async def test_soft_pressure_spills_ram_blocks_already_on_disk(aiohttp_client, t
     assert resp.status == 200
     assert (await resp.json())["usage"]["prompt_tokens_details"]["cached_tokens"] >= 12 * 16
     del ballast
+
+
+# --- memory given back when idle ------------------------------------------------------------
+
+
+async def test_an_idle_engine_gives_back_mlxs_buffer_cache_after_a_burst_of_long_prompts(
+    aiohttp_client, tiny_model_dir, tok, monkeypatch
+):
+    """A burst's freed buffers stay in MLX's buffer cache (and the C heap) for reuse; once the
+    engine has been idle for IDLE_RELEASE_S they go back to the system, once."""
+    monkeypatch.setattr(scheduler_module, "IDLE_RELEASE_S", 0.2)
+    client, system, handles = await serve(aiohttp_client, str(tiny_model_dir))
+    model = handles.models[0].id
+
+    async def complete(n_tokens: int) -> None:
+        resp = await client.post("/v1/completions", json={
+            "model": model, "prompt": prompt_of(tok, n_tokens), "max_tokens": 4})
+        assert resp.status == 200, await resp.text()
+
+    await asyncio.gather(*(complete(900 + 100 * i) for i in range(6)))
+    for _ in range(200):
+        if report(system, "scheduler")["memory_releases"]:
+            break
+        await asyncio.sleep(0.05)
+    assert report(system, "scheduler")["memory_releases"] == 1
+    assert mx.get_cache_memory() == 0
+    await asyncio.sleep(0.5)  # idle on: nothing more to give back, nothing done
+    assert report(system, "scheduler")["memory_releases"] == 1
+
+
+async def test_no_memory_is_released_while_a_request_runs(
+    aiohttp_client, tiny_model_dir, tok, monkeypatch
+):
+    monkeypatch.setattr(scheduler_module, "IDLE_RELEASE_S", 0.0)
+    client, system, handles = await serve(aiohttp_client, str(tiny_model_dir))
+    scheduler = handles.schedulers[handles.models[0].id]
+    resp = await client.post("/v1/completions", json={
+        "model": handles.models[0].id, "prompt": prompt_of(tok, 40), "max_tokens": 1500,
+        "ignore_eos": True, "stream": True})
+    assert resp.status == 200
+    await resp.content.readline()  # the first tokens: it runs, 1,500 tokens to go
+    await scheduler.tell(scheduler_module.ReleaseMemory())
+    await scheduler.ask(DescribeEngine(), timeout=5.0)  # handled after the reminder
+    assert report(system, "scheduler")["memory_releases"] == 0
+    resp.close()
+
+
+def test_trim_heap_asks_glibc_on_linux() -> None:
+    import sys
+
+    from actors.memory_monitor import trim_heap
+
+    assert trim_heap() is sys.platform.startswith("linux")

@@ -11,15 +11,17 @@ import numpy as np
 import pytest
 
 from actors.engine.kv_blocks import KVBlock
+from actors.engine.prefix import block_hashes, namespace_root
 from actors.engine.prefix_cache import PrefixCache
 
 KB = 1024
 
 
 def block(h: str, parent: str | None = None, nbytes: int = KB,
-          tokens: tuple[int, ...] = (), tail: bool = False) -> KVBlock:
+          tokens: tuple[int, ...] = (), tail: bool = False, root: str = "") -> KVBlock:
     return KVBlock(block_hash=h, parent_hash=parent, n_tokens=16,
-                   layers=[(np.zeros(nbytes, np.uint8),)], tokens=tokens or None, tail=tail)
+                   layers=[(np.zeros(nbytes, np.uint8),)], tokens=tokens or None, tail=tail,
+                   root=root)
 
 
 def chain(cache: PrefixCache, names: str, nbytes: int = KB) -> list[str]:
@@ -133,6 +135,34 @@ def test_partial_hits_take_the_longest_shared_run_after_the_same_parent() -> Non
     assert cache.best_partial(None, [1, 2]) == (None, 0)
     assert cache.best_partial("a", [5]) == (None, 0)
     assert len(cache) == 0 and cache.nbytes == 0
+
+
+def test_namespaces_name_the_same_tokens_apart_and_the_shared_one_keeps_the_old_names() -> None:
+    tokens = list(range(40))
+    shared = block_hashes(namespace_root("fp"), tokens, 16)
+    assert shared == block_hashes("fp", tokens, 16)  # blocks on disk before namespaces
+    a = block_hashes(namespace_root("fp", "a"), tokens, 16)
+    b = block_hashes(namespace_root("fp", "b"), tokens, 16)
+    assert len({*shared, *a, *b}) == 6  # no block name in common, from the first block on
+    assert namespace_root("fp", "a") != namespace_root("other-model", "a")
+
+
+def test_a_partial_hit_at_a_prompts_start_reads_only_blocks_of_its_own_root() -> None:
+    """The first blocks of a chain (and tails shorter than a block) follow the chain's root,
+    a namespace's: a prompt's partial hit at its start never shares a token with another
+    namespace's prompts (the side channel ``cached_tokens`` would open)."""
+    cache = PrefixCache(1 << 30)
+    mine = block("m", None, tokens=(1, 2, 3, 4), root="ra")
+    tail = block("t", None, tokens=(1, 2, 3), tail=True, root="rb")
+    for blk in (mine, tail):
+        cache.store(blk)
+    assert cache.best_partial(None, [1, 2, 3, 4], "ra") == (mine, 4)
+    assert cache.best_partial(None, [1, 2, 3, 4], "rb") == (tail, 3)
+    assert cache.best_partial(None, [1, 2, 3, 4], "rc") == (None, 0)
+    assert cache.best_partial(None, [1, 2, 3, 4]) == (None, 0)  # the shared namespace's
+    cache.spill(["m"])
+    assert cache.best_partial(None, [1, 2, 3, 4], "ra") == (None, 0)
+    assert cache.best_partial(None, [1, 2, 3, 4], "rb") == (tail, 3)
 
 
 def test_a_partial_hit_keeps_its_block_recently_used_and_older_than_its_parent() -> None:

@@ -235,6 +235,48 @@ def test_a_shared_beginning_shorter_than_a_block_is_reused(tiny_model_dir):
     assert engine.partial_hit_tokens == len(shared)
 
 
+def test_a_namespace_reads_no_block_partial_hit_tail_or_hot_cache_of_another(tiny_model_dir):
+    """Cache namespaces (an API key's, a ``cache_salt``'s): a prompt finds nothing another
+    namespace left (whole blocks, a partial hit at its start, a tail, a hot cache), not even
+    a chat template's shared beginning; its own namespace still finds all of it."""
+    engine = make_engine(tiny_model_dir)
+    tok = engine.tokenizer
+    prompt = tok.encode(LONG)
+    template = tok.encode("Sys: terse. Where do rivers go when they reach the sea?")
+    assert 0 < common_prefix(tok.encode("Sys: terse. Tell me about foxes."), template) < BLOCK
+
+    def run_in(rid: str, namespace: str, tokens: list[int]) -> tuple[list[int], int]:
+        hit = engine.blocks.lookup(engine.prompt_hashes(tokens, namespace))
+        engine.add(rid, tokens, greedy(), cached=hit, namespace=namespace)
+        out, cached_tokens = [], None
+        while engine.has_work:
+            for ev in engine.step():
+                if isinstance(ev, TokensGenerated):
+                    out += ev.token_ids
+                elif isinstance(ev, RequestFinished):
+                    cached_tokens = ev.usage.cached_tokens
+        return out, cached_tokens
+
+    assert not set(engine.prompt_hashes(prompt, "a")) & set(engine.prompt_hashes(prompt, "b"))
+    cold, cold_cached = run_in("a1", "a", prompt)
+    other, other_cached = run_in("b1", "b", prompt)
+    assert (cold_cached, other_cached) == (0, 0)
+    assert other == cold
+    roots = [engine.chain_root("a"), engine.chain_root("b")]
+    # b's hot cache holds the same tokens as a's, and did not replace it.
+    assert [e.root for e in engine.blocks.hot.entries()] == roots
+    again, again_cached = run_in("a2", "a", prompt)
+    assert again_cached == len(prompt) - 1 and again == cold
+    # a's own hot cache served it (b's, newer, is still there); then a's new one was kept.
+    assert [e.root for e in engine.blocks.hot.entries()] == roots[::-1]
+    assert engine.blocks.hot.hits == 1
+
+    run_in("a3", "a", tok.encode("Sys: terse. Tell me about foxes."))
+    assert run_in("b2", "b", template)[1] == 0  # a's template start is not b's
+    assert run_in("a4", "a", template)[1] == common_prefix(
+        tok.encode("Sys: terse. Tell me about foxes."), template)
+
+
 def test_a_new_ending_reuses_every_shared_token(tiny_model_dir):
     engine = make_engine(tiny_model_dir)
     tok = engine.tokenizer

@@ -35,7 +35,7 @@ from actors.engine.kv_blocks import (
 )
 from actors.engine.memory_estimate import Member, ModelMemory, prompt_need
 from actors.engine.output import StopStringFilter, delta, token_logprobs
-from actors.engine.prefix import block_hashes, chain_hash, usable_blocks
+from actors.engine.prefix import block_hashes, chain_hash, namespace_root, usable_blocks
 from actors.engine.prefix_cache import PrefixCache
 from actors.engine.request import Request, make_request_sampler
 from actors.engine.runner import Runner, StepOutput
@@ -148,11 +148,16 @@ class Engine:
     def caching(self) -> bool:
         return bool(self.kinds)
 
-    def prompt_hashes(self, prompt: list[int]) -> list[str]:
-        """Hashes of the prompt's blocks that could be served from cache."""
+    def chain_root(self, namespace: str = "") -> str:
+        """Where the block names of a prompt in cache namespace ``namespace`` start."""
+        return namespace_root(self.fingerprint, namespace)
+
+    def prompt_hashes(self, prompt: list[int], namespace: str = "") -> list[str]:
+        """Hashes of the prompt's blocks that could be served from cache, in its cache
+        namespace."""
         if not self.caching:
             return []
-        hashes = block_hashes(self.fingerprint, prompt, self.block_size)
+        hashes = block_hashes(self.chain_root(namespace), prompt, self.block_size)
         return hashes[: usable_blocks(len(prompt), self.block_size)]
 
     def add(
@@ -165,6 +170,7 @@ class Engine:
         output: OutputSpec | None = None,
         constraint: Any = None,
         partial_max: int | None = None,
+        namespace: str = "",
     ) -> Request:
         """Queue a request; it joins the batch at the next step. Raises RequestError.
 
@@ -173,7 +179,8 @@ class Engine:
         out of the answer. ``constraint``: a compiled grammar (``actors.engine.grammar.Constraint``)
         whose mask every sampled token obeys. ``partial_max``: at most this many tokens of a
         partial hit after the cached blocks (None: as many as RAM shares; the ranks of a
-        sharded model agree on it).
+        sharded model agree on it). ``namespace``: its cache namespace, whose blocks alone it
+        reads and into which it cuts its own (``prefix.namespace_root``).
         """
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already running", "conflict")
@@ -200,12 +207,13 @@ class Engine:
             processors.append(thinking_budget_processor(
                 output.thinking_budget, self._encode_tag(end),
                 start_tokens=self._encode_tag(start), starts_inside=output.in_reasoning))
-        hashes = self.prompt_hashes(prompt)
+        root = self.chain_root(namespace)
+        hashes = self.prompt_hashes(prompt, namespace)
         n_cached = len(cached)
         start = n_cached * self.block_size
         prefix = list(cached)
         partial = self._partial_hit(prompt, start, cached[-1].block_hash if cached else None,
-                                    partial_max)
+                                    partial_max, root)
         if partial is not None:
             prefix.append(partial)
             start += partial.n_tokens
@@ -213,7 +221,7 @@ class Engine:
         uid = self.runner.insert(
             self._segments(prompt, start, len(hashes)),
             max_tokens=sampling.max_tokens,
-            cache=self._prefix_cache(prompt, start, prefix),
+            cache=self._prefix_cache(prompt, start, prefix, root),
             done=prompt[:start],
             sampler=make_request_sampler(sampling),
             processors=processors,
@@ -230,6 +238,7 @@ class Engine:
             cached_tokens=start,
             hashes=hashes,
             stored=n_cached,
+            root=root,
             parser=OutputParser(output) if output is not None else None,
             grammar=grammar,
         )
@@ -237,19 +246,19 @@ class Engine:
         self._by_uid[uid] = req
         return req
 
-    def _prefix_cache(self, prompt: list[int], start: int, prefix: list[KVBlock]
-                      ) -> list[Any] | None:
+    def _prefix_cache(self, prompt: list[int], start: int, prefix: list[KVBlock],
+                      root: str) -> list[Any] | None:
         """The cache holding the prompt's first ``start`` tokens (those of ``prefix``): a
         finished sequence's whole cache that holds them and has room for the prompt (a
         repeated prompt: a hot cache, taken out of the store, its buffers the request's, no
         copy), else one built from the blocks (a copy of every block, 30-50 ms for 2,000
         tokens of the default model on the CPU). Both hold exactly ``start`` tokens,
         whichever path a rank takes: the ranks of a sharded model must agree on the tokens
-        each sequence holds."""
+        each sequence holds. Hot caches are taken within the namespace of ``root`` only."""
         if not prefix:
             return None
         if not self.hybrid:
-            hot = self.blocks.take_hot(prompt, start)
+            hot = self.blocks.take_hot(prompt, start, root)
             if hot is not None:
                 return hot
         return build_cache(self.model, self.kinds, prefix)
@@ -258,13 +267,14 @@ class Engine:
         return list(self.tokenizer.encode(tag, add_special_tokens=False))
 
     def _partial_hit(self, prompt: list[int], start: int, parent: str | None,
-                     most: int | None = None) -> KVBlock | None:
+                     most: int | None = None, root: str = "") -> KVBlock | None:
         """After the whole blocks, the longest run of the prompt's next tokens that a block in
         RAM following the same parent shares (a full block of another prompt, or a tail), cut
         to that length: a shared chat template, a repeated prompt's last partial block and a
         new ending reuse every token they share, not only whole blocks. Plain KV models
         only (recurrent state exists only at a block's end), and one prompt token is always
-        left to run through the model."""
+        left to run through the model. At the prompt's start (no ``parent``) only blocks of
+        the chain from ``root`` count: its own namespace's."""
         if not self.caching or self.hybrid:
             return None
         room = min(self.block_size, len(prompt) - 1 - start)
@@ -272,7 +282,7 @@ class Engine:
             room = min(room, most)
         if room <= 0:
             return None
-        block, n = self.blocks.best_partial(parent, prompt[start : start + room])
+        block, n = self.blocks.best_partial(parent, prompt[start : start + room], root)
         return head(block, n) if block is not None and n > 0 else None
 
     def _segments(self, prompt: list[int], start: int, n_blocks: int) -> list[list[int]]:
@@ -297,7 +307,8 @@ class Engine:
         first = last - 1 if self.hybrid else req.stored
         if last <= req.stored or first < 0:
             return
-        for blk in cut_blocks(cache, self.kinds, first, last, self.block_size, hashes, tokens):
+        for blk in cut_blocks(cache, self.kinds, first, last, self.block_size, hashes, tokens,
+                              req.root):
             self._keep(req, blk)
         req.stored = last
 
@@ -505,14 +516,14 @@ class Engine:
         if not self.caching or self.hybrid or not cache:
             return
         try:
-            hashes = block_hashes(self.fingerprint, tokens, self.block_size)
+            hashes = block_hashes(req.root, tokens, self.block_size)
             self._cut(req, cache, tokens, hashes)
             start = len(hashes) * self.block_size
             if start < len(tokens):
                 parent = hashes[-1] if hashes else None
-                name = "tail-" + chain_hash(parent or self.fingerprint, tokens[start:])
-                self._keep(req, cut_tail(cache, start, tokens, parent, name))
-            self.blocks.keep_hot(tokens, cache)
+                name = "tail-" + chain_hash(parent or req.root, tokens[start:])
+                self._keep(req, cut_tail(cache, start, tokens, parent, name, req.root))
+            self.blocks.keep_hot(tokens, cache, req.root)
         except Exception:
             log.exception("could not cut prefix blocks of %s", req.request_id)
 

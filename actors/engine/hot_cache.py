@@ -19,6 +19,9 @@ cache's RAM budget, and gives way first when blocks need room or memory is short
 models only (every layer a ``KVCache``): a recurrent layer's state exists only at the end of
 the sequence.
 
+Entries are kept by namespace (the root of their chain, ``prefix.namespace_root``): a prompt
+takes only an entry of its own namespace, and a new entry replaces only its own namespace's.
+
 Runs on the MLX thread only; ``len``, ``nbytes`` and ``stats()`` are plain ints, safe to read
 from another thread.
 """
@@ -37,11 +40,13 @@ HOT_ENTRIES = 4
 
 @dataclass
 class HotEntry:
-    """A finished sequence's cache: the tokens in it, and per layer its ``KVCache``."""
+    """A finished sequence's cache: the tokens in it, and per layer its ``KVCache``; ``root``:
+    its namespace's chain root."""
 
     tokens: tuple[int, ...]
     cache: list[Any]
     nbytes: int
+    root: str = ""
 
 
 def _plain(cache: list[Any]) -> bool:
@@ -70,35 +75,36 @@ class HotCaches:
         """The entries, oldest first (a copy)."""
         return list(self._entries)
 
-    def put(self, tokens: Sequence[int], cache: list[Any], room: int) -> bool:
+    def put(self, tokens: Sequence[int], cache: list[Any], room: int, root: str = "") -> bool:
         """Keep a finished sequence's ``cache`` (as extracted from the batch: per layer a
-        ``KVCache`` holding exactly ``tokens``; kept as it is, no copy) if it fits in ``room``
-        bytes (what the blocks leave of the budget), the older entries making way oldest
-        first. An older entry whose tokens are the beginning of (or all of) ``tokens`` is
-        dropped in any case: this one serves every prompt that one does. False if not kept
-        (not a plain KV cache, or too large)."""
+        ``KVCache`` holding exactly ``tokens``; kept as it is, no copy), of the namespace whose
+        chains start at ``root``, if it fits in ``room`` bytes (what the blocks leave of the
+        budget), the older entries making way oldest first. An older entry of the same
+        namespace whose tokens are the beginning of (or all of) ``tokens`` is dropped in any
+        case: this one serves every prompt that one does. False if not kept (not a plain KV
+        cache, or too large)."""
         if self.max_entries <= 0 or not _plain(cache):
             return False
         nbytes = sum(c.keys.nbytes + c.values.nbytes for c in cache)
         tokens = tuple(tokens)
-        for e in [e for e in self._entries
-                  if len(e.tokens) <= len(tokens) and tokens[: len(e.tokens)] == e.tokens]:
+        for e in [e for e in self._entries if e.root == root
+                  and len(e.tokens) <= len(tokens) and tokens[: len(e.tokens)] == e.tokens]:
             self._drop(e)
         if nbytes > room:
             return False
         while self._entries and (len(self._entries) >= self.max_entries
                                  or self.nbytes + nbytes > room):
             self._drop(self._entries[0])
-        self._entries.append(HotEntry(tokens, cache, nbytes))
+        self._entries.append(HotEntry(tokens, cache, nbytes, root))
         self.nbytes += nbytes
         self.kept += 1
         return True
 
-    def take(self, prompt: Sequence[int], start: int) -> list[Any] | None:
-        """The cache of an entry that holds the prompt's first ``start`` tokens and room for
-        the whole prompt in its buffers, out of the store (the request owns it now, and
-        writes the prompt's last tokens in place), trimmed to ``start`` tokens. None when no
-        entry serves."""
+    def take(self, prompt: Sequence[int], start: int, root: str = "") -> list[Any] | None:
+        """The cache of an entry of the namespace whose chains start at ``root`` that holds
+        the prompt's first ``start`` tokens and room for the whole prompt in its buffers, out
+        of the store (the request owns it now, and writes the prompt's last tokens in place),
+        trimmed to ``start`` tokens. None when no entry serves."""
         if start <= 0:
             return None
         head = tuple(prompt[:start])
@@ -106,7 +112,8 @@ class HotCaches:
             # Only where the prompt uses at least half of the entry: a prompt sharing a
             # system prompt with it should not use up a conversation's entry to save a copy
             # of a few hundred tokens.
-            if (start <= len(e.tokens) <= 2 * start and e.tokens[:start] == head
+            if (e.root == root and start <= len(e.tokens) <= 2 * start
+                    and e.tokens[:start] == head
                     and all(c.keys.shape[2] >= len(prompt) for c in e.cache)):
                 self._entries.remove(e)
                 self.nbytes -= e.nbytes

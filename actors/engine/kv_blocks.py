@@ -49,6 +49,10 @@ class KVBlock:
     # A tail: the partial last block of a finished sequence. RAM only, never written to disk,
     # never part of a chain; it serves partial hits only.
     tail: bool = False
+    # The root of its chain (``prefix.namespace_root``): what a block without a parent
+    # follows. A partial hit at a prompt's start compares only blocks of the prompt's root,
+    # so that no namespace reads another's tokens.
+    root: str = ""
 
     @property
     def nbytes(self) -> int:
@@ -72,8 +76,10 @@ def cut_blocks(
     block_size: int,
     hashes: list[str],
     tokens: Sequence[int] | None = None,
+    root: str = "",
 ) -> list[KVBlock]:
-    """Blocks ``first..last-1`` of one sequence's cache (as extracted from the batch).
+    """Blocks ``first..last-1`` of one sequence's cache (as extracted from the batch), of the
+    chain from ``root``.
 
     KV layers are sliced per block. Recurrent layers only know their state at the cache's
     current end, so the caller cuts hybrid models exactly at one block boundary at a time
@@ -97,6 +103,7 @@ def cut_blocks(
                 n_tokens=block_size,
                 layers=layers,
                 tokens=None if tokens is None else tuple(tokens[lo:hi]),
+                root=root,
             )
         )
     mx.eval([a for blk in blocks for layer in blk.layers if layer for a in layer if a is not None])
@@ -104,14 +111,14 @@ def cut_blocks(
 
 
 def cut_tail(cache: list[Any], start: int, tokens: Sequence[int], parent_hash: str | None,
-             block_hash: str) -> KVBlock:
-    """The KV of ``tokens[start:]`` (fewer than a block) as a tail block; plain KV models
-    only."""
+             block_hash: str, root: str = "") -> KVBlock:
+    """The KV of ``tokens[start:]`` (fewer than a block) as a tail block of the chain from
+    ``root``; plain KV models only."""
     layers = [_kv_slice(c, start, len(tokens)) for c in cache]
     mx.eval([a for layer in layers for a in layer])
     return KVBlock(block_hash=block_hash, parent_hash=parent_hash,
                    n_tokens=len(tokens) - start, layers=layers,
-                   tokens=tuple(tokens[start:]), tail=True)
+                   tokens=tuple(tokens[start:]), tail=True, root=root)
 
 
 def head(block: KVBlock, n: int) -> KVBlock:
@@ -123,6 +130,7 @@ def head(block: KVBlock, n: int) -> KVBlock:
         layers=[(k[..., :n, :], v[..., :n, :]) for k, v in block.layers],
         tokens=None if block.tokens is None else block.tokens[:n],
         tail=True,
+        root=block.root,
     )
 
 

@@ -26,9 +26,21 @@ def model_fingerprint(model_dir: Path) -> str:
     return h.hexdigest()[:16]
 
 
+def namespace_root(fingerprint: str, namespace: str = "") -> str:
+    """Where a prompt's chain of block names starts: the model fingerprint, mixed with the
+    request's cache namespace when it has one (an API key's, a ``cache_salt``'s). Prompts of
+    two namespaces share no block name, so neither can hit the other's blocks; the shared
+    namespace ("") keeps the fingerprint itself, the names blocks had before namespaces."""
+    if not namespace:
+        return fingerprint
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{fingerprint}|namespace|{namespace}".encode())
+    return h.hexdigest()
+
+
 def chain_hash(parent: str, tokens: Sequence[int]) -> str:
-    """The name of ``tokens`` following what ``parent`` names (a block's hash, or the model
-    fingerprint at the start of a prompt)."""
+    """The name of ``tokens`` following what ``parent`` names (a block's hash, or the chain's
+    root at the start of a prompt: ``namespace_root``)."""
     h = hashlib.blake2b(digest_size=16)
     h.update(parent.encode())
     h.update(b"|")
@@ -36,11 +48,12 @@ def chain_hash(parent: str, tokens: Sequence[int]) -> str:
     return h.hexdigest()
 
 
-def block_hashes(fingerprint: str, tokens: list[int], block_size: int) -> list[str]:
-    """Chain hashes of the full blocks of ``tokens``: block i's name covers every token
-    before it, so equal names mean equal prefixes."""
+def block_hashes(root: str, tokens: list[int], block_size: int) -> list[str]:
+    """Chain hashes of the full blocks of ``tokens`` from ``root`` (the model fingerprint, or
+    a namespace's root: ``namespace_root``): block i's name covers every token before it, so
+    equal names mean equal prefixes."""
     hashes: list[str] = []
-    parent = fingerprint
+    parent = root
     for start in range(0, len(tokens) - block_size + 1, block_size):
         parent = chain_hash(parent, tokens[start : start + block_size])
         hashes.append(parent)

@@ -30,7 +30,8 @@ class PrefixCache:
 
     Each parent's children are kept too, so that after the longest chain of whole blocks a
     prompt can take the longest shared run of tokens from any block that follows the same
-    parent (a partial hit).
+    parent (a partial hit). The blocks that start a chain are the children of its root
+    (``KVBlock.root``): a prompt's partial hit at its start never reads another namespace's.
 
     Besides the blocks, the last few finished sequences' caches are kept whole (``hot``,
     ``actors/engine/hot_cache.py``) within the same budget: they give way first when a block
@@ -50,7 +51,8 @@ class PrefixCache:
         self.block_size = block_size
         self.evict_burst = evict_burst
         self._blocks: dict[str, KVBlock] = {}
-        self._children: dict[str | None, dict[str, KVBlock]] = {}
+        # By what they follow: a parent block's hash, or a chain's root (``_follows``).
+        self._children: dict[str, dict[str, KVBlock]] = {}
         self._lru = Lru()
         self.hit_tokens = self.miss_tokens = 0
         self.evicted = self.spilled = 0
@@ -97,15 +99,16 @@ class PrefixCache:
         return hits
 
     def best_partial(
-        self, parent: str | None, tokens: Sequence[int]
+        self, parent: str | None, tokens: Sequence[int], root: str = ""
     ) -> tuple[KVBlock | None, int]:
-        """The block after ``parent`` sharing the longest run of ``tokens`` (and its length;
-        (None, 0) when none shares a first token). Ties go to the newest block. The block
-        found is used: it becomes recently used, still older than its parent."""
+        """The block after ``parent`` (None: at the start of the chain from ``root``) sharing
+        the longest run of ``tokens`` (and its length; (None, 0) when none shares a first
+        token). Ties go to the newest block. The block found is used: it becomes recently
+        used, still older than its parent."""
         best, best_n = None, 0
         if not tokens:
             return best, best_n
-        for block in self._children.get(parent, {}).values():
+        for block in self._children.get(root if parent is None else parent, {}).values():
             if not block.tokens or block.tokens[0] != tokens[0]:
                 continue
             n = common_prefix(block.tokens, tokens)
@@ -130,7 +133,7 @@ class PrefixCache:
             self.evicted += 1  # evicting the others for it would leave it over budget alone
             return True
         self._blocks[h] = block
-        self._children.setdefault(block.parent_hash, {})[h] = block
+        self._children.setdefault(_follows(block), {})[h] = block
         self._place(h, block.parent_hash, block.nbytes)
         self._below(h)
         excess = self._lru.nbytes + self.hot.nbytes - self.max_bytes
@@ -182,15 +185,16 @@ class PrefixCache:
 
     # -- the hot caches -------------------------------------------------------------------------
 
-    def keep_hot(self, tokens: Sequence[int], cache: list[Any]) -> bool:
-        """Keep a finished sequence's whole cache in what the blocks leave of the budget;
-        False if it did not fit."""
-        return self.hot.put(tokens, cache, self.max_bytes - self._lru.nbytes)
+    def keep_hot(self, tokens: Sequence[int], cache: list[Any], root: str = "") -> bool:
+        """Keep a finished sequence's whole cache (of the chain from ``root``) in what the
+        blocks leave of the budget; False if it did not fit."""
+        return self.hot.put(tokens, cache, self.max_bytes - self._lru.nbytes, root)
 
-    def take_hot(self, prompt: Sequence[int], start: int) -> list[Any] | None:
-        """A hot cache holding the prompt's first ``start`` tokens and room for all of it,
-        no longer held here (``HotCaches.take``); None if none serves."""
-        return self.hot.take(prompt, start)
+    def take_hot(self, prompt: Sequence[int], start: int, root: str = "") -> list[Any] | None:
+        """A hot cache of the chain from ``root`` holding the prompt's first ``start`` tokens
+        and room for all of it, no longer held here (``HotCaches.take``); None if none
+        serves."""
+        return self.hot.take(prompt, start, root)
 
     def drop_hot(self) -> int:
         """Drop every hot cache (memory is short, or the batch was reset); how many."""
@@ -220,11 +224,18 @@ class PrefixCache:
         if block is None:
             return False
         self._lru.pop(h)
-        siblings = self._children.get(block.parent_hash)
+        follows = _follows(block)
+        siblings = self._children.get(follows)
         if siblings is not None:
             siblings.pop(h, None)
             if not siblings:
-                del self._children[block.parent_hash]
+                del self._children[follows]
         # What it held up can no longer be reached from RAM: it goes next.
         self._below(h, to_front=True)
         return True
+
+
+def _follows(block: KVBlock) -> str:
+    """What a block follows: its parent's hash, or for the first block of a chain (and a tail
+    shorter than a block) the chain's root."""
+    return block.root if block.parent_hash is None else block.parent_hash

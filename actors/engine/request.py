@@ -82,9 +82,11 @@ class Request:
     generated: int = 0
     cached_tokens: int = 0
     # Prefix cache: the chain hashes of the prompt's full blocks, and how many leading blocks
-    # are already stored (from cache, or cut at a boundary this request crossed).
+    # are already stored (from cache, or cut at a boundary this request crossed); the root of
+    # its chains (its namespace's: ``prefix.namespace_root``).
     hashes: list[str] = field(default_factory=list)
     stored: int = 0
+    root: str = ""
     # Reads tool calls and reasoning out of a chat answer (None: the text is all content).
     parser: OutputParser | None = None
     reasoning_tokens: int = 0
