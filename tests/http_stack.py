@@ -8,7 +8,7 @@ binds them by name: ``scripted, client = http_stack.scripted, http_stack.client`
 real serving actors on a model directory and serves them with ``api.server.serve_http``, the
 embedding API ``troupe serve`` uses; ``real_client`` puts them behind a test client.
 ``serve_default_model`` runs ``troupe serve`` on the bundled model in a subprocess, for the
-end-to-end tests.
+end-to-end tests; ``serve_logged`` runs it with any arguments and hands back its log lines.
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -412,3 +414,35 @@ def serve_default_model(server_log: Path, *args: str) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+SERVING = re.compile(r"serving (?P<model>\S+) on (?P<url>http://(?P<host>[\d.]+):(?P<port>\d+))")
+
+
+def serve_logged(args: list[str], env: dict[str, str], cwd: Path
+                 ) -> tuple[subprocess.Popen[str], list[str], re.Match[str]]:
+    """``troupe serve *args`` in a subprocess, once it logs where it serves: the process, its
+    log lines so far (a thread keeps appending them, so the server never blocks on a full
+    pipe) and the match of ``SERVING`` (model, url, host, port). The caller stops it."""
+    proc = subprocess.Popen([sys.executable, "-m", "api.cli", "serve", *args], cwd=cwd,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    log: list[str] = []
+    ready = threading.Event()
+
+    def drain() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            log.append(line)
+            if SERVING.search(line):
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=drain, daemon=True).start()
+    ready.wait(120)
+    match = next((m for line in log if (m := SERVING.search(line))), None)
+    if match is None:
+        proc.kill()
+        proc.wait()
+        raise AssertionError("the server did not start: " + "".join(log))
+    return proc, log, match

@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -28,7 +26,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from http_stack import real_client
+from http_stack import real_client, serve_logged
 from tiny_model import CHATML
 
 import actors.admission as admission_module
@@ -197,36 +195,17 @@ async def test_a_render_longer_than_the_context_could_hold_is_a_400_before_it_is
 
 # --- shutdown ------------------------------------------------------------------------------
 
-SERVING = re.compile(r"serving (?P<model>\S+) on (?P<url>http://\S+)")
-
-
 @pytest.fixture
 def slow_server(slow_template_dir: Path, tmp_path: Path) -> Iterator[tuple[subprocess.Popen,
                                                                           str, str]]:
     """``troupe serve`` on the slow template, with a template timeout longer than any test
     (so that only the shutdown can end a render) and a grace period of 1 s."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "api.cli", "serve", "--model", str(slow_template_dir),
-         "--port", "0", "--shutdown-grace", "1", "--template-timeout", "3600"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "TROUPE_HOME": str(tmp_path),
-             "PYTHONUNBUFFERED": "1"},
-    )
-    log: list[str] = []
-    ready = threading.Event()
-
-    def drain() -> None:  # keep reading, so the server never blocks on a full pipe
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            log.append(line)
-            if SERVING.search(line):
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=drain, daemon=True).start()
+    proc, _, match = serve_logged(
+        ["--model", str(slow_template_dir), "--port", "0", "--shutdown-grace", "1",
+         "--template-timeout", "3600"],
+        {**os.environ, "PYTHONPATH": str(ROOT), "TROUPE_HOME": str(tmp_path),
+         "PYTHONUNBUFFERED": "1"}, ROOT)
     try:
-        assert ready.wait(120), "".join(log)
-        match = next(m for line in log if (m := SERVING.search(line)))
         yield proc, match["url"], match["model"]
     finally:
         if proc.poll() is None:

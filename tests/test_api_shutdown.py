@@ -7,12 +7,10 @@ directory refuses to start.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -20,10 +18,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from http_stack import parse_data_sse
+from http_stack import parse_data_sse, serve_logged
 
 ROOT = Path(__file__).resolve().parents[1]
-SERVING = re.compile(r"serving (?P<model>\S+) on http://(?P<host>[\d.]+):(?P<port>\d+)")
 
 
 @dataclass
@@ -46,9 +43,9 @@ class Served:
         return False
 
 
-def _command(model_dir: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "api.cli", "serve", "--model", str(model_dir), "--port", "0",
-            *args]
+def _args(model_dir: Path, *args: str) -> list[str]:
+    """``troupe serve``'s arguments on ``model_dir`` and a free port."""
+    return ["--model", str(model_dir), "--port", "0", *args]
 
 
 def _env(home: Path) -> dict[str, str]:
@@ -62,27 +59,9 @@ def serve(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Callable[[float], Se
     procs: list[subprocess.Popen[str]] = []
 
     def start(grace: float) -> Served:
-        proc = subprocess.Popen(
-            _command(tiny_model_dir, "--shutdown-grace", str(grace)),
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-            env=_env(tmp_path),
-        )
+        proc, log, match = serve_logged(
+            _args(tiny_model_dir, "--shutdown-grace", str(grace)), _env(tmp_path), ROOT)
         procs.append(proc)
-        log: list[str] = []
-        ready = threading.Event()
-
-        def drain() -> None:  # keep reading, so the server never blocks on a full pipe
-            assert proc.stderr is not None
-            for line in proc.stderr:
-                log.append(line)
-                if SERVING.search(line):
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=drain, daemon=True).start()
-        assert ready.wait(120), "".join(log)
-        match = next((m for line in log if (m := SERVING.search(line))), None)
-        assert match is not None, "".join(log)
         return Served(proc, match["host"], int(match["port"]), match["model"], log)
 
     yield start
@@ -165,8 +144,9 @@ def test_a_second_server_on_the_same_cache_directory_exits_naming_it_and_the_fir
     serve: Callable[[float], Served], tiny_model_dir: Path, tmp_path: Path,
 ) -> None:
     served = serve(30.0)
-    second = subprocess.run(_command(tiny_model_dir), cwd=ROOT, env=_env(tmp_path),
-                            capture_output=True, text=True, timeout=120)
+    second = subprocess.run([sys.executable, "-m", "api.cli", "serve", *_args(tiny_model_dir)],
+                            cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True,
+                            timeout=120)
     assert second.returncode == 1
     assert f"the cache directory {tmp_path / 'kv-cache'} is in use by another troupe server " \
            f"(pid {served.proc.pid})" in second.stderr, second.stderr
