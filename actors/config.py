@@ -28,6 +28,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     prefill_batch_size: int = ENGINE.prefill_batch_size
     prefill_step_size: int = ENGINE.prefill_step_size
     prefill_interleave: float = ENGINE.prefill_interleave
+    step_budget_ms: float = ENGINE.step_budget_ms
     arrival_window_ms: float = ENGINE.arrival_window_ms
     mixed_step: bool = ENGINE.mixed_step
     max_queue: int = ENGINE.max_queue

@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -347,6 +348,17 @@ def parse_size(text: str) -> int:
     return int(value * _SIZE_UNITS[unit])
 
 
+def parse_ms(text: str) -> float:
+    """Milliseconds, 0 or more (a finite number)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of milliseconds: {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"milliseconds must be 0 or more: {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``troupe`` argument parser (serve, pull, actors, bench)."""
     from actors.models import blas  # MLX-free: the --blas choices
@@ -407,6 +419,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="while sequences decode, hold a step's prefill to about R decode steps' time, "
         "so streams keep flowing past a long prompt; 0: whole chunks "
         f"(default: {_DEFAULTS.prefill_interleave})",
+    )
+    serve_cmd.add_argument(
+        "--step-budget-ms",
+        dest="step_budget_ms",
+        type=parse_ms,
+        metavar="MS",
+        default=opt,
+        help="while others wait on a step (streams decoding, a short prompt beside a long "
+        "one), size its prefill chunk from the measured prefill rate so the step takes about "
+        f"MS; 0: no bound (default: {_DEFAULTS.step_budget_ms})",
     )
     serve_cmd.add_argument(
         "--arrival-window",

@@ -10,7 +10,8 @@ from actors.messages import RequestFinished, SamplingParams, TokensGenerated
 def engine_config(**settings) -> EngineConfig:
     """The engine tests' settings: no prefix cache and whole prefill chunks unless the test
     names them, so each test sees exactly the steps it sets up."""
-    return EngineConfig(**{"block_size": 0, "prefill_interleave": 0.0, **settings})
+    return EngineConfig(**{"block_size": 0, "prefill_interleave": 0.0, "step_budget_ms": 0.0,
+                           **settings})
 
 
 def greedy(max_tokens: int = 16, **kw) -> SamplingParams:

@@ -248,6 +248,23 @@ def test_a_bad_alias_flag_is_a_usage_error(value: str,
     assert "--alias" in capsys.readouterr().err
 
 
+def test_step_budget_flag_reaches_the_engine_and_zero_turns_it_off() -> None:
+    engine = serve_config(build_parser().parse_args(["serve", "--step-budget-ms", "150"])).engine()
+    assert engine.step_budget_ms == 150.0
+    off = serve_config(build_parser().parse_args(["serve", "--step-budget-ms", "0"]))
+    assert off.engine().step_budget_ms == 0.0
+    assert serve_config(build_parser().parse_args(["serve"])).step_budget_ms > 0
+
+
+@pytest.mark.parametrize("value", ["-1", "abc", "nan", "inf"])
+def test_a_bad_step_budget_is_a_usage_error(value: str,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["serve", "--step-budget-ms", value])
+    assert exited.value.code == 2
+    assert "--step-budget-ms" in capsys.readouterr().err
+
+
 def test_api_key_flag_defaults_to_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TROUPE_API_KEY", "from-env")
     monkeypatch.delenv("TROUPE_ADMIN_API_KEY", raising=False)

@@ -420,6 +420,50 @@ def test_prefill_runs_whole_chunks_when_nothing_decodes_or_interleave_is_off(loa
     assert off.prefill_tokens - counted == 64
 
 
+def prefill_per_step(engine: Engine, rid: str, prompt: list[int]) -> list[int]:
+    """Add ``prompt`` as ``rid`` and step until its first token: the prompt tokens each
+    step ran."""
+    engine.add(rid, prompt, greedy(4))
+    done: list[int] = []
+    while not engine.requests[rid].generated:
+        before = engine.prefill_tokens
+        engine.step()
+        done.append(engine.prefill_tokens - before)
+    return done
+
+
+def test_a_long_prefill_beside_a_decoding_row_runs_chunks_that_fit_the_step_budget(loaded):
+    """One chat answering while a long prompt prefills (as many prompts as streams: whole
+    chunks by the interleave rules alone): under a 200 ms step budget, at 2 ms a prompt token
+    and 40 ms a decode step, each step prefills 80 tokens; alone, the same prompt runs whole
+    chunks, and so it does beside the stream with the budget off."""
+    model, tok = loaded
+    long_prompt = encode(tok, " ".join(PROMPTS) * 8)
+    assert len(long_prompt) > 3 * 128
+
+    def engine(budget_ms: float) -> Engine:
+        made = Engine(model, tok, engine_config(prefill_step_size=128, prefill_interleave=1.2,
+                                                step_budget_ms=budget_ms))
+        made._measure = lambda *a: None  # fixed step timings: the rate is fed in
+        made._decode_s, made._token_s = 0.04, 0.002
+        return made
+
+    def beside_a_stream(made: Engine) -> list[int]:
+        made.add("chat", encode(tok, PROMPTS[0]), greedy(400, ignore_eos=True))
+        while not made.requests["chat"].generated:
+            made.step()
+        chunks = prefill_per_step(made, "long", long_prompt)
+        assert made.runner.decoding >= 1
+        return chunks
+
+    budgeted = engine(200.0)
+    chunks = beside_a_stream(budgeted)
+    assert budgeted.last_prefill_budget == 80
+    assert max(chunks) == 80 and sum(chunks) == len(long_prompt)
+    assert prefill_per_step(engine(200.0), "long", long_prompt)[0] == 128  # alone
+    assert beside_a_stream(engine(0.0))[0] == 128  # budget off: today's whole chunks
+
+
 def test_step_times_are_learned_from_whole_steps():
     from actors.engine.core import EMA
 

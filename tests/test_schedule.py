@@ -19,6 +19,7 @@ from actors.engine.schedule import (
     MIN_PREFILL_CHUNK,
     SHORT_PROMPT,
     STARVED_STEPS,
+    STEP_BUDGET_FLOOR,
     Memory,
     Pending,
     StepState,
@@ -27,8 +28,9 @@ from actors.engine.schedule import (
     start_order,
 )
 
+# The interleave rules alone (the step budget has tests of its own below).
 CONFIG = EngineConfig(prefill_step_size=512, prefill_batch_size=4, prefill_interleave=1.0,
-                      max_batch_size=8)
+                      max_batch_size=8, step_budget_ms=0.0)
 TINY = ModelMemory(kv_layers=2, kv_heads=2, head_dim=16, q_heads=4, hidden=64,
                    intermediate=128, dtype_bytes=4, weights_bytes=300_000)
 
@@ -57,7 +59,7 @@ def test_while_decoding_the_prefill_is_held_to_the_interleave_times_a_decode_ste
     plan = schedule(state(decoding=3, decode_len=50, prefilling=[seq(1, 2000)],
                           decode_s=0.1, token_s=0.001))
     assert (plan.budget, plan.chunk) == (100, 100)
-    double = EngineConfig(prefill_step_size=512, prefill_interleave=2.0)
+    double = EngineConfig(prefill_step_size=512, prefill_interleave=2.0, step_budget_ms=0.0)
     assert schedule(state(config=double, decoding=3, prefilling=[seq(1, 2000)],
                           decode_s=0.1, token_s=0.001)).budget == 200
 
@@ -81,7 +83,7 @@ def test_the_budget_waits_for_measurements_and_is_off_with_interleave_zero():
     decoding = dict(decoding=3, prefilling=[seq(1, 2000)])
     assert schedule(state(**decoding, decode_s=None, token_s=0.001)).budget is None
     assert schedule(state(**decoding, decode_s=0.1, token_s=None)).budget is None
-    off = EngineConfig(prefill_step_size=512, prefill_interleave=0.0)
+    off = EngineConfig(prefill_step_size=512, prefill_interleave=0.0, step_budget_ms=0.0)
     plan = schedule(state(config=off, **decoding, decode_s=0.1, token_s=0.001))
     assert (plan.budget, plan.chunk) == (None, 512)
 
@@ -100,7 +102,8 @@ def test_the_budget_is_shared_by_the_sequences_prefilling_and_those_joining():
     plan = schedule(state(**timings, prefilling=[seq(1, 5000)], waiting=[seq(2, 2000)]))
     assert (plan.budget, plan.chunk) == (200, 100)
     # No batch slot left: the waiting one does not join, so it takes no share.
-    full = EngineConfig(prefill_step_size=512, prefill_interleave=1.0, max_batch_size=3)
+    full = EngineConfig(prefill_step_size=512, prefill_interleave=1.0, max_batch_size=3,
+                        step_budget_ms=0.0)
     plan = schedule(state(config=full, **timings, prefilling=[seq(1, 5000)],
                           waiting=[seq(2, 2000)]))
     assert plan.chunk == 200
@@ -117,6 +120,65 @@ def test_a_short_prompt_is_never_split_but_the_end_of_a_long_one_is_not_short():
     assert plan.chunk == 150
     tail = seq(3, 150, whole=5000, in_cache=4850)
     assert schedule(state(**timings, prefilling=[seq(1, 5000), tail])).chunk == 25
+
+
+# The step budget beside the default interleave rules, 64-token blocks.
+BUDGET = EngineConfig(prefill_step_size=512, prefill_batch_size=4, max_batch_size=8,
+                      block_size=64, step_budget_ms=200.0)
+
+
+def test_the_step_budget_sizes_the_chunk_so_the_step_fits_it():
+    # One chat answering beside a long prompt (whole chunks by first_tokens_first alone):
+    # 200 ms less a 40 ms decode step at 1 ms a prompt token is 160 tokens, two blocks.
+    timings = dict(decoding=1, prefilling=[seq(1, 6000)], decode_s=0.04, token_s=0.001)
+    plan = schedule(state(config=BUDGET, **timings))
+    assert (plan.budget, plan.chunk) == (128, 128)
+    assert plan.chunk * 0.001 + 0.04 <= 0.2
+    unblocked = EngineConfig(prefill_step_size=512, block_size=0, step_budget_ms=200.0)
+    assert schedule(state(config=unblocked, **timings)).chunk == 160
+    # Streams outnumbering the prompts: the interleave's budget is tighter, and it holds.
+    plan = schedule(state(config=BUDGET, **{**timings, "decoding": 4}))
+    assert plan.budget == int(BUDGET.prefill_interleave * 0.04 / 0.001)
+
+
+def test_the_step_budget_never_falls_below_its_floor_nor_passes_the_chunk_size():
+    slow = dict(decoding=1, prefilling=[seq(1, 6000)], decode_s=0.04)
+    for token_s in (0.01, 1.0):  # 16 tokens fit the budget; none does
+        assert schedule(state(config=BUDGET, **slow, token_s=token_s)).chunk == \
+            STEP_BUDGET_FLOOR
+    over = schedule(state(config=BUDGET, **{**slow, "decode_s": 0.5}, token_s=0.001))
+    assert over.chunk == STEP_BUDGET_FLOOR  # the decode step alone is over budget
+    fast = schedule(state(config=BUDGET, **slow, token_s=1e-6))
+    assert (fast.budget, fast.chunk) == (512, 512)
+
+
+def test_a_lone_prefill_keeps_whole_chunks_and_a_short_prompt_joining_it_gets_the_budget():
+    timings = dict(decode_s=0.04, token_s=0.001)
+    alone = schedule(state(config=BUDGET, **timings, prefilling=[seq(1, 6000)]))
+    assert (alone.budget, alone.chunk) == (None, 512)
+    # A chat message arrives: it joins this step, which runs the whole 200 ms (no decoding)
+    # shared between the two, the message whole (never split).
+    plan = schedule(state(config=BUDGET, **timings, prefilling=[seq(1, 6000)],
+                          waiting=[seq(2, 40)]))
+    assert (plan.admit, plan.budget, plan.chunk) == (3, 192, 96)
+    # Nobody waits on a step of long prompts only, or of short ones only: whole chunks.
+    for prefilling, waiting in (([seq(1, 6000)], [seq(2, 2000)]),
+                                ([seq(1, 200)], [seq(2, 40), seq(3, 250)])):
+        plan = schedule(state(config=BUDGET, **timings, prefilling=prefilling,
+                              waiting=waiting))
+        assert (plan.budget, plan.chunk) == (None, 512)
+
+
+def test_the_step_budget_waits_for_a_prompt_tokens_time_and_is_off_at_zero():
+    decoding = dict(decoding=1, prefilling=[seq(1, 6000)])
+    assert schedule(state(config=BUDGET, **decoding, decode_s=0.04, token_s=None)).budget \
+        is None
+    # No decode step measured yet (no step without prefill so far): it counts as free.
+    assert schedule(state(config=BUDGET, **decoding, decode_s=None, token_s=0.001)).budget \
+        == 192
+    off = EngineConfig(prefill_step_size=512, block_size=64, step_budget_ms=0.0)
+    plan = schedule(state(config=off, **decoding, decode_s=0.04, token_s=0.001))
+    assert (plan.budget, plan.chunk) == (None, 512)
 
 
 def test_the_memory_gate_fails_and_admits_as_plan_step_says_by_uid():

@@ -21,6 +21,10 @@ MIN_PREFILL_CHUNK = 32
 # With the chunk in the decode step's forward pass (actors/engine/forward.py) a prefill token
 # costs no call of its own, and a small chunk is no dearer per token than a large one.
 MIN_MIXED_CHUNK = 8
+# The fewest prompt tokens a step under the step budget prefills: a prompt of 6,000 tokens
+# still progresses when one token costs more than the budget (a CPU at long contexts), and a
+# forward pass's fixed cost is spread over enough tokens that its TTFT is not multiplied.
+STEP_BUDGET_FLOOR = 32
 # A prompt whose whole rest is within this many step budgets is prefilled in one piece.
 SHORT_PROMPT = 4
 # A prompt with more prompt tokens than this to prefill is long. On a CPU a prefill token
@@ -112,11 +116,12 @@ def schedule(state: StepState) -> StepPlan:
     prefilling = [p for p in state.prefilling if p.uid not in fail]
     waiting = [p for p in state.waiting if p.uid != reject]
     admit = startable(cfg, prefilling, waiting, admit)
-    budget = prefill_budget(state)
-    chunk = cfg.prefill_step_size
-    if budget is not None:
-        joining = max(0, min(admit, cfg.max_batch_size - state.decoding, len(waiting)))
-        chunk = chunk_for(budget, [*prefilling, *waiting[:joining]], state)
+    joining = max(0, min(admit, cfg.max_batch_size - state.decoding, len(waiting)))
+    work = [*prefilling, *waiting[:joining]]
+    budgets = [b for b in (prefill_budget(state), step_budget(state, work))
+               if b is not None]
+    budget = min(budgets, default=None)
+    chunk = cfg.prefill_step_size if budget is None else chunk_for(budget, work, state)
     return StepPlan(fail=fail, reject=reject, admit=admit, budget=budget, chunk=chunk, held=held)
 
 
@@ -203,6 +208,34 @@ def prefill_budget(state: StepState) -> int | None:
         return None
     tokens = int(cfg.prefill_interleave * state.decode_s / state.token_s)
     return max(min_chunk(cfg, state.mixed), min(tokens, cfg.prefill_step_size))
+
+
+def step_budget(state: StepState, work: list[Pending]) -> int | None:
+    """Prompt tokens the step may prefill so that it lasts about ``step_budget_ms`` (None:
+    no limit from it), while others wait on the step for a token: sequences decoding, or a
+    short prompt prefilling beside a long one (``work``: the sequences prefilling this step).
+    A long prefill with nobody waiting on it runs whole chunks: alone, or beside other long
+    ones (smaller chunks would only delay each of them).
+
+    The tokens are the budget less a decode step's time, at the measured time of a prompt
+    token (both smoothed, ``Engine._measure``; before a prompt token is measured, whole
+    chunks), within ``STEP_BUDGET_FLOOR`` (every prefill progresses, however slow) and the
+    chunk size, and a whole number of prefix-cache blocks when over one. It bounds every
+    step, ``first_tokens_first`` included: one chat answering beside an agent's long prompt
+    got 8 tokens in 47.5 s with whole chunks of 4.6-6.7 s each on a CPU."""
+    cfg = state.config
+    beside_long = (any(p.whole > LONG_PROMPT for p in work)
+                   and any(p.whole <= LONG_PROMPT for p in work))
+    if cfg.step_budget_ms <= 0 or state.token_s is None or not (state.decoding or beside_long):
+        return None
+    # A decode step not measured yet (no step without prefill so far) counts as free.
+    decode_s = (state.decode_s or 0.0) if state.decoding else 0.0
+    tokens = int((cfg.step_budget_ms / 1e3 - decode_s) / max(state.token_s, 1e-9))
+    tokens = max(min(STEP_BUDGET_FLOOR, cfg.prefill_step_size),
+                 min(tokens, cfg.prefill_step_size))
+    if cfg.block_size and tokens > cfg.block_size:
+        tokens -= tokens % cfg.block_size
+    return tokens
 
 
 def first_tokens_first(state: StepState) -> bool:
