@@ -42,6 +42,8 @@ from harness import (  # noqa: E402
 )
 
 SCENARIOS = ("alone", "streams")
+# Tokens each stream has decoded before the long prompt is sent.
+STREAM_WARM_TOKENS = 4
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -60,7 +62,9 @@ def run_once(engine: Any, tok: Any, scenario: str, args: argparse.Namespace,
     streams = [f"stream-{i}" for i in range(args.streams if scenario == "streams" else 0)]
     for rid, ids in zip(streams, prompts(tok, len(streams), f"{key}-streams"), strict=True):
         engine.add(rid, ids, stream)
-    while any(engine.requests[rid].generated == 0 for rid in streams):
+    # The streams have been decoding a while when the long prompt comes (a few steps without
+    # prefill, as a serving engine has had): the schedule knows a decode step's time.
+    while any(engine.requests[rid].generated < STREAM_WARM_TOKENS for rid in streams):
         engine.step()
     long_ids = chat_tokens(tok, [{"role": "user", "content": long_text(tok, args.long, key)}])
     chat_ids = prompts(tok, 1, f"{key}-chat")[0]

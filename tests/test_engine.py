@@ -477,6 +477,20 @@ def test_step_times_are_learned_from_whole_steps():
     assert engine._token_s == pytest.approx(EMA * 0.02 + (1 - EMA) * 0.01)
 
 
+def test_a_decode_step_is_learned_beside_a_prefill_that_never_stops():
+    """A chat that joins a long prompt's prefill decodes only in steps that carry a chunk:
+    its decode step is the step less the chunk at the rate the prefill ran alone, so the
+    interleave and the step budget size the chunks from then on."""
+    engine = Engine.__new__(Engine)
+    engine._decode_s = engine._token_s = None
+    engine._measure(100, 1, 1.0)  # decoding beside a chunk, nothing known: nothing learned
+    assert engine._decode_s is None and engine._token_s is None
+    engine._measure(500, 0, 5.0)  # the long prompt alone: 10 ms a token
+    engine._measure(100, 1, 1.3)  # a chat decodes beside its chunk: 0.3 s of decode
+    assert engine._decode_s == pytest.approx(0.3)
+    assert engine._token_s == pytest.approx(0.01)
+
+
 def test_progress_tells_waiting_prefilling_n_of_m_then_decoding(loaded):
     model, tok = loaded
     engine = Engine(model, tok, engine_config(prefill_step_size=8, prefill_batch_size=1))

@@ -473,7 +473,13 @@ class Engine:
                 self._decode_s = _ema(self._decode_s, wall)
             return
         if decoding and self._decode_s is None:
-            return  # no decode-only step seen yet: cannot split this one
+            if self._token_s is not None:
+                # Rows began decoding beside a prefill and every step since carried a chunk
+                # (a chat behind a long prompt): the decode step is what the chunk's tokens,
+                # at the rate the prefill ran alone, leave of the step. Unknown, the decode
+                # step counted as free and the interleave gave whole chunks of seconds.
+                self._decode_s = max(wall - tokens * self._token_s, 0.0)
+            return
         spent = wall - (self._decode_s if decoding else 0.0)
         self._token_s = _ema(self._token_s, max(spent, 0.0) / tokens)
 
