@@ -20,7 +20,7 @@ the index says are on disk first.
 On rank 0 of a sharded model every rank holds its own shard of each block, and a hit must be a
 hit on every rank: before it adds a request with cached blocks, the scheduler asks the other
 ranks how many of them they can supply (``Followers.probe``; the request waits, the batch does
-not) and takes as many as every rank can (actors/distributed.py).
+not) and takes as many as every rank can (actors/distributed/).
 """
 
 from __future__ import annotations
@@ -49,7 +49,9 @@ from actors.cache_messages import (
     SpillRam,
     WriteBlock,
 )
-from actors.distributed import STUCK_AFTER_S, Followers, load_shard, read_secret, shard_memory
+from actors.distributed.leader import STUCK_AFTER_S, Followers
+from actors.distributed.protocol import read_secret
+from actors.distributed.shards import load_shard, shard_memory
 from actors.engine.config import DEFAULTS, EngineConfig
 from actors.engine.core import Engine, RequestError
 from actors.engine.kv_blocks import KVBlock, from_numpy, to_numpy
@@ -60,6 +62,7 @@ from actors.memory_messages import (
     EngineLoad,
     GetMemoryLimits,
     MemoryLimits,
+    RanksMemory,
     Retire,
 )
 from actors.memory_monitor import trim_heap
@@ -206,10 +209,11 @@ class Scheduler(Actor):
         self.probes = 0
         self._stepping = False  # inside engine.step (read by the stuck-step watchdog)
         self.write_wait_s = 0.0  # time steps spent waiting for room in the writer's queue
-        # The other ranks of a sharded model (rank 0 only; actors/distributed.py).
+        # The other ranks of a sharded model (rank 0 only; actors/distributed/).
         self.followers: Followers | None = None
         self._release_timer: asyncio.TimerHandle | None = None
         self.memory_releases = 0  # times an idle engine gave memory back
+        self._ranks_peak = 0  # the other ranks' peak not yet told to the memory monitor
 
     async def on_start(self) -> None:
         started = time.perf_counter()
@@ -265,7 +269,7 @@ class Scheduler(Actor):
     def _lead(self, fingerprint: str) -> None:
         """Rank 0 of a sharded model: wait for the other ranks (they load their shards
         meanwhile), give every rank the same PRNG seed, and tell them each change to the
-        batch from now on (actors/distributed.py)."""
+        batch from now on (actors/distributed/)."""
         followers = Followers(mx.distributed.init().size(), self.config.distributed_port,
                               read_secret())
         seed = int.from_bytes(os.urandom(4), "little")
@@ -586,6 +590,8 @@ class Scheduler(Actor):
             self._deliver(events)
             self._tps_window.append((time.perf_counter(), engine.generated_tokens))
             del self._tps_window[:-64]
+            if self.followers is not None:
+                self._tell_ranks_memory()
         new = engine.take_new_blocks()
         if new:
             self._unsaved.extend((rid, self._epochs.get(rid, 0), blk) for rid, blk in new)
@@ -593,6 +599,21 @@ class Scheduler(Actor):
             await self._persist(self._take_unsaved())
         if not self._in_flight() and not self._unsaved:
             self._arm_release(IDLE_RELEASE_S)
+
+    def _tell_ranks_memory(self) -> None:
+        """Rank 0: tell the memory monitor the other ranks' memory (the fullest rank is the
+        one that runs out). A peak the monitor could not take is told with the next step's."""
+        followers = self.followers
+        self._ranks_peak = max(self._ranks_peak, followers.take_peak())
+        monitor = self.system.find(self.monitor_name)
+        if monitor is None:
+            return
+        try:
+            monitor.try_tell(RanksMemory(active_bytes=followers.usage(),
+                                         peak_bytes=self._ranks_peak))
+        except (MailboxFull, ActorDead):
+            return
+        self._ranks_peak = 0
 
     def _arm_release(self, delay: float) -> None:
         """Remind this actor to release memory in ``delay`` seconds (once: a later step

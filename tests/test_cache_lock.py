@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from actors.cache_lock import LOCK_FILE, CacheDirBusy, CacheDirLock
-from actors.distributed import rank_cache_dir
+from actors.distributed.shards import rank_cache_dir
 from actors.follower_cache import ShardDisk
 
 ROOT = Path(__file__).resolve().parents[1]

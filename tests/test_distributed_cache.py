@@ -1,6 +1,7 @@
 """The prefix cache of a sharded model, without ``mlx.launch``: a follower's reservations and
-disk thread (actors/follower_cache.py), rank 0's probe over the channel (actors/distributed.py),
-and the memory of the other ranks counted by the gate and the monitor.
+disk thread (actors/follower_cache.py), rank 0's probe over the channel
+(actors/distributed/leader.py), and the memory of the other ranks counted by the gate and the
+monitor.
 
 The follower's engine is a stand-in with the real RAM table and real block hashes; its blocks
 hold small MLX arrays.
@@ -19,7 +20,9 @@ import pytest
 from test_distributed import SECRET, Grammars, _following, _pair, _plan, free_port
 
 from actors import block_store
-from actors.distributed import Followers, Supply, combine, connect, follow, follower_memory
+from actors.distributed.follower import connect, follow
+from actors.distributed.leader import Followers
+from actors.distributed.protocol import Supply, combine
 from actors.engine.config import EngineConfig
 from actors.engine.kv_blocks import KV, KVBlock, to_numpy
 from actors.engine.prefix import block_hashes, namespace_root, usable_blocks
@@ -417,6 +420,7 @@ class OneFollower:
         self.on_supply: Any = None
         self.probe_timeouts = 0
         self.told: list[tuple] = []
+        self.active_bytes = self.peak_bytes = 0  # what it last reported of its memory
 
     def probe(self, request_id: str, prompt: list[int], blocks: int,
               namespace: str = "") -> None:
@@ -436,7 +440,11 @@ class OneFollower:
         pass
 
     def usage(self) -> int:
-        return 0
+        return self.active_bytes
+
+    def take_peak(self) -> int:
+        peak, self.peak_bytes = self.peak_bytes, 0
+        return peak
 
     def report(self) -> list:
         return []
@@ -473,25 +481,41 @@ def test_rank_0_counts_the_fullest_followers_memory_while_it_leads():
     wait_for(lambda: followers.report()[0]["step"] == 1)
     reported = followers.report()[0]
     assert followers.usage() == reported["active_bytes"] > 0
-    assert follower_memory()[0] == reported["active_bytes"]
-    assert follower_memory()[1] == 0  # the peak was taken by the call before
+    assert followers.take_peak() == reported["peak_bytes"] > 0
+    assert followers.take_peak() == 0  # the peak was taken by the call before
     followers.close()
     t.join(10)
-    assert follower_memory() == (0, 0)
 
 
-def test_the_memory_monitor_sees_the_fullest_rank(monkeypatch):
-    from actors import memory_monitor
+async def test_the_memory_monitor_sees_the_fullest_rank():
+    from actors.memory_messages import RanksMemory
     from actors.memory_monitor import MemoryMonitor
 
     limit = 8 << 30
     monitor = MemoryMonitor(limit=limit)
     monitor.system = SimpleNamespace(find=lambda name: None)
-    monkeypatch.setattr(memory_monitor, "follower_memory", lambda: (limit, limit + 1))
+    await monitor.handle(RanksMemory(active_bytes=limit, peak_bytes=limit + 1))
     monitor._poll()
     assert monitor.latest.usage == limit and monitor.latest.high_water == limit + 1
     assert monitor.latest.pressure != "ok"
     assert monitor.reading["followers_active_bytes"] == limit
+    assert monitor.ranks_peak == 0  # a peak counts in one poll's reading, as rank 0's does
+
+
+async def test_rank_0s_scheduler_tells_the_monitor_the_other_ranks_memory(
+        aiohttp_client, tiny_model_dir: Path, tmp_path: Path):
+    from test_prefix_serving import LONG, complete, serve
+
+    client, system, model = await serve(aiohttp_client, tiny_model_dir, tmp_path / "c")
+    follower = OneFollower(blocks=0, partials=[])
+    follower.active_bytes, follower.peak_bytes = 123 << 20, 456 << 20
+    system.find("scheduler")._cell.instance._attach(follower)
+    await complete(client, model, LONG)
+    monitor = system.find("memory_monitor")._cell.instance
+    await system.__aexit__(None, None, None)
+    assert monitor.ranks_active == 123 << 20
+    assert monitor.peak_max >= 456 << 20 or monitor.ranks_peak == 456 << 20
+    assert follower.peak_bytes == 0  # taken once, by the scheduler
 
 
 def test_the_engines_memory_gate_counts_the_fullest_rank(tiny_model_dir: Path):

@@ -109,3 +109,23 @@ def test_ssd_writer_imports_no_mlx() -> None:
     assert [module for _, module in _imports(SSD_WRITER) if _top(module) in MLX] == []
     result = _loads_mlx("import actors.ssd_writer")
     assert result.returncode == 0, result.stderr
+
+
+def test_the_distributed_package_imports_neither_serving_nor_api() -> None:
+    """The wiring passes the distributed package what it needs: nothing in it imports the
+    serving layer or the HTTP layer, not even lazily inside a function."""
+    offences = [
+        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        for path in _sources("actors/distributed")
+        for line, module in _imports(path)
+        if _top(module) == "api" or module in ("actors.serving", "actors.config")
+        or module.startswith(("actors.serving.", "actors.config."))
+    ]
+    assert offences == []
+
+
+def test_the_memory_monitor_does_not_import_distributed() -> None:
+    """The other ranks' memory reaches the monitor as a message, not through a module global
+    of the distributed package."""
+    path = ROOT / "actors" / "memory_monitor.py"
+    assert [m for _, m in _imports(path) if m.startswith("actors.distributed")] == []
