@@ -20,12 +20,14 @@ from actors.cache_messages import (
     BlockPersisted,
     BlockWriteFailed,
     ForgetBlocks,
+    FoundOnDisk,
+    HeldOnDisk,
     LookupDisk,
     MakeRoom,
     OnDisk,
 )
 from actors.engine.lru import Lru
-from runtime import Actor
+from runtime import Actor, ActorDead
 
 log = logging.getLogger("actors.cache_index")
 
@@ -173,9 +175,10 @@ class CacheIndex(Actor):
     """The prefix cache's disk catalogue, rebuilt from ``cache_dir`` on start.
 
     Messages: ``BlockPersisted``, ``BlockWriteFailed``, ``ForgetBlocks`` and ``MakeRoom``
-    (ask -> bool) from the SSD writer; ``LookupDisk`` (ask -> int) and ``OnDisk`` (ask ->
-    hashes) from the scheduler. Over the disk quota it deletes files itself. It never sends a
-    message: no actor waits on one that waits on it.
+    (ask -> bool) from the SSD writer; ``LookupDisk`` and ``OnDisk`` from the scheduler,
+    answered by message (``FoundOnDisk``, ``HeldOnDisk``) to the actor they name, or as an
+    ``ask``. Over the disk quota it deletes files itself. It asks nothing of any actor, and
+    only the scheduler, which never waits on it, gets messages from it.
     """
 
     def __init__(
@@ -216,10 +219,17 @@ class CacheIndex(Actor):
         msg: LookupDisk | OnDisk | BlockPersisted | BlockWriteFailed | ForgetBlocks | MakeRoom,
     ) -> Any:
         match msg:
-            case LookupDisk(hashes=hashes):
-                return self.table.lookup(hashes)
-            case OnDisk(hashes=hashes):
-                return self.table.on_disk(hashes)
+            case LookupDisk(hashes=hashes, reply_to=reply_to):
+                found = self.table.lookup(hashes)
+                if reply_to is not None:
+                    await self._answer(reply_to, FoundOnDisk(
+                        request_id=msg.request_id, epoch=msg.epoch, blocks=found))
+                return found
+            case OnDisk(hashes=hashes, reply_to=reply_to):
+                held = self.table.on_disk(hashes)
+                if reply_to is not None:
+                    await self._answer(reply_to, HeldOnDisk(hashes=held))
+                return held
             case BlockPersisted(block_hash=h, parent_hash=parent, n_tokens=n, nbytes=nbytes):
                 self.table.add(h, parent, n, nbytes)
             case BlockWriteFailed(block_hash=h, error=error):
@@ -266,3 +276,14 @@ class CacheIndex(Actor):
                 log.error("cache: could not delete block %s: %s", h, exc)
         self.table.drop(victims, evicted=True)
         return self.table.has_room(nbytes)
+
+    async def _answer(self, name: str, msg: FoundOnDisk | HeldOnDisk) -> None:
+        """Tell the actor that asked; one gone (stopping) needs no answer."""
+        ref = self.system.find(name)
+        if ref is None:
+            log.warning("cache index: no actor %r for the answer to its lookup", name)
+            return
+        try:
+            await ref.tell(msg)
+        except ActorDead:
+            pass

@@ -116,16 +116,42 @@ class MakeRoom(Message, frozen=True, kw_only=True):
 
 
 class LookupDisk(Message, frozen=True, kw_only=True):
-    """How many leading blocks of this chain have files? Answered (ask) with an int. The
-    scheduler asks only for what follows the blocks it holds in RAM; the hits become the
-    most recently used on disk."""
+    """How many leading blocks of this chain have files? The hits become the most recently used
+    on disk. With ``reply_to`` the answer is told to that actor as ``FoundOnDisk`` (the
+    scheduler, which never waits on the index inside a step: ``request_id`` and ``epoch`` name
+    the request waiting for it); without, it is the answer to an ``ask`` (an int). The
+    scheduler asks only for what follows the blocks it holds in RAM."""
 
     hashes: list[str]
+    request_id: str = ""
+    epoch: int = 0
+    reply_to: str | None = None
 
 
 class OnDisk(Message, frozen=True, kw_only=True):
-    """Which of these blocks have files? Answered (ask) with their hashes, in the order asked:
-    the RAM blocks a spill may drop without losing them."""
+    """Which of these blocks have files? Their hashes, in the order asked: the RAM blocks a
+    spill may drop without losing them. With ``reply_to`` told to that actor as ``HeldOnDisk``;
+    without, the answer to an ``ask``."""
+
+    hashes: list[str]
+    reply_to: str | None = None
+
+
+# --- cache index -> scheduler ----------------------------------------------------------------
+
+
+class FoundOnDisk(Message, frozen=True, kw_only=True):
+    """The answer to a ``LookupDisk`` with ``reply_to``: the first ``blocks`` of the hashes
+    asked about have files."""
+
+    request_id: str
+    epoch: int
+    blocks: int
+
+
+class HeldOnDisk(Message, frozen=True, kw_only=True):
+    """The answer to an ``OnDisk`` with ``reply_to``: those of the hashes asked about that have
+    files."""
 
     hashes: list[str]
 
