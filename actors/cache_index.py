@@ -174,11 +174,12 @@ class DiskTable:
 class CacheIndex(Actor):
     """The prefix cache's disk catalogue, rebuilt from ``cache_dir`` on start.
 
-    Messages: ``BlockPersisted``, ``BlockWriteFailed``, ``ForgetBlocks`` and ``MakeRoom``
-    (ask -> bool) from the SSD writer; ``LookupDisk`` and ``OnDisk`` from the scheduler,
-    answered by message (``FoundOnDisk``, ``HeldOnDisk``) to the actor they name, or as an
-    ``ask``. Over the disk quota it deletes files itself. It asks nothing of any actor, and
-    only the scheduler, which never waits on it, gets messages from it.
+    Messages: ``BlockPersisted``, ``BlockWriteFailed``, ``ForgetBlocks`` and ``MakeRoom`` (ask
+    -> how many of the files fit) from the SSD writer; ``LookupDisk`` and ``OnDisk`` from the
+    scheduler, answered by message (``FoundOnDisk``, ``HeldOnDisk``) to the
+    actor they name, or as an ``ask``. Over the disk quota it deletes files itself. It asks
+    nothing of any actor, and only the scheduler (or a follower's disk clerk), which never
+    waits on it, gets messages from it.
     """
 
     def __init__(
@@ -197,6 +198,7 @@ class CacheIndex(Actor):
         self.skipped: dict[str, int] = dict.fromkeys(block_store.SKIP_REASONS, 0)
         self.write_failures = 0
         self.forgotten = 0
+        self.room_asks = 0  # MakeRoom asked of it
 
     async def on_start(self) -> None:
         self.cache_dir.mkdir(parents=True, exist_ok=True)
@@ -237,8 +239,9 @@ class CacheIndex(Actor):
                 log.debug("block %s was not written: %s", h, error)
             case ForgetBlocks(hashes=hashes):
                 self.forgotten += self.table.drop(hashes)
-            case MakeRoom(nbytes=nbytes):
-                return self._make_room(nbytes)
+            case MakeRoom(sizes=sizes):
+                self.room_asks += 1
+                return self._make_room_for(sizes)
             case _:
                 raise TypeError(f"cache index cannot handle {type(msg).__name__}")
         return None
@@ -260,6 +263,7 @@ class CacheIndex(Actor):
             "evicted": t.evicted,
             "write_failures": self.write_failures,
             "forgotten": self.forgotten,
+            "room_asks": self.room_asks,
             "skipped": dict(self.skipped),
         }
 
@@ -287,3 +291,18 @@ class CacheIndex(Actor):
             await ref.tell(msg)
         except ActorDead:
             pass
+
+    def _make_room_for(self, sizes: list[int]) -> int:
+        """Make room (one bounded burst) for the files of ``sizes``, or for as many leading ones
+        as the quota can hold; how many of them fit now."""
+        total, fits = 0, []
+        for size in sizes:
+            total += size
+            if total > self.table.disk_max_bytes:
+                break
+            fits.append(total)
+        if not fits:
+            return 0
+        self._make_room(fits[-1])
+        free = self.table.disk_max_bytes - self.table.disk_bytes
+        return sum(1 for t in fits if t <= free)

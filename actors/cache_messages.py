@@ -106,10 +106,12 @@ class ForgetBlocks(Message, frozen=True, kw_only=True):
 
 
 class MakeRoom(Message, frozen=True, kw_only=True):
-    """Writer -> index (ask): free disk space for ``nbytes`` under the quota, deleting least
-    recently used files (at most a bounded burst per call). Answered with bool: room made."""
+    """Writer -> index (ask): free disk space under the quota for files of these ``sizes``, in
+    the order they will be written (a batch: the writer asks once for the blocks it holds, not
+    once per block), deleting least recently used files (a bounded burst per call). Answered
+    with how many of the leading sizes fit now."""
 
-    nbytes: int
+    sizes: list[int]
 
 
 # --- scheduler -> cache index ----------------------------------------------------------------

@@ -279,11 +279,11 @@ async def test_make_room_deletes_the_oldest_files_at_most_a_burst_per_call(
     async with running_index(tmp_path, disk_max_bytes=5 * size, evict_burst=2) as (
         system, index,
     ):
-        assert not await index.ask(MakeRoom(nbytes=4 * size), timeout=5.0)
+        assert not await index.ask(MakeRoom(sizes=[4 * size]), timeout=5.0)
         assert [p.exists() for p in paths] == [False, False, True, True, True]
-        assert await index.ask(MakeRoom(nbytes=4 * size), timeout=5.0)
+        assert await index.ask(MakeRoom(sizes=[4 * size]), timeout=5.0)
         assert [p.exists() for p in paths] == [False, False, False, False, True]
-        assert not await index.ask(MakeRoom(nbytes=6 * size), timeout=5.0)  # never fits
+        assert not await index.ask(MakeRoom(sizes=[6 * size]), timeout=5.0)  # never fits
         assert paths[4].exists()
         r = report(system)
         assert (r["evicted"], r["disk_bytes"]) == (4, size)
