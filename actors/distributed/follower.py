@@ -53,7 +53,7 @@ from actors.distributed.protocol import (
 from actors.engine.memory_estimate import machine_memory
 
 if TYPE_CHECKING:
-    from actors.follower_cache import ShardDisk
+    from actors.follower_cache import FollowerDisk
 
 log = logging.getLogger(__name__)
 
@@ -118,12 +118,12 @@ def _introduce(sock: socket.socket, rank: int, fingerprint: str, secret: bytes, 
 
 
 def follow(engine: Any, sock: socket.socket, rank: int, grammars: Any = None,
-           disk: ShardDisk | None = None) -> int:
+           disk: FollowerDisk | None = None) -> int:
     """Run rank 0's batch on this rank's shard until rank 0 says ``Bye`` or goes away.
 
     ``engine``: an ``Engine`` over this rank's shard, with rank 0's settings. ``grammars``:
     compiles the grammars of constrained requests (``actors.engine.grammar.Grammars``).
-    ``disk``: this rank's prefix-cache files (``follower_cache.ShardDisk``; None: RAM only).
+    ``disk``: this rank's prefix-cache files (``follower_cache.FollowerDisk``; None: RAM only).
     Returns the process's exit code: 0 when rank 0 stopped, 1 when this rank diverged or
     cannot supply the cached blocks it promised, or rank 0 sent a frame it cannot read."""
     import mlx.core as mx
@@ -131,7 +131,7 @@ def follow(engine: Any, sock: socket.socket, rank: int, grammars: Any = None,
     from actors.engine.schedule import StepPlan
     from actors.follower_cache import FollowerCache, SupplyError
 
-    lock = threading.Lock()  # answers to probes also go from the disk thread
+    lock = threading.Lock()  # answers to probes also go from the disk clerk's thread
 
     def send(msg: Any) -> None:
         try:
@@ -153,7 +153,7 @@ def follow(engine: Any, sock: socket.socket, rank: int, grammars: Any = None,
     status()  # rank 0 counts this rank's memory from the start (its weights)
     while True:
         if cache.unsaved:
-            # Between messages, new blocks go to the disk thread as fast as it takes them.
+            # Between messages, new blocks go to the SSD writer as fast as it takes them.
             wait = 0.0 if cache.can_persist() else 0.05
             if not select.select([sock], [], [], wait)[0]:
                 cache.persist()

@@ -60,7 +60,7 @@ def _serve_follower(config: Any, spec: str | None, group: Any) -> int:
     from actors.engine.core import Engine
     from actors.engine.grammar import Grammars
     from actors.engine.prefix import model_fingerprint
-    from actors.follower_cache import ShardDisk
+    from actors.follower_cache import FollowerDisk
     from actors.models.store import resolve_model
 
     rank = group.rank()
@@ -90,7 +90,8 @@ def _serve_follower(config: Any, spec: str | None, group: Any) -> int:
         # The fingerprint names the blocks: every rank's hashes of a prompt are rank 0's.
         engine = Engine(model, tokenizer, welcome.config, stream=stream,
                         fingerprint=fingerprint)
-        disk = (ShardDisk(config.cache_dir, fingerprint, config.cache_disk_max)
+        disk = (FollowerDisk(config.cache_dir, fingerprint, config.cache_disk_max,
+                             block_size=engine.block_size)
                 if engine.caching else None)
         engine.warm_up()  # rank 0 warms up too: the same forward passes, in step
         try:
