@@ -418,3 +418,38 @@ async def test_a_disk_lookup_does_not_hold_the_step(tiny_model_dir):
         await scheduler.tell(AbortRequest(request_id="decoding"))
         ended = [ev async for ev in first if isinstance(ev, RequestFinished)]
         assert ended[0].finish_reason == "abort"
+
+
+async def test_a_lookup_the_index_never_answers_starts_the_request_from_ram_alone(
+        tiny_model_dir):
+    """The index is gone quiet: the request waits for its answer at most LOOKUP_TIMEOUT_S, then
+    runs from what RAM holds."""
+    from mlx_lm.utils import load_tokenizer
+
+    from actors.engine.config import EngineConfig
+    from actors.messages import AddRequest, DescribeEngine, RequestFinished, SamplingParams
+    from actors.scheduler import MLX_THREAD, Scheduler
+    from runtime import Actor
+
+    class SilentDisk(Actor):
+        """An index that takes every message and answers none."""
+
+        async def handle(self, msg):
+            return None
+
+    async with ActorSystem() as system:
+        await system.spawn(SilentDisk, name="cache_index")
+        scheduler = await system.spawn(Scheduler, name="scheduler", thread=MLX_THREAD,
+                                       model=str(tiny_model_dir), config=EngineConfig(
+                                           block_size=BLOCK, arrival_window_ms=0.0))
+        await scheduler.ask(DescribeEngine())
+        events = await scheduler.stream(AddRequest(
+            request_id="r", prompt_tokens=load_tokenizer(tiny_model_dir).encode(LONG),
+            sampling=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)))
+
+        async def finished() -> RequestFinished:
+            return [ev async for ev in events if isinstance(ev, RequestFinished)][0]
+
+        done = await asyncio.wait_for(finished(), 60)  # a guard against a hang, not a timing
+        assert done.error is None and done.usage.completion_tokens == 4
+        assert done.usage.cached_tokens == 0
