@@ -134,10 +134,12 @@ def _serve(args: argparse.Namespace) -> int:
     if config.distributed:
         # Lazy: it imports MLX. Every rank but 0 follows rank 0's batch and serves no HTTP.
         from actors.distributed.launch import start_rank
+        from actors.follower_disk import FollowerDisk
         from actors.serving import cache_dir
 
         try:
-            config, follower_exit = start_rank(config, model_specs(config), cache_dir(config))
+            config, follower_exit = start_rank(config, model_specs(config), cache_dir(config),
+                                               FollowerDisk)
         except Exception as exc:
             log.error("troupe serve --distributed failed: %s", exc,
                       exc_info=log.isEnabledFor(logging.DEBUG))

@@ -14,7 +14,7 @@ import pytest
 
 from actors.cache_lock import LOCK_FILE, CacheDirBusy, CacheDirLock
 from actors.distributed.shards import rank_cache_dir
-from actors.follower_cache import FollowerDisk
+from actors.follower_disk import FollowerDisk
 
 ROOT = Path(__file__).resolve().parents[1]
 

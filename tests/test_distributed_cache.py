@@ -1,5 +1,5 @@
 """The prefix cache of a sharded model, without ``mlx.launch``: a follower's reservations and
-disk (actors/follower_cache.py), rank 0's probe over the channel
+disk (actors/follower_cache.py, actors/follower_disk.py), rank 0's probe over the channel
 (actors/distributed/leader.py), and the memory of the other ranks counted by the gate and the
 monitor.
 
@@ -27,7 +27,8 @@ from actors.engine.config import EngineConfig
 from actors.engine.kv_blocks import KV, KVBlock, to_numpy
 from actors.engine.prefix import block_hashes, namespace_root, usable_blocks
 from actors.engine.prefix_cache import PrefixCache
-from actors.follower_cache import FollowerCache, FollowerDisk, SupplyError
+from actors.follower_cache import FollowerCache, SupplyError
+from actors.follower_disk import FollowerDisk
 from actors.messages import SamplingParams
 
 B = 4  # tokens per block

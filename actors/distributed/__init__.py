@@ -20,6 +20,6 @@ offered until then (actors/follower_cache.py).
 The package, in layers: ``protocol`` (the channel's messages, frames, handshake and secret),
 ``shards`` (the modes, each rank's memory shape, cache directory and shard loading),
 ``leader`` (rank 0's side: ``Followers``), ``follower`` (a follower's connection and step
-loop) and ``launch`` (starting a rank). It imports nothing of the serving layer: the wiring
-passes in what it needs.
+loop) and ``launch`` (starting a rank). It imports no actor and nothing of the serving layer:
+the wiring passes in what it needs.
 """

@@ -53,7 +53,7 @@ from actors.distributed.protocol import (
 from actors.engine.memory_estimate import machine_memory
 
 if TYPE_CHECKING:
-    from actors.follower_cache import FollowerDisk
+    from actors.follower_cache import Disk
 
 log = logging.getLogger(__name__)
 
@@ -118,12 +118,12 @@ def _introduce(sock: socket.socket, rank: int, fingerprint: str, secret: bytes, 
 
 
 def follow(engine: Any, sock: socket.socket, rank: int, grammars: Any = None,
-           disk: FollowerDisk | None = None) -> int:
+           disk: Disk | None = None) -> int:
     """Run rank 0's batch on this rank's shard until rank 0 says ``Bye`` or goes away.
 
     ``engine``: an ``Engine`` over this rank's shard, with rank 0's settings. ``grammars``:
     compiles the grammars of constrained requests (``actors.engine.grammar.Grammars``).
-    ``disk``: this rank's prefix-cache files (``follower_cache.FollowerDisk``; None: RAM only).
+    ``disk``: this rank's prefix-cache files (``follower_disk.FollowerDisk``; None: RAM only).
     Returns the process's exit code: 0 when rank 0 stopped, 1 when this rank diverged or
     cannot supply the cached blocks it promised, or rank 0 sent a frame it cannot read."""
     import mlx.core as mx

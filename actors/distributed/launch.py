@@ -2,14 +2,15 @@
 rank 0 gets back the configuration it serves with; every other rank loads its shard, connects
 to rank 0 and follows its batch until rank 0 stops.
 
-The wiring passes in what it decides (the models named, the base cache directory): nothing
-here imports the serving layer.
+The wiring passes in what it decides (the models named, the base cache directory, how a
+follower opens its disk): nothing here imports the serving layer or an actor.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,14 +22,20 @@ from actors.distributed.shards import MODES, engine_config_for, load_shard, rank
 
 log = logging.getLogger(__name__)
 
+# Opens a follower's disk tier: (its directory, the model's fingerprint, the quota in bytes,
+# block_size=tokens per block) -> the disk, with ``close()``. Passed in by the wiring: this
+# package imports no actor.
+OpenDisk = Callable[..., Any]
 
-def start_rank(config: Any, models: list[str | None], cache_base: str | Path
-               ) -> tuple[Any, int | None]:
+
+def start_rank(config: Any, models: list[str | None], cache_base: str | Path,
+               open_disk: OpenDisk) -> tuple[Any, int | None]:
     """Join the group ``mlx.launch`` started, for ``troupe serve --distributed``.
 
     ``config``: the ``ServeConfig``; ``models``: the models it names (one, or None for the
     bundled default); ``cache_base``: the prefix cache's directory, under which every rank
-    keeps its own (``rank_cache_dir``). Rank 0 gets back the configuration to serve with
+    keeps its own (``rank_cache_dir``); ``open_disk``: opens a follower's disk tier in its
+    directory (``follower_disk.FollowerDisk``). Rank 0 gets back the configuration to serve with
     (that directory, and for pipeline stages mlx-lm's own model call: ``engine_config_for``)
     and None; every other rank follows rank 0 until it stops and gets back its exit code.
     Raises ValueError when this rank has no usable shared secret (``read_secret``)."""
@@ -50,17 +57,16 @@ def start_rank(config: Any, models: list[str | None], cache_base: str | Path
         log.info("distributed: rank 0 of %d (%s parallel); prefix cache in %s",
                  group.size(), config.distributed, here if config.block_size else "(off)")
         return config, None
-    return config, _serve_follower(config, models[0], group)
+    return config, _serve_follower(config, models[0], group, open_disk)
 
 
-def _serve_follower(config: Any, spec: str | None, group: Any) -> int:
+def _serve_follower(config: Any, spec: str | None, group: Any, open_disk: OpenDisk) -> int:
     """A follower rank: load its shard, connect to rank 0, run its batch until it stops."""
     import mlx.core as mx
 
     from actors.engine.core import Engine
     from actors.engine.grammar import Grammars
     from actors.engine.prefix import model_fingerprint
-    from actors.follower_cache import FollowerDisk
     from actors.models.store import resolve_model
 
     rank = group.rank()
@@ -90,8 +96,8 @@ def _serve_follower(config: Any, spec: str | None, group: Any) -> int:
         # The fingerprint names the blocks: every rank's hashes of a prompt are rank 0's.
         engine = Engine(model, tokenizer, welcome.config, stream=stream,
                         fingerprint=fingerprint)
-        disk = (FollowerDisk(config.cache_dir, fingerprint, config.cache_disk_max,
-                             block_size=engine.block_size)
+        disk = (open_disk(config.cache_dir, fingerprint, config.cache_disk_max,
+                          block_size=engine.block_size)
                 if engine.caching else None)
         engine.warm_up()  # rank 0 warms up too: the same forward passes, in step
         try:
