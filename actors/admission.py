@@ -53,7 +53,7 @@ from transformers import PreTrainedTokenizerBase
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from actors.config import TEMPLATE_TIMEOUT_S
-from actors.distributed import rank_memory_of
+from actors.distributed.shards import rank_memory_of
 from actors.engine.agent_output import (
     FALLBACK_TOOL_FORMAT,
     prompt_opens_reasoning,

@@ -20,12 +20,14 @@ from actors.cache_messages import (
     BlockPersisted,
     BlockWriteFailed,
     ForgetBlocks,
+    FoundOnDisk,
+    HeldOnDisk,
     LookupDisk,
     MakeRoom,
     OnDisk,
 )
 from actors.engine.lru import Lru
-from runtime import Actor
+from runtime import Actor, ActorDead
 
 log = logging.getLogger("actors.cache_index")
 
@@ -172,10 +174,12 @@ class DiskTable:
 class CacheIndex(Actor):
     """The prefix cache's disk catalogue, rebuilt from ``cache_dir`` on start.
 
-    Messages: ``BlockPersisted``, ``BlockWriteFailed``, ``ForgetBlocks`` and ``MakeRoom``
-    (ask -> bool) from the SSD writer; ``LookupDisk`` (ask -> int) and ``OnDisk`` (ask ->
-    hashes) from the scheduler. Over the disk quota it deletes files itself. It never sends a
-    message: no actor waits on one that waits on it.
+    Messages: ``BlockPersisted``, ``BlockWriteFailed``, ``ForgetBlocks`` and ``MakeRoom`` (ask
+    -> how many of the files fit) from the SSD writer; ``LookupDisk`` and ``OnDisk`` from the
+    scheduler, answered by message (``FoundOnDisk``, ``HeldOnDisk``) to the
+    actor they name, or as an ``ask``. Over the disk quota it deletes files itself. It asks
+    nothing of any actor, and only the scheduler (or a follower's disk clerk), which never
+    waits on it, gets messages from it.
     """
 
     def __init__(
@@ -194,6 +198,7 @@ class CacheIndex(Actor):
         self.skipped: dict[str, int] = dict.fromkeys(block_store.SKIP_REASONS, 0)
         self.write_failures = 0
         self.forgotten = 0
+        self.room_asks = 0  # MakeRoom asked of it
 
     async def on_start(self) -> None:
         self.cache_dir.mkdir(parents=True, exist_ok=True)
@@ -216,10 +221,17 @@ class CacheIndex(Actor):
         msg: LookupDisk | OnDisk | BlockPersisted | BlockWriteFailed | ForgetBlocks | MakeRoom,
     ) -> Any:
         match msg:
-            case LookupDisk(hashes=hashes):
-                return self.table.lookup(hashes)
-            case OnDisk(hashes=hashes):
-                return self.table.on_disk(hashes)
+            case LookupDisk(hashes=hashes, reply_to=reply_to):
+                found = self.table.lookup(hashes)
+                if reply_to is not None:
+                    await self._answer(reply_to, FoundOnDisk(
+                        request_id=msg.request_id, epoch=msg.epoch, blocks=found))
+                return found
+            case OnDisk(hashes=hashes, reply_to=reply_to):
+                held = self.table.on_disk(hashes)
+                if reply_to is not None:
+                    await self._answer(reply_to, HeldOnDisk(hashes=held))
+                return held
             case BlockPersisted(block_hash=h, parent_hash=parent, n_tokens=n, nbytes=nbytes):
                 self.table.add(h, parent, n, nbytes)
             case BlockWriteFailed(block_hash=h, error=error):
@@ -227,8 +239,9 @@ class CacheIndex(Actor):
                 log.debug("block %s was not written: %s", h, error)
             case ForgetBlocks(hashes=hashes):
                 self.forgotten += self.table.drop(hashes)
-            case MakeRoom(nbytes=nbytes):
-                return self._make_room(nbytes)
+            case MakeRoom(sizes=sizes):
+                self.room_asks += 1
+                return self._make_room_for(sizes)
             case _:
                 raise TypeError(f"cache index cannot handle {type(msg).__name__}")
         return None
@@ -250,6 +263,7 @@ class CacheIndex(Actor):
             "evicted": t.evicted,
             "write_failures": self.write_failures,
             "forgotten": self.forgotten,
+            "room_asks": self.room_asks,
             "skipped": dict(self.skipped),
         }
 
@@ -266,3 +280,29 @@ class CacheIndex(Actor):
                 log.error("cache: could not delete block %s: %s", h, exc)
         self.table.drop(victims, evicted=True)
         return self.table.has_room(nbytes)
+
+    async def _answer(self, name: str, msg: FoundOnDisk | HeldOnDisk) -> None:
+        """Tell the actor that asked; one gone (stopping) needs no answer."""
+        ref = self.system.find(name)
+        if ref is None:
+            log.warning("cache index: no actor %r for the answer to its lookup", name)
+            return
+        try:
+            await ref.tell(msg)
+        except ActorDead:
+            pass
+
+    def _make_room_for(self, sizes: list[int]) -> int:
+        """Make room (one bounded burst) for the files of ``sizes``, or for as many leading ones
+        as the quota can hold; how many of them fit now."""
+        total, fits = 0, []
+        for size in sizes:
+            total += size
+            if total > self.table.disk_max_bytes:
+                break
+            fits.append(total)
+        if not fits:
+            return 0
+        self._make_room(fits[-1])
+        free = self.table.disk_max_bytes - self.table.disk_bytes
+        return sum(1 for t in fits if t <= free)

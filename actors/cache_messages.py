@@ -106,26 +106,54 @@ class ForgetBlocks(Message, frozen=True, kw_only=True):
 
 
 class MakeRoom(Message, frozen=True, kw_only=True):
-    """Writer -> index (ask): free disk space for ``nbytes`` under the quota, deleting least
-    recently used files (at most a bounded burst per call). Answered with bool: room made."""
+    """Writer -> index (ask): free disk space under the quota for files of these ``sizes``, in
+    the order they will be written (a batch: the writer asks once for the blocks it holds, not
+    once per block), deleting least recently used files (a bounded burst per call). Answered
+    with how many of the leading sizes fit now."""
 
-    nbytes: int
+    sizes: list[int]
 
 
 # --- scheduler -> cache index ----------------------------------------------------------------
 
 
 class LookupDisk(Message, frozen=True, kw_only=True):
-    """How many leading blocks of this chain have files? Answered (ask) with an int. The
-    scheduler asks only for what follows the blocks it holds in RAM; the hits become the
-    most recently used on disk."""
+    """How many leading blocks of this chain have files? The hits become the most recently used
+    on disk. With ``reply_to`` the answer is told to that actor as ``FoundOnDisk`` (the
+    scheduler, which never waits on the index inside a step: ``request_id`` and ``epoch`` name
+    the request waiting for it); without, it is the answer to an ``ask`` (an int). The
+    scheduler asks only for what follows the blocks it holds in RAM."""
 
     hashes: list[str]
+    request_id: str = ""
+    epoch: int = 0
+    reply_to: str | None = None
 
 
 class OnDisk(Message, frozen=True, kw_only=True):
-    """Which of these blocks have files? Answered (ask) with their hashes, in the order asked:
-    the RAM blocks a spill may drop without losing them."""
+    """Which of these blocks have files? Their hashes, in the order asked: the RAM blocks a
+    spill may drop without losing them. With ``reply_to`` told to that actor as ``HeldOnDisk``;
+    without, the answer to an ``ask``."""
+
+    hashes: list[str]
+    reply_to: str | None = None
+
+
+# --- cache index -> scheduler ----------------------------------------------------------------
+
+
+class FoundOnDisk(Message, frozen=True, kw_only=True):
+    """The answer to a ``LookupDisk`` with ``reply_to``: the first ``blocks`` of the hashes
+    asked about have files."""
+
+    request_id: str
+    epoch: int
+    blocks: int
+
+
+class HeldOnDisk(Message, frozen=True, kw_only=True):
+    """The answer to an ``OnDisk`` with ``reply_to``: those of the hashes asked about that have
+    files."""
 
     hashes: list[str]
 

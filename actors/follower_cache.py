@@ -1,42 +1,33 @@
-"""A follower rank's prefix cache (actors/distributed.py): its shard of every block, in RAM and
-under its own rank's directory, and the blocks it has promised rank 0.
+"""A follower rank's prefix cache (actors/distributed/follower.py): its shard of every block, in
+RAM and under its own rank's directory, and the blocks it has promised rank 0.
 
 Rank 0 decides every hit. Before it adds a request whose prompt begins with blocks it holds, it
 asks each follower how many of those blocks that follower can supply (``FollowerCache.probe``).
-The follower looks them up in its engine's RAM table, has its disk thread read the next ones
-from its own directory, and answers. What it answered is reserved for the request: held here,
-so that neither eviction nor a spill can take it, until the request's ``Add`` claims it
-(``claim``) or rank 0 releases it. A follower that cannot produce what it promised raises
-``SupplyError``: its KV would differ from rank 0's.
+The follower looks them up in its engine's RAM table, has its disk read the next ones from its
+own directory, and answers. What it answered is reserved for the request: held here, so that
+neither eviction nor a spill can take it, until the request's ``Add`` claims it (``claim``) or
+rank 0 releases it. A follower that cannot produce what it promised raises ``SupplyError``: its
+KV would differ from rank 0's.
 
-The disk thread (``ShardDisk``) owns this rank's files and their catalogue (the same
-``cache_index.DiskTable`` rank 0's index keeps) and uses ``block_store``'s functions; the
-follower's step never waits for it: new blocks are queued within a bound and dropped, counted,
-past it.
+The disk is rank 0's disk tier, run on every rank (actors/follower_disk.py: the cache index
+and SSD writer actors); here it is only what ``Disk`` names. The follower's step never waits
+for it: new blocks are queued within a bound, and wait for a later step past it.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from actors import block_store
-from actors.cache_index import DiskTable
-from actors.cache_lock import CacheDirLock
 from actors.cache_messages import BlockData
 from actors.engine.kv_blocks import KVBlock, from_numpy, to_numpy
 
 log = logging.getLogger("actors.follower_cache")
 
-# Blocks waiting for the disk thread; past this new ones are dropped (the step never waits).
-MAX_PENDING = 64
 # A follower snapshots at most about this many bytes of new blocks between two steps, as rank 0
 # does (``scheduler.PERSIST_BYTES_PER_STEP``): the ranks step together, so a long snapshot on
 # one stalls them all.
@@ -53,164 +44,21 @@ class SupplyError(Exception):
     """This rank cannot produce the cached blocks rank 0 took for a request."""
 
 
-# -- the disk ----------------------------------------------------------------------------------
-
-
-class ShardDisk:
-    """This rank's blocks on disk under ``cache_dir``, within ``disk_max_bytes``.
-
-    One thread does every scan, read, write and deletion; reads go before queued writes (a
-    request waits for a read, nobody waits for a write). The catalogue is rebuilt from the
-    files at start, so a restarted group finds what it wrote. It holds the directory's lock
-    (``cache_lock``) until ``close``: raises ``CacheDirBusy`` when another process holds it."""
-
-    def __init__(self, cache_dir: str | Path, fingerprint: str, disk_max_bytes: int, *,
-                 max_pending: int = MAX_PENDING) -> None:
-        self.cache_dir = Path(cache_dir)
-        self._lock = CacheDirLock.acquire(self.cache_dir)
-        self.fingerprint = fingerprint
-        self.max_pending = max_pending
-        self.table = DiskTable(disk_max_bytes=disk_max_bytes)
-        self._tag = block_store.fingerprint_tag(fingerprint)
-        self._reads: deque[tuple[list[str], Callable[[list[BlockData]], None]]] = deque()
-        self._writes: deque[BlockData] = deque()
-        self._cond = threading.Condition()
-        self._deadline: float | None = None  # set by close(): writes after it are dropped
-        self.written = self.dropped = self.failed = 0
-        self.read_blocks = self.read_corrupt = 0
-        self._thread = threading.Thread(target=self._run, name="follower-disk", daemon=True)
-        self._thread.start()
+class Disk(Protocol):
+    """This rank's blocks on disk, as the follower's cache uses them (``FollowerDisk``)."""
 
     def read(self, hashes: list[str], done: Callable[[list[BlockData]], None]) -> None:
-        """Read the leading blocks of ``hashes`` that have files, up to the first that cannot
-        be read; ``done`` gets them, on the disk thread."""
-        with self._cond:
-            if self._deadline is None:
-                self._reads.append((hashes, done))
-                self._cond.notify()
-                return
-        done([])
+        """Read the leading blocks of ``hashes`` that have files; ``done`` gets them (on
+        another thread)."""
 
     def has_room(self, wait_s: float = 0.0) -> bool:
-        """Whether the write queue takes one more block, waiting up to ``wait_s`` for room."""
-        with self._cond:
-            return self._cond.wait_for(lambda: len(self._writes) < self.max_pending, wait_s)
+        """Whether the write queue takes one more block, waiting up to ``wait_s``."""
 
-    def write(self, block: BlockData) -> bool:
-        """Queue a block for its file; False (and counted) when the queue is full."""
-        with self._cond:
-            if self._deadline is not None or len(self._writes) >= self.max_pending:
-                self.dropped += 1
-                return False
-            self._writes.append(block)
-            self._cond.notify_all()
-            return True
-
-    def close(self, deadline_s: float = FLUSH_DEADLINE_S) -> None:
-        """Write what is queued for up to ``deadline_s``, drop the rest, stop the thread."""
-        with self._cond:
-            if self._deadline is None:
-                self._deadline = time.monotonic() + deadline_s
-            self._cond.notify()
-        self._thread.join(deadline_s + 5.0)
-        self._lock.release()
+    def write(self, block: BlockData, request_id: str = "") -> bool:
+        """Queue a block for its file; False when the queue is full."""
 
     def stats(self) -> dict[str, int]:
-        return {"disk_blocks": len(self.table.disk), "disk_bytes": self.table.disk_bytes,
-                "disk_written": self.written, "disk_dropped": self.dropped,
-                "disk_failed": self.failed, "disk_read_blocks": self.read_blocks}
-
-    def _run(self) -> None:
-        try:
-            self.cache_dir.mkdir(parents=True, exist_ok=True)
-            scan = block_store.scan_cache_dir(self.cache_dir, self.fingerprint)
-            self.table.load([(b.block_hash, b.parent_hash, b.n_tokens, b.nbytes)
-                             for b in scan.blocks])
-            log.info("cache %s: %d blocks (%d bytes) on disk", self.cache_dir,
-                     len(self.table.disk), self.table.disk_bytes)
-        except OSError as exc:  # an unusable directory: writes fail and are counted
-            log.error("cache %s: cannot scan: %s", self.cache_dir, exc)
-        while True:
-            with self._cond:
-                while not (self._reads or self._writes or self._deadline is not None):
-                    self._cond.wait()
-                op: tuple[list[str], Callable[[list[BlockData]], None]] | BlockData
-                if self._reads:
-                    op = self._reads.popleft()
-                elif self._writes and (self._deadline is None
-                                       or time.monotonic() < self._deadline):
-                    op = self._writes.popleft()
-                    self._cond.notify_all()  # room for one more
-                else:  # closing: past the deadline, or nothing left to write
-                    self.dropped += len(self._writes)
-                    self._writes.clear()
-                    return
-            if isinstance(op, BlockData):
-                try:
-                    self._write(op)
-                except Exception:
-                    self.failed += 1
-                    log.exception("block %s not written", op.block_hash)
-                continue
-            hashes, done = op
-            blocks: list[BlockData] = []
-            try:
-                blocks = self._read(hashes)
-            except Exception:
-                log.exception("reading blocks failed")
-            try:
-                done(blocks)
-            except Exception:  # the thread goes on: later reads and writes still need it
-                log.exception("answering a read failed")
-
-    def _read(self, hashes: list[str]) -> list[BlockData]:
-        blocks: list[BlockData] = []
-        for h in hashes[: self.table.lookup(hashes)]:
-            path = block_store.block_path(self.cache_dir, h)
-            try:
-                blocks.append(block_store.decode_block(path.read_bytes(), self.fingerprint, h))
-            except FileNotFoundError:
-                self.table.drop([h])
-                break
-            except block_store.BlockFileError as exc:
-                self.read_corrupt += 1
-                if exc.reason == "corrupt":
-                    block_store.unlink_quietly(path)
-                log.warning("block %s unusable (%s): its tokens are prefilled again", h, exc)
-                self.table.drop([h])
-                break
-            except (OSError, ValueError) as exc:
-                log.error("reading block %s failed: %s", h, exc)
-                break
-            try:
-                os.utime(path)  # the file's mtime is the LRU order a restart rebuilds from
-            except OSError:
-                pass
-            self.read_blocks += 1
-        return blocks
-
-    def _write(self, block: BlockData) -> None:
-        h = block.block_hash
-        if not block_store.valid_hash(h):
-            raise ValueError(f"unusable block hash {h!r}")
-        if h in self.table.disk:
-            return  # another request wrote the same prefix
-        data = block_store.encode_block(block, self.fingerprint)
-        victims = self.table.victims(len(data))
-        for v in victims:
-            block_store.unlink_quietly(block_store.block_path(self.cache_dir, v))
-        self.table.drop(victims, evicted=True)
-        if not self.table.has_room(len(data)):
-            self.dropped += 1
-            return
-        try:
-            block_store.write_atomic(block_store.block_path(self.cache_dir, h), data, self._tag)
-        except OSError as exc:
-            self.failed += 1
-            log.error("block %s not written: %s", h, exc)
-            return
-        self.written += 1
-        self.table.add(h, block.parent_hash, block.n_tokens, len(data))
+        """Counters for the follower's ``Status``."""
 
 
 # -- RAM, reservations, and what goes to the disk ------------------------------------------------
@@ -238,10 +86,10 @@ class FollowerCache:
     """A follower's prefix cache, on its MLX thread (the engine's RAM table is that thread's).
 
     ``engine``: the follower's ``Engine``. ``answer``: sends a probe's answer to rank 0; called
-    from this thread or, after a disk read, the disk thread. ``disk``: this rank's files (None:
-    RAM only)."""
+    from this thread or, after a disk read, the disk clerk's. ``disk``: this rank's files
+    (``follower_disk.FollowerDisk``; None: RAM only)."""
 
-    def __init__(self, engine: Any, answer: Answer, disk: ShardDisk | None = None) -> None:
+    def __init__(self, engine: Any, answer: Answer, disk: Disk | None = None) -> None:
         self.engine = engine
         self.answer = answer
         self.disk = disk
@@ -255,13 +103,13 @@ class FollowerCache:
         return bool(self._unsaved)
 
     def can_persist(self) -> bool:
-        """New blocks wait, and the disk thread has room for one."""
+        """New blocks wait, and the SSD writer's queue has room for one."""
         return bool(self._unsaved) and self.disk is not None and self.disk.has_room()
 
     def probe(self, request_id: str, prompt: list[int], offered: int,
               namespace: str = "") -> None:
         """How many of the prompt's first ``offered`` blocks (in its cache namespace) this rank
-        can supply: reserve them, and answer now, or once the disk thread has read those RAM
+        can supply: reserve them, and answer now, or once the disk has read those RAM
         does not hold."""
         engine = self.engine
         hashes = engine.prompt_hashes(prompt, namespace)[:offered]
@@ -339,7 +187,7 @@ class FollowerCache:
         self.persist()
 
     def persist(self, everything: bool = False) -> None:
-        """Snapshot new blocks to numpy for the disk thread, while its queue has room: about
+        """Snapshot new blocks to numpy for the SSD writer, while its queue has room: about
         PERSIST_BYTES_PER_STEP of them (at least one). Blocks that find no room wait for a
         later call; the step never waits for the disk. ``everything``: all of them, waiting
         up to FLUSH_DEADLINE_S in all for room (stopping)."""
@@ -351,11 +199,11 @@ class FollowerCache:
         while self._unsaved and (everything or size == 0 or size + self._unsaved[0][1].nbytes
                                  <= PERSIST_BYTES_PER_STEP):
             wait = max(0.0, deadline - time.monotonic()) if everything else 0.0
-            if not disk.has_room(wait):
-                break
-            _, block = self._unsaved.popleft()
+            request_id, block = self._unsaved[0]
+            if not disk.has_room(wait) or not disk.write(to_numpy(block), request_id):
+                break  # it waits for room, snapshotted again then
+            self._unsaved.popleft()
             size += block.nbytes
-            disk.write(to_numpy(block))
 
     def stats(self) -> dict[str, int]:
         """Blocks in RAM, reserved, served from cache, and this rank's disk."""

@@ -51,6 +51,15 @@ class GetMemoryLimits(Message, frozen=True, kw_only=True):
     """Ask (``ask``) for the latest ``MemoryLimits``: a scheduler starting up gets them at once."""
 
 
+class RanksMemory(Message, frozen=True, kw_only=True):
+    """Rank 0's scheduler of a sharded model, after each step: the most MLX memory any other
+    rank holds (``active_bytes``, as each last reported) and the highest peak any reported
+    since the previous message (``peak_bytes``). The monitor counts the fullest rank."""
+
+    active_bytes: int
+    peak_bytes: int
+
+
 # --- engine pool ---------------------------------------------------------------------------
 
 

@@ -5,8 +5,8 @@ and locked: they can be read from any thread, so the monitor runs on its own thr
 never waits behind a model step. It resets MLX's peak counter at every poll, so each reading
 holds the peak reached since the previous one: short prefill transients between two polls
 still reach the high-water mark. On rank 0 of a sharded model the limit is each rank's, and
-the fullest rank counts: the other ranks' memory as they report it after each step
-(``distributed.follower_memory``).
+the fullest rank counts: the other ranks' memory as they report it after each step, which
+rank 0's scheduler sends here (``RanksMemory``).
 
 Every poll it tells admission and every running scheduler the limits (``MemoryLimits``),
 looking the schedulers up by name in the actor system each time, so an engine loaded after
@@ -30,7 +30,6 @@ from typing import Any
 import mlx.core as mx
 
 from actors.cache_messages import SpillRam
-from actors.distributed import follower_memory
 from actors.engine.memory_estimate import (
     HARD,
     OK,
@@ -43,6 +42,7 @@ from actors.memory_messages import (
     GetMemoryLimits,
     MemoryLimits,
     PollMemory,
+    RanksMemory,
     SetMemoryLimit,
     UnloadIdle,
 )
@@ -142,6 +142,9 @@ class MemoryMonitor(Actor):
         self.spills = 0
         self.unloads = 0
         self.pressure_changes = 0
+        # The other ranks of a sharded model (rank 0): the fullest one's memory as last told,
+        # and the highest peak told since the last poll.
+        self.ranks_active = self.ranks_peak = 0
 
     async def on_start(self) -> None:
         if not self.limit:
@@ -174,8 +177,12 @@ class MemoryMonitor(Actor):
             except ActorDead:
                 return
 
-    async def handle(self, msg: PollMemory | SetMemoryLimit | GetMemoryLimits) -> Any:
+    async def handle(self, msg: PollMemory | SetMemoryLimit | GetMemoryLimits | RanksMemory
+                     ) -> Any:
         match msg:
+            case RanksMemory(active_bytes=active, peak_bytes=peak):
+                self.ranks_active = active
+                self.ranks_peak = max(self.ranks_peak, peak)
             case PollMemory():
                 self._poll()
             case SetMemoryLimit(limit=limit):
@@ -196,7 +203,8 @@ class MemoryMonitor(Actor):
         cache = mx.get_cache_memory()
         peak = mx.get_peak_memory()
         mx.reset_peak_memory()
-        others, others_peak = follower_memory()
+        others, others_peak = self.ranks_active, self.ranks_peak
+        self.ranks_peak = 0
         usage = max(active + cache, others)
         self.peak_max = max(self.peak_max, peak, others_peak)
         self.floor = usage if self.floor is None else min(self.floor, usage)

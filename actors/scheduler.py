@@ -13,14 +13,15 @@ Prefix cache: the engine holds the RAM tier (``Engine.blocks``, blocks as MLX ar
 its byte budget) and cuts new blocks as requests cross block boundaries. The scheduler looks a
 prompt's leading blocks up there with a plain call; only when RAM stops short of the prompt's
 usable blocks does it ask the cache index how many of the next ones are on disk, and has the SSD
-writer read them (the request waits, the batch does not). It sends every new block to the
-writer as a numpy snapshot, and under memory pressure (``SpillRam``) frees RAM blocks, those
-the index says are on disk first.
+writer read them: both answers arrive as messages (``FoundOnDisk``, ``BlocksRead``), and the
+request waits for them while the batch steps on; nothing on the step path waits on an ``ask``.
+It sends every new block to the writer as a numpy snapshot, and under memory pressure
+(``SpillRam``) frees RAM blocks, those the index says (``HeldOnDisk``) are on disk first.
 
 On rank 0 of a sharded model every rank holds its own shard of each block, and a hit must be a
 hit on every rank: before it adds a request with cached blocks, the scheduler asks the other
 ranks how many of them they can supply (``Followers.probe``; the request waits, the batch does
-not) and takes as many as every rank can (actors/distributed.py).
+not) and takes as many as every rank can (actors/distributed/).
 """
 
 from __future__ import annotations
@@ -43,13 +44,17 @@ from mlx_lm import load as mlx_load
 from actors.cache_messages import (
     BlocksRead,
     CancelWrites,
+    FoundOnDisk,
+    HeldOnDisk,
     LookupDisk,
     OnDisk,
     ReadBlocks,
     SpillRam,
     WriteBlock,
 )
-from actors.distributed import STUCK_AFTER_S, Followers, load_shard, read_secret, shard_memory
+from actors.distributed.leader import STUCK_AFTER_S, Followers
+from actors.distributed.protocol import read_secret
+from actors.distributed.shards import load_shard, shard_memory
 from actors.engine.config import DEFAULTS, EngineConfig
 from actors.engine.core import Engine, RequestError
 from actors.engine.kv_blocks import KVBlock, from_numpy, to_numpy
@@ -60,6 +65,7 @@ from actors.memory_messages import (
     EngineLoad,
     GetMemoryLimits,
     MemoryLimits,
+    RanksMemory,
     Retire,
 )
 from actors.memory_monitor import trim_heap
@@ -130,13 +136,16 @@ class PrefixSupplied(Message, frozen=True, kw_only=True):
 
 @dataclass
 class _Loading:
-    """A request waiting for its cached blocks: for those to come back from disk (``reading``),
-    and on a sharded model for the other ranks to say how many they can supply
-    (``probing``)."""
+    """A request waiting for its cached blocks: for the cache index to say which of them are on
+    disk (``rest``: the hashes asked about, until the answer), for those to come back from
+    disk (``reading``), and on a sharded model for the other ranks to say how many they can
+    supply (``probing``)."""
 
     msg: AddRequest
     reply: Reply
     cached: list[KVBlock]  # this rank's: from RAM, then those read from disk
+    epoch: int = 0  # the request's (``Scheduler._epochs``): a lookup's answer names it
+    rest: list[str] | None = None
     reading: bool = False
     probing: bool = False
     supplied: tuple[int, list[int]] = (0, [])
@@ -156,9 +165,9 @@ def weights_profile(model: Any) -> tuple[int, int | None]:
 
 class Scheduler(Actor):
     """Continuous batching for one model. Messages: AddRequest (via ``stream``), AbortRequest,
-    DescribeEngine (via ``ask``), BlocksRead (from the SSD writer), MemoryLimits and SpillRam
-    (from the memory monitor), DescribeLoad and Retire (from the engine pool), and its own
-    Step and ReleaseMemory."""
+    DescribeEngine (via ``ask``), FoundOnDisk and HeldOnDisk (from the cache index), BlocksRead
+    (from the SSD writer), MemoryLimits and SpillRam (from the memory monitor), DescribeLoad and
+    Retire (from the engine pool), and its own Step and ReleaseMemory."""
 
     def __init__(
         self,
@@ -206,10 +215,15 @@ class Scheduler(Actor):
         self.probes = 0
         self._stepping = False  # inside engine.step (read by the stuck-step watchdog)
         self.write_wait_s = 0.0  # time steps spent waiting for room in the writer's queue
-        # The other ranks of a sharded model (rank 0 only; actors/distributed.py).
+        # The other ranks of a sharded model (rank 0 only; actors/distributed/).
         self.followers: Followers | None = None
         self._release_timer: asyncio.TimerHandle | None = None
         self.memory_releases = 0  # times an idle engine gave memory back
+        self._ranks_peak = 0  # the other ranks' peak not yet told to the memory monitor
+        # A spill waiting for the index to say which RAM blocks are on disk: when it was asked
+        # (None: none is), and whether it may drop blocks that are not.
+        self._spill_asked: float | None = None
+        self._spill_unpersisted = False
 
     async def on_start(self) -> None:
         started = time.perf_counter()
@@ -265,7 +279,7 @@ class Scheduler(Actor):
     def _lead(self, fingerprint: str) -> None:
         """Rank 0 of a sharded model: wait for the other ranks (they load their shards
         meanwhile), give every rank the same PRNG seed, and tell them each change to the
-        batch from now on (actors/distributed.py)."""
+        batch from now on (actors/distributed/)."""
         followers = Followers(mx.distributed.init().size(), self.config.distributed_port,
                               read_secret())
         seed = int.from_bytes(os.urandom(4), "little")
@@ -317,10 +331,12 @@ class Scheduler(Actor):
             case AddRequest():
                 self._last_active = self._last_arrival = time.monotonic()
                 idle = self.engine is not None and not self.engine.has_work
-                await self._add(msg, self.take_reply())
+                self._add(msg, self.take_reply())
                 if idle and self.arrival_window_s > 0 and not self._step_queued:
                     self._queue_step(delay=self.arrival_window_s)
                     self._window_opened = self._last_arrival if self._step_queued else None
+            case FoundOnDisk():
+                self._found(msg)
             case BlocksRead():
                 self._loaded(msg)
             case PrefixSupplied():
@@ -330,7 +346,11 @@ class Scheduler(Actor):
             case AbortRequest(request_id=rid):
                 self._abort(rid)
             case SpillRam(unpersisted=unpersisted):
-                await self._spill(unpersisted)
+                self._spill(unpersisted)
+            case HeldOnDisk(hashes=hashes):
+                if self._spill_asked is not None:
+                    self._spill_asked = None
+                    self._spill_on(hashes)
             case DescribeEngine():
                 return self.card
             case MemoryLimits():
@@ -356,7 +376,7 @@ class Scheduler(Actor):
     def _idle_s(self) -> float:
         return 0.0 if self._in_flight() else time.monotonic() - self._last_active
 
-    async def _add(self, msg: AddRequest, reply: Reply) -> None:
+    def _add(self, msg: AddRequest, reply: Reply) -> None:
         engine = self.engine
         if self.retired:
             # The pool is unloading this model: the request raced the unload. 503 with
@@ -380,12 +400,61 @@ class Scheduler(Actor):
             self.pace.busy()
         self._epoch += 1
         self._epochs[msg.request_id] = self._epoch
-        ram, disk = await self._find_prefix(msg.prompt_tokens, msg.cache_namespace)
+        hashes = self.engine.prompt_hashes(msg.prompt_tokens, msg.cache_namespace)
+        ram = self.engine.blocks.lookup(hashes)
         if msg.request_id in self._loading:
             # Its id is taken by a request still loading: it waits for no blocks of its own.
             self._start(msg, reply, ram if self.followers is None else [])
             return
-        loading = _Loading(msg, reply, ram)
+        loading = _Loading(msg, reply, ram, epoch=self._epoch)
+        rest = hashes[len(ram):]
+        if rest and self._look_up(loading, rest):
+            self._loading[msg.request_id] = loading
+            return  # the index's answer (FoundOnDisk) goes on from here
+        self._fetch(loading, [])
+
+    def _look_up(self, loading: _Loading, rest: list[str]) -> bool:
+        """Ask the cache index how many of ``rest`` (the prompt's blocks after those in RAM)
+        are on disk; its answer comes back as ``FoundOnDisk``, and the request waits for it
+        (the batch does not) at most LOOKUP_TIMEOUT_S. False when there is no index to ask: RAM
+        alone serves. A prompt whose usable blocks are all in RAM asks the index nothing."""
+        index = self.system.find(self.index_name)
+        if index is None:
+            return False
+        rid, epoch = loading.msg.request_id, loading.epoch
+        try:
+            index.try_tell(LookupDisk(hashes=rest, request_id=rid, epoch=epoch,
+                                      reply_to=self.name))
+        except (MailboxFull, ActorDead):
+            return False  # the index is busy or gone: RAM alone serves
+        loading.rest = rest
+        asyncio.get_running_loop().call_later(
+            LOOKUP_TIMEOUT_S, self._remind_lookup, FoundOnDisk(request_id=rid, epoch=epoch,
+                                                               blocks=0))
+        return True
+
+    def _remind_lookup(self, nothing: FoundOnDisk) -> None:
+        """The lookup's deadline: if the index has not answered by now, the request goes on
+        with RAM alone (an answer after this finds it no longer waiting)."""
+        try:
+            self.ref.try_tell(nothing)
+        except MailboxFull:
+            asyncio.get_running_loop().call_later(0.05, self._remind_lookup, nothing)
+        except ActorDead:
+            pass  # stopping
+
+    def _found(self, msg: FoundOnDisk) -> None:
+        """The index's answer to a request's lookup (or its deadline's, with no blocks)."""
+        loading = self._loading.get(msg.request_id)
+        if loading is None or loading.rest is None or loading.epoch != msg.epoch:
+            return  # answered already (or its deadline passed), or aborted
+        rest, loading.rest = loading.rest, None
+        self._fetch(loading, rest[:msg.blocks])
+
+    def _fetch(self, loading: _Loading, disk: list[str]) -> None:
+        """Have the SSD writer read the prompt's ``disk`` blocks and, on a sharded model, ask
+        the other ranks what they can supply; start the request now if neither is needed."""
+        msg, reply, ram = loading.msg, loading.reply, loading.cached
         writer = self.system.find(self.writer_name)
         if disk and writer is not None:
             try:
@@ -399,6 +468,7 @@ class Scheduler(Actor):
         if loading.reading or loading.probing:
             self._loading[msg.request_id] = loading
             return
+        self._loading.pop(msg.request_id, None)
         self._start(msg, reply, ram)
 
     def _probe(self, msg: AddRequest, offered: int) -> bool:
@@ -419,36 +489,34 @@ class Scheduler(Actor):
         self.probes += 1
         return True
 
-    async def _find_prefix(self, prompt: list[int], namespace: str
-                           ) -> tuple[list[KVBlock], list[str]]:
-        """The prompt's leading cached blocks in its cache namespace: those in RAM (a plain
-        call), then the hashes of the next ones that are on disk. A prompt whose usable blocks
-        are all in RAM asks the index nothing."""
-        hashes = self.engine.prompt_hashes(prompt, namespace)
-        ram = self.engine.blocks.lookup(hashes)
-        rest = hashes[len(ram):]
-        index = self.system.find(self.index_name)
-        if not rest or index is None:
-            return ram, []
-        try:
-            n = await index.ask(LookupDisk(hashes=rest), timeout=LOOKUP_TIMEOUT_S)
-        except (AskTimeout, ActorDead):
-            return ram, []  # the index is gone or slow: RAM alone still serves
-        return ram, rest[:n]
-
-    async def _spill(self, unpersisted: bool) -> None:
+    def _spill(self, unpersisted: bool) -> None:
         """Memory is short: free a burst of the least recently used RAM blocks that are on
-        disk (the index says which), and with ``unpersisted`` (hard pressure) the others too."""
+        disk, and with ``unpersisted`` (hard pressure) the others too. Which are on disk the
+        index says by message (``HeldOnDisk``); the spill happens then. One question at a
+        time: a spill asked for meanwhile joins it (hard pressure wins)."""
         blocks = self.engine.blocks
         candidates = [h for h in blocks if not blocks[h].tail]  # tails are never written
-        on_disk: list[str] = []
+        self._spill_unpersisted = self._spill_unpersisted or unpersisted
+        now = time.monotonic()
+        if self._spill_asked is not None and now - self._spill_asked < LOOKUP_TIMEOUT_S:
+            return  # the index's answer to the question in flight does this one's spill
         index = self.system.find(self.index_name)
         if candidates and index is not None:
             try:
-                on_disk = await index.ask(OnDisk(hashes=candidates), timeout=LOOKUP_TIMEOUT_S)
-            except (AskTimeout, ActorDead):
-                if not unpersisted:
-                    return  # which are on disk is unknown: dropping one could lose it
+                index.try_tell(OnDisk(hashes=candidates, reply_to=self.name))
+                self._spill_asked = now
+                return
+            except (MailboxFull, ActorDead):
+                pass
+        self._spill_asked = None
+        if candidates and not self._spill_unpersisted:
+            return  # which are on disk is unknown: dropping one could lose it
+        self._spill_on([])
+
+    def _spill_on(self, on_disk: list[str]) -> None:
+        """Spill, knowing which RAM blocks are on disk (``on_disk``)."""
+        blocks, unpersisted = self.engine.blocks, self._spill_unpersisted
+        self._spill_unpersisted = False
         victims = blocks.spill_victims(set(on_disk), unpersisted=unpersisted)
         blocks.spill(victims)
         if self.followers is not None:
@@ -586,6 +654,8 @@ class Scheduler(Actor):
             self._deliver(events)
             self._tps_window.append((time.perf_counter(), engine.generated_tokens))
             del self._tps_window[:-64]
+            if self.followers is not None:
+                self._tell_ranks_memory()
         new = engine.take_new_blocks()
         if new:
             self._unsaved.extend((rid, self._epochs.get(rid, 0), blk) for rid, blk in new)
@@ -593,6 +663,21 @@ class Scheduler(Actor):
             await self._persist(self._take_unsaved())
         if not self._in_flight() and not self._unsaved:
             self._arm_release(IDLE_RELEASE_S)
+
+    def _tell_ranks_memory(self) -> None:
+        """Rank 0: tell the memory monitor the other ranks' memory (the fullest rank is the
+        one that runs out). A peak the monitor could not take is told with the next step's."""
+        followers = self.followers
+        self._ranks_peak = max(self._ranks_peak, followers.take_peak())
+        monitor = self.system.find(self.monitor_name)
+        if monitor is None:
+            return
+        try:
+            monitor.try_tell(RanksMemory(active_bytes=followers.usage(),
+                                         peak_bytes=self._ranks_peak))
+        except (MailboxFull, ActorDead):
+            return
+        self._ranks_peak = 0
 
     def _arm_release(self, delay: float) -> None:
         """Remind this actor to release memory in ``delay`` seconds (once: a later step

@@ -45,6 +45,9 @@ SSD_THREAD = "ssd"
 _REMEMBERED_REQUESTS = 1024
 
 DROP_REASONS = ("no_room", "no_space", "no_index", "deadline")
+# Bytes a queued block's file may outgrow the estimate of its size by (a header names its
+# hashes and token count: a few bytes apart from one block to the next).
+ROOM_SLACK = 256
 
 
 class WriteNext(Message, frozen=True, kw_only=True):
@@ -56,7 +59,8 @@ class SsdWriter(Actor):
 
     Messages: ``WriteBlock``, ``CancelWrites``, ``ReadBlocks`` (answered with ``BlocksRead``
     told to the actor named ``reply_to``), ``FlushWrites`` (ask -> blocks written). Talks to
-    the cache index named ``index``: ``MakeRoom`` before each write, then ``BlockPersisted``
+    the cache index named ``index``: ``MakeRoom`` once for a write and the blocks queued
+    behind it (not once per block), then ``BlockPersisted``
     or ``BlockWriteFailed``; ``ForgetBlocks`` for files it removed or found unusable.
 
     ``disk_max_bytes`` is the quota the index enforces; the writer only reports it. Up to
@@ -95,6 +99,9 @@ class SsdWriter(Actor):
         self._cancelled: OrderedDict[tuple[str, int], None] = OrderedDict()
         # After a failed write, free space is checked before each try, until one succeeds.
         self._check_space = False
+        # Bytes the index made room for (``MakeRoom``) that no write has taken yet: a block
+        # that fits in them is written without asking again.
+        self._room = 0
         self.enqueued = self.persisted = self.deduped = self.failed = self.cancelled = 0
         self.bytes_written = 0
         self.dropped: dict[str, int] = dict.fromkeys(DROP_REASONS, 0)
@@ -228,13 +235,18 @@ class SsdWriter(Actor):
         if self._check_space and not self._space_for(len(data)):
             self.dropped["no_space"] += 1
             return
-        room = await self._make_room(len(data))
-        if room is None:
-            self.dropped["no_index"] += 1
-            return
-        if not room:
-            self.dropped["no_room"] += 1
-            return
+        if self._room >= len(data):
+            self._room -= len(data)  # made for it with the blocks before it
+        else:
+            room = await self._make_room(self._batch_sizes(block, len(data)))
+            if room is None:
+                self.dropped["no_index"] += 1
+                return
+            if room < len(data):
+                self._room = 0
+                self.dropped["no_room"] += 1
+                return
+            self._room = room - len(data)
         try:
             block_store.write_atomic(final, data, self._tag)
         except OSError as exc:
@@ -372,14 +384,24 @@ class SsdWriter(Actor):
 
     # -- the index ----------------------------------------------------------------------------
 
-    async def _make_room(self, nbytes: int) -> bool | None:
-        """Ask the index to make room under the quota; None if it cannot answer."""
+    def _batch_sizes(self, block: BlockData, nbytes: int) -> list[int]:
+        """The file sizes to make room for: this block's (``nbytes``), then an estimate of
+        each queued block's, as this one's header over its tensors (the same layers and
+        dtypes) plus ROOM_SLACK bytes."""
+        overhead = nbytes - block.nbytes + ROOM_SLACK
+        return [nbytes] + [m.block.nbytes + overhead for m in self._pending]
+
+    async def _make_room(self, sizes: list[int]) -> int | None:
+        """Ask the index, once, to make room under the quota for files of ``sizes`` (this
+        block, then those queued behind it); the bytes of the leading ones that fit, or None
+        if it cannot answer."""
         ref = self.system.find(self.index_name)
         if ref is None:
             log.warning("ssd writer: no cache index %r; block not written", self.index_name)
             return None
         try:
-            return bool(await ref.ask(MakeRoom(nbytes=nbytes), timeout=self.index_timeout_s))
+            fit = await ref.ask(MakeRoom(sizes=sizes), timeout=self.index_timeout_s)
+            return sum(sizes[:fit])
         except (AskTimeout, ActorDead) as exc:
             log.warning("ssd writer: cache index did not make room (%r); block not written", exc)
             return None

@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from actors.config import ServeConfig, api_keys
+from actors.config import ServeConfig, api_keys, model_specs
 from api.server import HttpServer, serve_http
 from runtime import ActorSystem
 
@@ -133,10 +133,13 @@ def _serve(args: argparse.Namespace) -> int:
     _maybe_preload_openblas(args.blas)
     if config.distributed:
         # Lazy: it imports MLX. Every rank but 0 follows rank 0's batch and serves no HTTP.
-        from actors.distributed import start_rank
+        from actors.distributed.launch import start_rank
+        from actors.follower_disk import FollowerDisk
+        from actors.serving import cache_dir
 
         try:
-            config, follower_exit = start_rank(config)
+            config, follower_exit = start_rank(config, model_specs(config), cache_dir(config),
+                                               FollowerDisk)
         except Exception as exc:
             log.error("troupe serve --distributed failed: %s", exc,
                       exc_info=log.isEnabledFor(logging.DEBUG))

@@ -7,7 +7,7 @@ Run it under MLX's launcher, two ranks on this machine's loopback:
         --python .venv/bin/python benchmarks/bench_distributed.py
 
 Each rank prints one JSON line: microseconds per round trip of a message of 64 B, 1 KB and
-16 KB over a TCP connection between the ranks (what ``actors/distributed.py`` uses), per
+16 KB over a TCP connection between the ranks (what ``actors/distributed/`` uses), per
 ``all_sum`` of a scalar, and per message sent the way mlx_lm.server sends its prompts (an
 ``all_sum`` of the size, then one of the bytes).
 """

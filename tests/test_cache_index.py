@@ -21,11 +21,13 @@ from actors.cache_messages import (
     BlockPersisted,
     BlockWriteFailed,
     ForgetBlocks,
+    FoundOnDisk,
+    HeldOnDisk,
     LookupDisk,
     MakeRoom,
     OnDisk,
 )
-from runtime import ActorRef, ActorSystem
+from runtime import Actor, ActorRef, ActorSystem
 
 FP = "test-model@0123abcd"
 KB = 1024
@@ -170,6 +172,29 @@ async def test_the_index_answers_what_is_on_disk_and_counts_its_lookups(tmp_path
         assert (r["hit_tokens"], r["miss_tokens"], r["hit_rate"]) == (48, 16, 0.75)
 
 
+async def test_the_index_answers_a_lookup_by_message_to_the_actor_it_names(
+        tmp_path: Path) -> None:
+    """The scheduler never waits on the index: it names itself, and the answer comes to it as
+    a message carrying the request it is for."""
+    answers: list[Any] = []
+
+    class Asker(Actor):
+        async def handle(self, msg: Any) -> None:
+            answers.append(msg)
+
+    async with running_index(tmp_path) as (system, index):
+        asker = await system.spawn(Asker, name="asker")
+        chain, unknown = hashes(3), hashes(1)
+        await persisted(index, chain)
+        await index.tell(LookupDisk(hashes=chain[:2] + unknown, request_id="r", epoch=7,
+                                    reply_to="asker"))
+        await index.tell(OnDisk(hashes=[unknown[0], chain[1]], reply_to="asker"))
+        await index.ask(OnDisk(hashes=[]), timeout=5.0)  # both handled before this
+        await asker.ask(OnDisk(hashes=[]), timeout=5.0)  # and both answers delivered
+        assert answers[:2] == [FoundOnDisk(request_id="r", epoch=7, blocks=2),
+                               HeldOnDisk(hashes=[chain[1]])]
+
+
 async def test_forget_blocks_drops_disk_entries(tmp_path: Path) -> None:
     async with running_index(tmp_path) as (system, index):
         a, b = hashes(2)
@@ -254,11 +279,11 @@ async def test_make_room_deletes_the_oldest_files_at_most_a_burst_per_call(
     async with running_index(tmp_path, disk_max_bytes=5 * size, evict_burst=2) as (
         system, index,
     ):
-        assert not await index.ask(MakeRoom(nbytes=4 * size), timeout=5.0)
+        assert not await index.ask(MakeRoom(sizes=[4 * size]), timeout=5.0)
         assert [p.exists() for p in paths] == [False, False, True, True, True]
-        assert await index.ask(MakeRoom(nbytes=4 * size), timeout=5.0)
+        assert await index.ask(MakeRoom(sizes=[4 * size]), timeout=5.0)
         assert [p.exists() for p in paths] == [False, False, False, False, True]
-        assert not await index.ask(MakeRoom(nbytes=6 * size), timeout=5.0)  # never fits
+        assert not await index.ask(MakeRoom(sizes=[6 * size]), timeout=5.0)  # never fits
         assert paths[4].exists()
         r = report(system)
         assert (r["evicted"], r["disk_bytes"]) == (4, size)

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from actors.cache_lock import LOCK_FILE, CacheDirBusy, CacheDirLock
-from actors.distributed import rank_cache_dir
-from actors.follower_cache import ShardDisk
+from actors.distributed.shards import rank_cache_dir
+from actors.follower_disk import FollowerDisk
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,12 +62,12 @@ def test_the_ranks_of_a_sharded_model_each_lock_their_own_directory(tmp_path):
     server may use the base directory beside them; a second follower on a rank's directory
     is refused."""
     rank0 = CacheDirLock.acquire(rank_cache_dir(tmp_path, "tensor", 2, 0))
-    disk1 = ShardDisk(rank_cache_dir(tmp_path, "tensor", 2, 1), "fp", 1 << 30)
+    disk1 = FollowerDisk(rank_cache_dir(tmp_path, "tensor", 2, 1), "fp", 1 << 30)
     plain = CacheDirLock.acquire(tmp_path)
     with pytest.raises(CacheDirBusy):
-        ShardDisk(rank_cache_dir(tmp_path, "tensor", 2, 1), "fp", 1 << 30)
+        FollowerDisk(rank_cache_dir(tmp_path, "tensor", 2, 1), "fp", 1 << 30)
     disk1.close()
-    ShardDisk(rank_cache_dir(tmp_path, "tensor", 2, 1), "fp", 1 << 30).close()
+    FollowerDisk(rank_cache_dir(tmp_path, "tensor", 2, 1), "fp", 1 << 30).close()
     rank0.release()
     plain.release()
 

@@ -1,4 +1,4 @@
-"""Serving one model over several ranks (actors/distributed.py).
+"""Serving one model over several ranks (actors/distributed/).
 
 The channel between rank 0 and its followers is tested with stand-in engines, and who may join
 it with real sockets (bad frames, silence, a wrong secret, model or rank, a false rank 0); the
@@ -29,21 +29,22 @@ import httpx
 import msgspec
 import pytest
 
-from actors.distributed import (
-    MODES,
+from actors.distributed.follower import connect, follow
+from actors.distributed.leader import Followers
+from actors.distributed.protocol import (
     SECRET_ENV,
     SECRET_FILE_ENV,
     Abort,
     Challenge,
-    Followers,
     Status,
     Welcome,
-    check_tensor_split,
-    connect,
-    engine_config_for,
-    follow,
-    rank_cache_dir,
     read_secret,
+)
+from actors.distributed.shards import (
+    MODES,
+    check_tensor_split,
+    engine_config_for,
+    rank_cache_dir,
     shard_memory,
 )
 from actors.engine.config import EngineConfig

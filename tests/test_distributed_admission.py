@@ -16,7 +16,7 @@ import pytest
 from tiny_model import make_tiny_model
 
 from actors.admission import Admission
-from actors.distributed import rank_memory_of
+from actors.distributed.shards import rank_memory_of
 from actors.engine.memory_estimate import OK, model_memory_of, prompt_need
 from actors.memory_messages import MemoryLimits
 from actors.messages import (

@@ -1,6 +1,7 @@
 """The prefix cache of a sharded model, without ``mlx.launch``: a follower's reservations and
-disk thread (actors/follower_cache.py), rank 0's probe over the channel (actors/distributed.py),
-and the memory of the other ranks counted by the gate and the monitor.
+disk (actors/follower_cache.py, actors/follower_disk.py), rank 0's probe over the channel
+(actors/distributed/leader.py), and the memory of the other ranks counted by the gate and the
+monitor.
 
 The follower's engine is a stand-in with the real RAM table and real block hashes; its blocks
 hold small MLX arrays.
@@ -19,12 +20,15 @@ import pytest
 from test_distributed import SECRET, Grammars, _following, _pair, _plan, free_port
 
 from actors import block_store
-from actors.distributed import Followers, Supply, combine, connect, follow, follower_memory
+from actors.distributed.follower import connect, follow
+from actors.distributed.leader import Followers
+from actors.distributed.protocol import Supply, combine
 from actors.engine.config import EngineConfig
 from actors.engine.kv_blocks import KV, KVBlock, to_numpy
 from actors.engine.prefix import block_hashes, namespace_root, usable_blocks
 from actors.engine.prefix_cache import PrefixCache
-from actors.follower_cache import FollowerCache, ShardDisk, SupplyError
+from actors.follower_cache import FollowerCache, SupplyError
+from actors.follower_disk import FollowerDisk
 from actors.messages import SamplingParams
 
 B = 4  # tokens per block
@@ -181,80 +185,108 @@ def test_rank_0_takes_the_fewest_blocks_any_rank_offers_and_the_shortest_partial
 # -- a follower's disk -------------------------------------------------------------------------
 
 
+def written(disk: FollowerDisk, n: int) -> None:
+    """Wait until the SSD writer has written ``n`` blocks (the step loop never waits for it)."""
+    wait_for(lambda: disk.stats()["disk_written"] >= n)
+
+
 def test_blocks_only_on_a_followers_disk_are_read_supplied_and_promoted_after_a_restart(tmp_path):
-    disk = ShardDisk(tmp_path, "fp", 1 << 30)
+    disk = FollowerDisk(tmp_path, "fp", 1 << 30)
     engine = Engine()
     cache = FollowerCache(engine, answers()[1], disk)
     engine.new_blocks = [("first", block(PROMPT, i)) for i in range(3)]
     cache.after_step()
     assert not cache.unsaved
+    written(disk, 3)
     disk.close()
-    assert disk.written == 3
 
-    disk = ShardDisk(tmp_path, "fp", 1 << 30)  # the group restarted: RAM is empty
+    disk = FollowerDisk(tmp_path, "fp", 1 << 30)  # the group restarted: RAM is empty
+    assert disk.stats()["disk_blocks"] == 3  # the index found the files
     engine = Engine()
     got, answer = answers()
     cache = FollowerCache(engine, answer, disk)
     cache.probe("r", PROMPT, 3)
-    wait_for(lambda: got)  # answered from the disk thread, once the blocks are read
+    wait_for(lambda: got)  # answered by the disk clerk, once the blocks are read
     assert got[0][:2] == ("r", 3)
     cached, _ = cache.claim("r", PROMPT, 3, 3 * B)
     for i, b in enumerate(cached):
         assert b.tokens == tuple(PROMPT[i * B:(i + 1) * B])
         assert mx.array_equal(b.layers[1][0], block(PROMPT, i).layers[1][0]).item()
         assert b.block_hash in engine.blocks  # promoted to RAM
-    assert disk.read_blocks == 3
+    assert disk.stats()["disk_read_blocks"] == 3
+    disk.close()
+
+
+def test_a_followers_blocks_go_through_the_cache_index_and_the_ssd_writer(tmp_path):
+    """One disk tier on every rank: a follower's files are kept by the same actors as rank
+    0's, the catalogue by the cache index and the files by the SSD writer."""
+    from actors.cache_index import CacheIndex
+    from actors.ssd_writer import SsdWriter
+
+    disk = FollowerDisk(tmp_path, "fp", 1 << 30)
+    kinds = {s.name: s.actor_class for s in disk.system.snapshot()}
+    assert kinds["cache_index"] == f"{CacheIndex.__module__}.{CacheIndex.__qualname__}"
+    assert kinds["ssd_writer"] == f"{SsdWriter.__module__}.{SsdWriter.__qualname__}"
+    assert disk.write(to_numpy(block(PROMPT, 0)))
+    written(disk, 1)
+    reports = {s.name: s.report for s in disk.system.snapshot()}
+    assert reports["ssd_writer"]["persisted"] == 1 and reports["cache_index"]["blocks"] == 1
     disk.close()
 
 
 def test_a_followers_disk_keeps_its_quota_oldest_first(tmp_path):
     size = len(block_store.encode_block(to_numpy(block(PROMPT, 0)), "fp"))
-    disk = ShardDisk(tmp_path, "fp", 2 * size + size // 2)
+    disk = FollowerDisk(tmp_path, "fp", 2 * size + size // 2)
     other = [7] * 15  # a second chain, written later
-    for b in [block(PROMPT, 0), block(PROMPT, 1), block(other, 0)]:
+    for i, b in enumerate([block(PROMPT, 0), block(PROMPT, 1), block(other, 0)]):
         assert disk.write(to_numpy(b))
+        written(disk, i + 1)
+    assert disk.stats()["disk_blocks"] == 2
     disk.close()
-    assert len(disk.table.disk) == 2
-    assert block(other, 0).block_hash in disk.table.disk
-    assert block(PROMPT, 1).block_hash not in disk.table.disk  # the leaf went first
+    assert block_store.block_path(tmp_path, block(other, 0).block_hash).exists()
+    assert not block_store.block_path(tmp_path, block(PROMPT, 1).block_hash).exists()  # leaf
     assert len(list(tmp_path.rglob("*.safetensors"))) == 2
-
-
-def test_a_full_write_queue_drops_blocks_and_never_waits(tmp_path):
-    disk = ShardDisk(tmp_path, "fp", 1 << 30, max_pending=1)
-    busy, go = threading.Event(), threading.Event()
-
-    def hold(blocks: list) -> None:
-        busy.set()
-        go.wait(10)
-
-    disk.read(["x" * 32], hold)  # the disk thread is busy with a read
-    assert busy.wait(10)
-    began = time.monotonic()
-    assert disk.write(to_numpy(block(PROMPT, 0)))
-    assert not disk.write(to_numpy(block(PROMPT, 1)))
-    assert time.monotonic() - began < 0.5 and disk.dropped == 1
-    go.set()
+    disk = FollowerDisk(tmp_path, "fp", 2 * size + size // 2)  # restarted: the same two
+    assert disk.stats()["disk_blocks"] == 2
     disk.close()
-    assert disk.written == 1
+
+
+def test_a_full_write_queue_refuses_blocks_and_the_follower_keeps_them(tmp_path):
+    """The step never waits for the disk: a block the writer's queue has no room for is
+    refused at once, stays with the follower, and goes to the disk at a later step."""
+    disk = FollowerDisk(tmp_path, "fp", 1 << 30, max_pending=1)
+    engine = Engine()
+    cache = FollowerCache(engine, answers()[1], disk)
+    engine.new_blocks = [("r", block(PROMPT, i)) for i in range(3)]
+    results = [disk.write(to_numpy(block([1000 + i] * 15, 0))) for i in range(64)]
+    assert False in results  # a queue of one, written to faster than a disk writes
+    cache.after_step()  # whatever finds no room now waits in RAM, not dropped
+    while cache.unsaved:
+        cache.persist()
+        time.sleep(0.01)
+    written(disk, results.count(True) + 3)
+    assert disk.stats()["disk_dropped"] == 0
+    disk.close()
 
 
 def test_a_corrupt_block_on_a_followers_disk_ends_the_read_and_is_forgotten(tmp_path):
-    disk = ShardDisk(tmp_path, "fp", 1 << 30)
+    disk = FollowerDisk(tmp_path, "fp", 1 << 30)
     for i in range(3):
-        disk.write(to_numpy(block(PROMPT, i)))
+        assert disk.write(to_numpy(block(PROMPT, i)))
+    written(disk, 3)
     disk.close()
     hashes = block_hashes("fp", PROMPT, B)[:3]
     path = block_store.block_path(tmp_path, hashes[1])
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF  # a tensor byte changed on disk: the checksum catches it
     path.write_bytes(bytes(data))
-    disk = ShardDisk(tmp_path, "fp", 1 << 30)
+    disk = FollowerDisk(tmp_path, "fp", 1 << 30)
     got: list[list] = []
     disk.read(hashes, got.append)
     wait_for(lambda: got)
     assert [b.block_hash for b in got[0]] == hashes[:1]
-    assert hashes[1] not in disk.table.disk and not path.exists()
+    wait_for(lambda: disk.stats()["disk_blocks"] == 2)  # the index forgot it
+    assert not path.exists()
     disk.close()
 
 
@@ -386,7 +418,7 @@ def test_a_released_request_frees_what_the_follower_reserved():
 def test_blocks_a_follower_cuts_go_to_its_own_disk_and_a_spill_frees_its_ram(tmp_path):
     followers, sock = _pair(free_port())
     engine = Engine()
-    disk = ShardDisk(tmp_path, "fp", 1 << 30)
+    disk = FollowerDisk(tmp_path, "fp", 1 << 30)
     out: dict = {}
     t = threading.Thread(target=lambda: out.setdefault(
         "exit", follow(engine, sock, 1, Grammars(), disk)))
@@ -399,8 +431,9 @@ def test_blocks_a_follower_cuts_go_to_its_own_disk_and_a_spill_frees_its_ram(tmp
     followers.spill(engine.prompt_hashes(PROMPT)[:2])
     followers.close()
     t.join(10)
+    written(disk, 3)
     disk.close()
-    assert out["exit"] == 0 and disk.written == 3
+    assert out["exit"] == 0
     assert len(engine.blocks) == 1
 
 
@@ -417,6 +450,7 @@ class OneFollower:
         self.on_supply: Any = None
         self.probe_timeouts = 0
         self.told: list[tuple] = []
+        self.active_bytes = self.peak_bytes = 0  # what it last reported of its memory
 
     def probe(self, request_id: str, prompt: list[int], blocks: int,
               namespace: str = "") -> None:
@@ -436,7 +470,11 @@ class OneFollower:
         pass
 
     def usage(self) -> int:
-        return 0
+        return self.active_bytes
+
+    def take_peak(self) -> int:
+        peak, self.peak_bytes = self.peak_bytes, 0
+        return peak
 
     def report(self) -> list:
         return []
@@ -473,25 +511,41 @@ def test_rank_0_counts_the_fullest_followers_memory_while_it_leads():
     wait_for(lambda: followers.report()[0]["step"] == 1)
     reported = followers.report()[0]
     assert followers.usage() == reported["active_bytes"] > 0
-    assert follower_memory()[0] == reported["active_bytes"]
-    assert follower_memory()[1] == 0  # the peak was taken by the call before
+    assert followers.take_peak() == reported["peak_bytes"] > 0
+    assert followers.take_peak() == 0  # the peak was taken by the call before
     followers.close()
     t.join(10)
-    assert follower_memory() == (0, 0)
 
 
-def test_the_memory_monitor_sees_the_fullest_rank(monkeypatch):
-    from actors import memory_monitor
+async def test_the_memory_monitor_sees_the_fullest_rank():
+    from actors.memory_messages import RanksMemory
     from actors.memory_monitor import MemoryMonitor
 
     limit = 8 << 30
     monitor = MemoryMonitor(limit=limit)
     monitor.system = SimpleNamespace(find=lambda name: None)
-    monkeypatch.setattr(memory_monitor, "follower_memory", lambda: (limit, limit + 1))
+    await monitor.handle(RanksMemory(active_bytes=limit, peak_bytes=limit + 1))
     monitor._poll()
     assert monitor.latest.usage == limit and monitor.latest.high_water == limit + 1
     assert monitor.latest.pressure != "ok"
     assert monitor.reading["followers_active_bytes"] == limit
+    assert monitor.ranks_peak == 0  # a peak counts in one poll's reading, as rank 0's does
+
+
+async def test_rank_0s_scheduler_tells_the_monitor_the_other_ranks_memory(
+        aiohttp_client, tiny_model_dir: Path, tmp_path: Path):
+    from test_prefix_serving import LONG, complete, serve
+
+    client, system, model = await serve(aiohttp_client, tiny_model_dir, tmp_path / "c")
+    follower = OneFollower(blocks=0, partials=[])
+    follower.active_bytes, follower.peak_bytes = 123 << 20, 456 << 20
+    system.find("scheduler")._cell.instance._attach(follower)
+    await complete(client, model, LONG)
+    monitor = system.find("memory_monitor")._cell.instance
+    await system.__aexit__(None, None, None)
+    assert monitor.ranks_active == 123 << 20
+    assert monitor.peak_max >= 456 << 20 or monitor.ranks_peak == 456 << 20
+    assert follower.peak_bytes == 0  # taken once, by the scheduler
 
 
 def test_the_engines_memory_gate_counts_the_fullest_rank(tiny_model_dir: Path):

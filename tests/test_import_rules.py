@@ -109,3 +109,40 @@ def test_ssd_writer_imports_no_mlx() -> None:
     assert [module for _, module in _imports(SSD_WRITER) if _top(module) in MLX] == []
     result = _loads_mlx("import actors.ssd_writer")
     assert result.returncode == 0, result.stderr
+
+
+def _actor_modules() -> set[str]:
+    """The modules of actors/ that define an actor (a class whose bases name ``Actor``)."""
+    found = set()
+    for path in sorted((ROOT / "actors").glob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        if any(isinstance(node, ast.ClassDef) and any(
+                isinstance(b, ast.Name) and b.id == "Actor" for b in node.bases)
+               for node in ast.walk(tree)):
+            found.add(f"actors.{path.stem}")
+    return found
+
+
+def test_the_distributed_package_imports_no_actor_wiring_or_api() -> None:
+    """The layers run runtime, messages, pure logic, the engine, ``distributed/``, the actors,
+    the wiring, ``api/``: the wiring passes the distributed package what it needs, and nothing
+    in it imports an actor's module, the serving layer, the config or the HTTP layer, not even
+    lazily inside a function."""
+    actors = _actor_modules()
+    assert {"actors.scheduler", "actors.cache_index", "actors.follower_disk"} <= actors
+    banned = actors | {"actors.serving", "actors.config"}
+    offences = [
+        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        for path in _sources("actors/distributed")
+        for line, module in _imports(path)
+        if _top(module) == "api" or any(module == m or module.startswith(f"{m}.")
+                                        for m in banned)
+    ]
+    assert offences == []
+
+
+def test_the_memory_monitor_does_not_import_distributed() -> None:
+    """The other ranks' memory reaches the monitor as a message, not through a module global
+    of the distributed package."""
+    path = ROOT / "actors" / "memory_monitor.py"
+    assert [m for _, m in _imports(path) if m.startswith("actors.distributed")] == []

@@ -241,7 +241,7 @@ async def test_a_prompt_whose_blocks_are_all_in_ram_asks_the_cache_index_nothing
         tiny_model_dir):
     """The RAM tier is the engine's own table: a lookup there is a plain call, and the index
     (the disk catalogue) is asked only for what RAM does not hold."""
-    from actors.cache_messages import LookupDisk
+    from actors.cache_messages import FoundOnDisk, LookupDisk
     from actors.engine.config import EngineConfig
     from actors.messages import AddRequest, DescribeEngine, RequestFinished, SamplingParams
     from actors.scheduler import MLX_THREAD, Scheduler
@@ -254,7 +254,9 @@ async def test_a_prompt_whose_blocks_are_all_in_ram_asks_the_cache_index_nothing
 
         async def handle(self, msg):
             asked.append(msg)
-            return 0 if isinstance(msg, LookupDisk) else None
+            if isinstance(msg, LookupDisk):
+                await self.system.find(msg.reply_to).tell(FoundOnDisk(
+                    request_id=msg.request_id, epoch=msg.epoch, blocks=0))
 
     async with ActorSystem() as system:
         await system.spawn(EmptyDisk, name="cache_index")
@@ -345,3 +347,109 @@ def test_billing_line_leaves_system_messages_only_that_line(content, kept):
 def test_billing_line_in_a_developer_message_is_removed_too():
     out = without_billing_header([{"role": "developer", "content": f"{BILLING}\nRules."}])
     assert out == [{"role": "developer", "content": "Rules."}]
+
+
+async def test_a_disk_lookup_does_not_hold_the_step(tiny_model_dir):
+    """A request waiting for the cache index to say what is on disk waits on its own: another
+    request goes on decoding, step after step, while the lookup is unanswered (the scheduler
+    asks by message and gets the answer as a message, never awaiting the index in a step)."""
+    from mlx_lm.utils import load_tokenizer
+
+    from actors.cache_messages import FoundOnDisk, LookupDisk
+    from actors.engine.config import EngineConfig
+    from actors.messages import (
+        AbortRequest,
+        AddRequest,
+        DescribeEngine,
+        RequestFinished,
+        RequestStarted,
+        SamplingParams,
+    )
+    from actors.scheduler import MLX_THREAD, Scheduler
+    from runtime import Actor
+
+    asked, release = asyncio.Event(), asyncio.Event()
+
+    class SlowDisk(Actor):
+        """An index with nothing on disk; while ``hold`` is set it answers a lookup only once
+        ``release`` is set."""
+
+        hold = False
+
+        async def handle(self, msg):
+            if not isinstance(msg, LookupDisk):
+                return None
+            if SlowDisk.hold:
+                asked.set()
+                await release.wait()
+            if msg.reply_to is not None:
+                await self.system.find(msg.reply_to).tell(FoundOnDisk(
+                    request_id=msg.request_id, epoch=msg.epoch, blocks=0))
+            return 0
+
+    async with ActorSystem() as system:
+        await system.spawn(SlowDisk, name="cache_index")
+        scheduler = await system.spawn(Scheduler, name="scheduler", thread=MLX_THREAD,
+                                       model=str(tiny_model_dir), config=EngineConfig(
+                                           block_size=BLOCK, arrival_window_ms=0.0))
+        await scheduler.ask(DescribeEngine())
+        sched = system.find("scheduler")._cell.instance
+        tok = load_tokenizer(tiny_model_dir)
+        first = await scheduler.stream(AddRequest(
+            request_id="decoding", prompt_tokens=tok.encode("Once upon a time"),
+            sampling=SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True)))
+        assert isinstance(await anext(first), RequestStarted)
+        SlowDisk.hold = True
+        second = await scheduler.stream(AddRequest(
+            request_id="looking", prompt_tokens=tok.encode(LONG),
+            sampling=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)))
+        await asyncio.wait_for(asked.wait(), 30)
+        steps = sched.engine.steps
+        for _ in range(3000):  # a guard against a hang, not a timing: the steps go on
+            if sched.engine.steps >= steps + 3:
+                break
+            await asyncio.sleep(0.01)
+        assert sched.engine.steps >= steps + 3
+        assert "looking" in sched._loading  # still waiting for the index, alone
+        release.set()
+        assert isinstance(await anext(second), RequestStarted)
+        done = [ev async for ev in second if isinstance(ev, RequestFinished)]
+        assert done[0].usage.completion_tokens == 4
+        await scheduler.tell(AbortRequest(request_id="decoding"))
+        ended = [ev async for ev in first if isinstance(ev, RequestFinished)]
+        assert ended[0].finish_reason == "abort"
+
+
+async def test_a_lookup_the_index_never_answers_starts_the_request_from_ram_alone(
+        tiny_model_dir):
+    """The index is gone quiet: the request waits for its answer at most LOOKUP_TIMEOUT_S, then
+    runs from what RAM holds."""
+    from mlx_lm.utils import load_tokenizer
+
+    from actors.engine.config import EngineConfig
+    from actors.messages import AddRequest, DescribeEngine, RequestFinished, SamplingParams
+    from actors.scheduler import MLX_THREAD, Scheduler
+    from runtime import Actor
+
+    class SilentDisk(Actor):
+        """An index that takes every message and answers none."""
+
+        async def handle(self, msg):
+            return None
+
+    async with ActorSystem() as system:
+        await system.spawn(SilentDisk, name="cache_index")
+        scheduler = await system.spawn(Scheduler, name="scheduler", thread=MLX_THREAD,
+                                       model=str(tiny_model_dir), config=EngineConfig(
+                                           block_size=BLOCK, arrival_window_ms=0.0))
+        await scheduler.ask(DescribeEngine())
+        events = await scheduler.stream(AddRequest(
+            request_id="r", prompt_tokens=load_tokenizer(tiny_model_dir).encode(LONG),
+            sampling=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)))
+
+        async def finished() -> RequestFinished:
+            return [ev async for ev in events if isinstance(ev, RequestFinished)][0]
+
+        done = await asyncio.wait_for(finished(), 60)  # a guard against a hang, not a timing
+        assert done.error is None and done.usage.completion_tokens == 4
+        assert done.usage.cached_tokens == 0

@@ -420,7 +420,7 @@ async def test_eviction_deletes_files_promptly_while_the_writer_is_stuck_on_a_sl
             assert await asyncio.to_thread(entered.wait, 5.0)
             started = time.monotonic()
             # Room for a file as large as the whole quota: every file on disk must go, now.
-            assert await cache.index.ask(MakeRoom(nbytes=1 << 30), timeout=2.0)
+            assert await cache.index.ask(MakeRoom(sizes=[1 << 30]), timeout=2.0)
             assert time.monotonic() - started < 0.5
             assert not any(cache.path(b).exists() for b in old)
         finally:
@@ -535,3 +535,23 @@ async def test_counters_show_in_the_system_snapshot(tmp_path: Path) -> None:
         assert index["disk_bytes"] == cache.disk_bytes()
         assert (index["hit_tokens"], index["miss_tokens"]) == (8, 4)
         assert index["hit_rate"] == pytest.approx(8 / 12)
+
+
+async def test_a_batch_of_writes_asks_the_index_for_room_once(tmp_path: Path) -> None:
+    """Blocks queued together get their room in one ``MakeRoom``: the writer asks for the
+    block it writes and those behind it, and writes the rest within that room."""
+    async with ActorSystem() as system:
+        index = await system.spawn(CacheIndex, name="cache_index", thread=CACHE_INDEX_THREAD,
+                                   cache_dir=str(tmp_path), fingerprint=FP,
+                                   disk_max_bytes=1 << 30)
+        # On the test's own loop: the eight blocks are all queued before it takes the first.
+        writer = await system.spawn(SsdWriter, name="ssd_writer", cache_dir=str(tmp_path),
+                                    fingerprint=FP, disk_max_bytes=1 << 30)
+        chain = make_chain(8)
+        for block in chain:
+            writer.try_tell(WriteBlock(block=block, request_id="r", epoch=0))
+        assert await writer.ask(FlushWrites(deadline_s=10.0), timeout=15.0) == 8
+        assert await index.ask(LookupDisk(hashes=[b.block_hash for b in chain]),
+                               timeout=5.0) == 8
+        (snap,) = [s for s in system.snapshot() if s.name == "cache_index"]
+        assert snap.report["room_asks"] == 1
