@@ -102,6 +102,8 @@ def main() -> None:
     p.add_argument("--delay", type=float, default=3.0,
                    help="seconds after the long prompt that the chat message is sent")
     p.add_argument("--budget-ms", type=float, default=200.0)
+    p.add_argument("--interleave", type=float, default=None,
+                   help="prefill_interleave for both runs (default: the server's)")
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
@@ -122,6 +124,9 @@ def main() -> None:
             for mode in list(modes) if r % 2 == 0 else list(modes)[::-1]:
                 engine.config = msgspec.structs.replace(engine.config,
                                                         step_budget_ms=modes[mode])
+                if args.interleave is not None:
+                    engine.config = msgspec.structs.replace(
+                        engine.config, prefill_interleave=args.interleave)
                 got = run_once(engine, tok, scenario, args, f"{scenario}-{mode}-{r}-{time.time()}")
                 out["runs"].append({"rep": r, "scenario": scenario, "mode": mode, **got})
                 print(f"rep {r} {scenario:>7} budget {mode:>3}: "
