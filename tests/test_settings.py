@@ -1,10 +1,12 @@
 """Settings defined once: each ServeConfig and EngineConfig field declares its default and
-description, and the `troupe serve` flags are built from them (no model, no MLX)."""
+description, the `troupe serve` flags are built from them, and docs/configuration.md names
+every flag (no model, no MLX)."""
 
 from __future__ import annotations
 
 import re
 import types
+from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
 import pytest
@@ -13,6 +15,7 @@ from actors.config import ServeConfig, serve_settings
 from actors.engine.config import EngineConfig, Setting
 from api.cli import build_parser, serve_config, setting_flags
 
+ROOT = Path(__file__).resolve().parents[1]
 ENV = ("TROUPE_API_KEY", "TROUPE_ADMIN_API_KEY")
 SETTINGS = serve_settings()
 
@@ -130,3 +133,17 @@ def test_a_wrong_setting_name_is_a_clear_error() -> None:
     with pytest.raises(TypeError, match="max_batch_size"):
         ServeConfig(max_batch_size=8)  # type: ignore[call-arg]
 
+
+def documented_flags() -> set[str]:
+    """The flags docs/configuration.md's `troupe serve` table names in its first column."""
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    table = text.split("## troupe serve", 1)[1].split("\n\n", 2)[1]
+    cells = [line.split("|")[1] for line in table.splitlines() if line.startswith("| `-")]
+    return {flag for cell in cells for flag in re.findall(r"--[a-z][a-z-]*", cell)}
+
+
+def test_the_docs_name_every_flag_and_only_flags_that_exist(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    documented = documented_flags()
+    assert "--max-batch-size" in documented
+    assert documented == help_flags(serve_help(capsys))
