@@ -31,7 +31,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     host: Annotated[str, setting("the address to listen on")] = "127.0.0.1"
     port: Annotated[int, setting("the port to listen on")] = 8000
     # The engine's settings (actors/engine/config.py holds each one's default and meaning).
-    engine: EngineConfig = EngineConfig()
+    engine: EngineConfig = DEFAULTS
     default_max_tokens: Annotated[int, setting(
         "max_tokens when a request sends none", metavar="N")] = 2048
     max_tokens_limit: Annotated[int | None, setting(
