@@ -65,8 +65,10 @@ from actors.engine.memory_estimate import (
     HARD,
     ModelMemory,
     admission_estimate,
+    idle_floor,
     model_memory_of,
     prompt_need,
+    too_large,
 )
 from actors.memory_messages import LoadModel, MemoryLimits
 from actors.messages import (
@@ -663,10 +665,8 @@ class Admission(Actor):
                                       prompt_tokens=n_tokens, step=self.prefill_step_size,
                                       block_size=block_size, loaded=entry.loaded)
         self.last_estimate = estimate
-        # What stays in use at idle: the floor, and this model's weights if not loaded yet.
-        floor = max(limits.floor, memory.weights_bytes) + (0 if entry.loaded else
-                                                           memory.weights_bytes)
-        if need > limits.limit - floor:
+        floor = idle_floor(memory, limits.floor, loaded=entry.loaded)
+        if too_large(need, limit=limits.limit, idle=floor):
             raise _refusal(
                 "too_large",
                 f"this prompt of {n_tokens} tokens needs about {need / MB:.0f} MB for its "

@@ -2,95 +2,135 @@
 
 from __future__ import annotations
 
+import difflib
+from typing import Annotated, Any, Literal
+
 import msgspec
 
-from actors.engine.config import DEFAULTS as ENGINE
-from actors.engine.config import EngineConfig
+from actors.engine.config import DEFAULTS, EngineConfig, Setting, setting, settings_of
 
 # Seconds a chat template may take to render one request's conversation (admission's bound).
 TEMPLATE_TIMEOUT_S = 2.0
 
 
 class ServeConfig(msgspec.Struct, kw_only=True):
-    """Everything ``troupe serve`` can set (docs/configuration.md explains each field)."""
+    """Everything ``troupe serve`` can set: each field's description is its flag's help
+    (docs/configuration.md lists them). The engine's settings are one field, ``engine``:
+    ``ServeConfig(port=8080, engine=EngineConfig(max_batch_size=8))``, or flat, as the flags
+    name them, with ``ServeConfig.of(port=8080, max_batch_size=8)``."""
 
-    # A model, or several (an engine pool: the first is loaded at start, the others on their
-    # first request). None: the bundled default model.
-    model: str | list[str] | None = None
-    # Other names of served models: a name, or a glob pattern (``claude-*-haiku-*``), mapped to
-    # a served model's id; patterns are tried in this order, after the names. With one model
-    # served, every name is served by it anyway.
-    aliases: dict[str, str] = {}
-    host: str = "127.0.0.1"
-    port: int = 8000
+    model: Annotated[str | list[str] | None, setting(
+        "model directory, .gguf file or Hugging Face repo id; repeat it to serve several "
+        "models, each loaded on its first request",
+        none="the bundled model")] = None
+    # Patterns are tried in the order given, after the exact names.
+    aliases: Annotated[dict[str, str], setting(
+        "serve requests naming NAME with MODEL, a served model's id (repeatable; NAME may be "
+        "a glob pattern such as 'claude-*-haiku-*'); with one model served, every name is "
+        "served by it", flag="--alias", metavar="NAME=MODEL")] = {}
+    host: Annotated[str, setting("the address to listen on")] = "127.0.0.1"
+    port: Annotated[int, setting("the port to listen on")] = 8000
     # The engine's settings (actors/engine/config.py holds each one's default and meaning).
-    max_batch_size: int = ENGINE.max_batch_size
-    prefill_batch_size: int = ENGINE.prefill_batch_size
-    prefill_step_size: int = ENGINE.prefill_step_size
-    prefill_interleave: float = ENGINE.prefill_interleave
-    step_budget_ms: float = ENGINE.step_budget_ms
-    arrival_window_ms: float = ENGINE.arrival_window_ms
-    mixed_step: bool = ENGINE.mixed_step
-    max_queue: int = ENGINE.max_queue
-    default_max_tokens: int = 2048
-    # The most tokens any answer may have (None: the model's context is the only bound): a
-    # request asking for more is served with that many.
-    max_tokens_limit: int | None = None
-    # Seconds the model's chat template may take to render a request's conversation; a
-    # render still running then is cut, and the request refused (400).
-    template_timeout: float = TEMPLATE_TIMEOUT_S
-    # Responses API: how many responses are kept in memory for previous_response_id and
-    # GET /v1/responses/{id}, the least recently used dropped first (0: none are kept).
-    responses_store: int = 256
-    # Prefix cache: blocks of block_size tokens in RAM (up to cache_ram_max bytes) and on disk
-    # under cache_dir (up to cache_disk_max bytes). block_size 0 turns the cache off.
-    block_size: int = ENGINE.block_size
-    cache_dir: str | None = None  # None: $TROUPE_HOME/kv-cache
-    cache_ram_max: int = ENGINE.cache_ram_max
-    cache_disk_max: int = 8 << 30
-    max_body_bytes: int = 8 * 1024 * 1024
-    # The API keys every route but /health takes: one, or several, and those of a file (one a
-    # line, ``#`` comments). Each key's requests have a prefix-cache namespace of their own
-    # (another key's requests can neither hit nor probe their blocks) unless shared_cache.
-    api_key: str | list[str] | None = None
-    api_keys_file: str | None = None
-    shared_cache: bool = False
-    # Needed instead of api_key on the introspection routes (/actors..., /metrics); None:
-    # they take api_key like every other route.
-    admin_api_key: str | None = None
-    # Connections: seconds a connection may wait for a complete request head (idle between
-    # requests, or a head arriving slowly), seconds a request body may take to arrive, the
-    # most open at once (None: three quarters of the open-file limit), and the longest
-    # request line or header field in bytes.
-    idle_timeout: float = 30.0
-    body_timeout: float = 60.0
-    max_connections: int | None = None
-    max_header_bytes: int = 8190
-    allowed_origins: list[str] = []
-    shutdown_grace: float = 30.0
-    log_level: str = "info"
-    # "native": faster CPU kernels with the same results (actors/engine/cpu_kernels.py); "mlx":
-    # MLX's own.
-    cpu_kernels: str = "native"
-    # Memory (docs/memory.md): bytes of MLX memory to stay under (None: 75% of the RAM
-    # available at start, or 90% of Metal's recommended working set), how often the monitor
-    # polls, and whether prompts are checked against the limit before and during prefill.
-    memory_limit: int | None = None
-    memory_poll_ms: int = 250
-    prefill_guard: bool = True
-    # Engine pool: bytes of weights the loaded models may take (None: no budget), models never
-    # unloaded, and seconds after which an idle model is unloaded (None: never).
-    models_memory: int | None = None
-    pin: list[str] = []
-    idle_ttl: float | None = None
-    # One model sharded over several processes (actors/engine/config.py says how).
-    distributed: str | None = ENGINE.distributed
-    distributed_port: int = ENGINE.distributed_port
+    engine: EngineConfig = DEFAULTS
+    default_max_tokens: Annotated[int, setting(
+        "max_tokens when a request sends none", metavar="N")] = 2048
+    max_tokens_limit: Annotated[int | None, setting(
+        "the most tokens any answer may have: a request asking for more is served with N",
+        metavar="N", none="no limit but the model's context")] = None
+    template_timeout: Annotated[float, setting(
+        "seconds the chat template may take to render a request; a longer render is cut and "
+        "the request refused with 400", metavar="SECONDS")] = TEMPLATE_TIMEOUT_S
+    responses_store: Annotated[int, setting(
+        "Responses API: responses kept in memory for previous_response_id and "
+        "GET /v1/responses/{id}, the least recently used dropped first; 0: none",
+        metavar="N")] = 256
+    cache_dir: Annotated[str | None, setting(
+        "where prefix-cache blocks are kept on disk", metavar="DIR",
+        none="$TROUPE_HOME/kv-cache")] = None
+    cache_disk_max: Annotated[int, setting(
+        "disk for prefix-cache blocks", unit="size")] = 8 << 30
+    max_body_bytes: Annotated[int, setting(
+        "largest request body accepted, in bytes", metavar="N")] = 8 * 1024 * 1024
+    # Each key's requests have a prefix-cache namespace of their own (another key's requests
+    # can neither hit nor probe their blocks) unless shared_cache.
+    api_key: Annotated[str | list[str] | None, setting(
+        "require this key on every route but /health; repeat it for several clients, each "
+        "with a prefix-cache namespace of its own", metavar="KEY", env="TROUPE_API_KEY",
+        none="none")] = None
+    api_keys_file: Annotated[str | None, setting(
+        "take the keys in this file too, one a line (# comments)", metavar="PATH",
+        none="none")] = None
+    shared_cache: Annotated[bool, setting(
+        "let every API key's requests share prefix-cache blocks (each key then can probe, "
+        "through cached token counts, what the others' prompts begin with)")] = False
+    admin_api_key: Annotated[str | None, setting(
+        "require this key, and no other, on /actors and /metrics", metavar="KEY",
+        env="TROUPE_ADMIN_API_KEY", none="they take --api-key")] = None
+    idle_timeout: Annotated[float, setting(
+        "close a connection that has not sent a complete request head this long after "
+        "opening or after its last response", metavar="SECONDS")] = 30.0
+    body_timeout: Annotated[float, setting(
+        "a request body must arrive within this", metavar="SECONDS")] = 60.0
+    max_connections: Annotated[int | None, setting(
+        "connections open at once; more get 503", metavar="N",
+        none="3/4 of the open-file limit")] = None
+    max_header_bytes: Annotated[int, setting(
+        "longest request line or header field, in bytes", metavar="N")] = 8190
+    allowed_origins: Annotated[list[str], setting(
+        "allow browser requests from these origins, comma-separated (repeatable; '*': any)",
+        also=["--allowed-origin"], metavar="ORIGINS", split=True)] = []
+    shutdown_grace: Annotated[float, setting(
+        "seconds in-flight requests get on shutdown", metavar="SECONDS")] = 30.0
+    log_level: Annotated[Literal["debug", "info", "warning", "error"], setting(
+        "how much the server logs")] = "info"
+    cpu_kernels: Annotated[Literal["native", "mlx"], setting(
+        "native: MLX's kernels built for this CPU and a faster prefill attention, same "
+        "results (actors/engine/cpu_kernels.py); mlx: MLX's own")] = "native"
+    # docs/memory.md explains the limit, the monitor and the guard.
+    memory_limit: Annotated[int | None, setting(
+        "MLX memory to stay under, e.g. 6GB", unit="size",
+        none="75% of the RAM available at start, or 90% of Metal's recommended working "
+        "set")] = None
+    memory_poll_ms: Annotated[int, setting(
+        "how often memory is read, in ms", flag="--memory-poll", metavar="MS")] = 250
+    prefill_guard: Annotated[bool, setting(
+        "refuse (413) or stop prompts whose prefill would pass the memory limit")] = True
+    models_memory: Annotated[int | None, setting(
+        "weights the loaded models may take; loading one more unloads the least recently "
+        "used idle one", unit="size", none="no budget")] = None
+    pin: Annotated[list[str], setting(
+        "never unload this model (repeatable)", metavar="MODEL")] = []
+    idle_ttl: Annotated[float | None, setting(
+        "unload a model idle this long", metavar="SECONDS", none="never")] = None
+
+    @classmethod
+    def of(cls, **settings: Any) -> ServeConfig:
+        """A configuration from settings named flat, as the flags name them (the engine's
+        among them: ``max_batch_size=8``). Raises TypeError naming a setting that is
+        neither this struct's nor the engine's."""
+        engine_names = set(EngineConfig.__struct_fields__)
+        unknown = [name for name in settings
+                   if name not in engine_names and name not in cls.__struct_fields__]
+        if unknown:
+            known = [*cls.__struct_fields__, *EngineConfig.__struct_fields__]
+            hints = [f"{name!r}" + "".join(
+                f" (did you mean {near!r}?)" for near in difflib.get_close_matches(name, known, 1))
+                for name in unknown]
+            raise TypeError(f"no such setting: {', '.join(hints)}")
+        engine = {k: v for k, v in settings.items() if k in engine_names}
+        serve = {k: v for k, v in settings.items() if k not in engine_names}
+        base = serve.pop("engine", DEFAULTS)
+        return cls(engine=msgspec.structs.replace(base, **engine), **serve)
 
 
-    def engine(self) -> EngineConfig:
-        """The engine's part of this configuration, whole."""
-        return EngineConfig(**{f: getattr(self, f) for f in EngineConfig.__struct_fields__})
+def serve_settings() -> dict[str, Setting]:
+    """Every setting ``troupe serve`` takes, by field name, in declaration order, the engine's
+    in the place of ``ServeConfig.engine``."""
+    found: dict[str, Setting] = {}
+    serve = settings_of(ServeConfig)
+    for name in ServeConfig.__struct_fields__:
+        found.update(settings_of(EngineConfig) if name == "engine" else {name: serve[name]})
+    return found
 
 
 def model_specs(config: ServeConfig) -> list[str | None]:

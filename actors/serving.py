@@ -47,7 +47,7 @@ async def start_serving(system: ActorSystem, config: ServeConfig) -> ServingHand
     # Before any model runs: MLX reads PATH and TMPDIR when it first fuses a kernel.
     cpu_kernels.enable(config.cpu_kernels, troupe_home())
     cache = None
-    if config.block_size > 0:
+    if config.engine.block_size > 0:
         directory = cache_dir(config)
         directory.mkdir(parents=True, exist_ok=True)
         cache = {"cache_dir": str(directory), "disk_max_bytes": config.cache_disk_max}
@@ -58,13 +58,13 @@ async def start_serving(system: ActorSystem, config: ServeConfig) -> ServingHand
         restart=Restart.PERMANENT,
         mailbox_size=256,
         specs=model_specs(config),
-        engine=config.engine(),
+        engine=config.engine,
         memory_monitor=MONITOR_NAME,
         cache=cache,
         models_memory=config.models_memory,
         pin=config.pin,
         idle_ttl=config.idle_ttl,
-        scheduler_mailbox=max(1024, config.max_queue * 2),
+        scheduler_mailbox=max(1024, config.engine.max_queue * 2),
     )
     cards: list[ModelCard] = await pool.ask(ListModels(), timeout=30.0)
     names = [engine_names(i, card.id) for i, card in enumerate(cards)]
@@ -90,14 +90,14 @@ async def start_serving(system: ActorSystem, config: ServeConfig) -> ServingHand
         mailbox_size=1024,
         models=[(card, loaded[card.id]) for card in cards],
         pool=POOL_NAME,
-        prefill_step_size=config.prefill_step_size,
-        block_size=config.block_size,
-        distributed=config.distributed,
+        prefill_step_size=config.engine.prefill_step_size,
+        block_size=config.engine.block_size,
+        distributed=config.engine.distributed,
         aliases=config.aliases,
         max_tokens_limit=config.max_tokens_limit,
         template_timeout=config.template_timeout,
         # The group start_rank joined: its guard counts one rank's share, as the gate does.
-        ranks=mx.distributed.init().size() if config.distributed else 1,
+        ranks=mx.distributed.init().size() if config.engine.distributed else 1,
     )
     return ServingHandles(
         admission=admission,

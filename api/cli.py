@@ -15,21 +15,17 @@ import os
 import signal
 import subprocess
 import sys
+import types
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, NamedTuple, Union, get_args, get_origin
 
-import msgspec
-
-from actors.config import ServeConfig, api_keys, model_specs
+from actors.config import ServeConfig, Setting, api_keys, model_specs, serve_settings
 from api.server import HttpServer, serve_http
 from runtime import ActorSystem
 
 log = logging.getLogger("troupe")
-
-_DEFAULTS = ServeConfig()
-_LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def _setup_logging(level: str) -> None:
@@ -113,13 +109,14 @@ def _maybe_preload_openblas(choice: str) -> None:
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:
-    """The ``ServeConfig`` of parsed ``serve`` arguments (flags not given keep its defaults)."""
-    fields = {f.name for f in msgspec.structs.fields(ServeConfig)}
-    values = {k: v for k, v in vars(args).items() if k in fields}
-    for name in ("model", "api_key"):
-        if isinstance(values.get(name), list) and len(values[name]) == 1:
-            values[name] = values[name][0]  # given once: the one value of old
-    return ServeConfig(**values)
+    """The ``ServeConfig`` of parsed ``serve`` arguments."""
+    names = {flag.field for flag in setting_flags()} | {"aliases"}
+    values = {k: v for k, v in vars(args).items() if k in names}
+    for flag in setting_flags():
+        value = values.get(flag.field)
+        if flag.one_or_many and isinstance(value, list) and len(value) == 1:
+            values[flag.field] = value[0]  # given once: the one value of old
+    return ServeConfig.of(**values)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -131,7 +128,7 @@ def _serve(args: argparse.Namespace) -> int:
         log.error("troupe serve: %s", exc)
         return 1
     _maybe_preload_openblas(args.blas)
-    if config.distributed:
+    if config.engine.distributed:
         # Lazy: it imports MLX. Every rank but 0 follows rank 0's batch and serves no HTTP.
         from actors.distributed.launch import start_rank
         from actors.follower_disk import FollowerDisk
@@ -362,6 +359,82 @@ def parse_ms(text: str) -> float:
     return value
 
 
+class Flag(NamedTuple):
+    """A ``troupe serve`` flag built from a setting's declaration."""
+
+    field: str
+    names: list[str]
+    options: dict[str, Any]  # add_argument's keyword arguments
+    one_or_many: bool  # a ``str | list[str]`` field: given once, its value is that one string
+
+
+_SETTINGS = serve_settings()
+# Written by hand in build_parser: ``--alias NAME=MODEL`` fills a dict.
+_BY_HAND = {"aliases"}
+
+
+def _size_text(n: int) -> str:
+    """A byte count as parse_size reads it back: ``1GiB``, ``512MiB``, else bytes."""
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return str(n)
+
+
+def _help(description: str, default: str) -> str:
+    return f"{description} (default: {default})".replace("%", "%%")  # argparse formats with %
+
+
+def _default_text(setting: Setting) -> str:
+    cli = setting.cli
+    if setting.default is None or setting.default == []:
+        shown = cli.get("none", "none")
+    elif isinstance(setting.default, bool):
+        shown = "on" if setting.default else "off"
+    elif cli.get("unit") == "size":
+        shown = _size_text(setting.default)
+    else:
+        shown = str(setting.default)
+    return f"${cli['env']}, else {shown}" if "env" in cli else shown
+
+
+def _flag(name: str, setting: Setting) -> Flag:
+    cli = setting.cli
+    kinds = list(get_args(setting.type)) if get_origin(setting.type) in (
+        Union, types.UnionType) else [setting.type]
+    kinds = [kind for kind in kinds if kind is not type(None)]
+    lists = [kind for kind in kinds if get_origin(kind) is list]
+    options: dict[str, Any] = {
+        "dest": name,
+        "default": os.environ.get(cli["env"], setting.default) if "env" in cli
+        else setting.default,
+        "help": _help(setting.description, _default_text(setting)),
+    }
+    if lists:
+        options["action"] = _CommaList if cli.get("split") else _Repeated
+    elif kinds == [bool] and setting.default:
+        options["action"] = argparse.BooleanOptionalAction
+    elif kinds == [bool]:
+        options["action"] = "store_true"
+    elif get_origin(kinds[0]) is Literal:
+        options["choices"] = get_args(kinds[0])
+    else:
+        unit = cli.get("unit")
+        options["type"] = {"size": parse_size, "ms": parse_ms}.get(unit, kinds[0])
+        if unit:
+            options["metavar"] = unit.upper()
+    if "metavar" in cli:
+        options["metavar"] = cli["metavar"]
+    names = [cli.get("flag", "--" + name.replace("_", "-")), *cli.get("also", [])]
+    return Flag(name, names, options, one_or_many=bool(lists) and str in kinds)
+
+
+def setting_flags() -> list[Flag]:
+    """The ``troupe serve`` flags of every ServeConfig setting, the engine's in its place,
+    each built from its declaration: name, type, default and help written once, there."""
+    return [_flag(name, setting) for name, setting in _SETTINGS.items() if name not in _BY_HAND]
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``troupe`` argument parser (serve, pull, actors, bench)."""
     from actors.models import blas  # MLX-free: the --blas choices
@@ -372,121 +445,19 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", help="serve a model over the OpenAI and Anthropic APIs"
     )
     serve_cmd.set_defaults(run=_serve)
-    # SUPPRESS: a flag not given leaves ServeConfig's own default, the one documented place.
-    opt = argparse.SUPPRESS
+    for flag in setting_flags():
+        serve_cmd.add_argument(*flag.names, **flag.options)
+    # The flags that are not one field each, written here by hand.
+    aliases = _SETTINGS["aliases"]
     serve_cmd.add_argument(
-        "--model",
-        action="append",
-        default=opt,
-        help="model directory, .gguf file or Hugging Face repo id (default: the bundled model); "
-        "repeat it to serve several models, each loaded on its first request",
+        aliases.cli["flag"], dest="aliases", action=_Aliases, metavar=aliases.cli["metavar"],
+        default=aliases.default, help=_help(aliases.description, "none"),
     )
     serve_cmd.add_argument(
-        "--alias",
-        dest="aliases",
-        action=_Aliases,
-        metavar="NAME=MODEL",
-        default=opt,
-        help="serve requests naming NAME with MODEL, a served model's id (repeatable; NAME may "
-        "be a glob pattern such as 'claude-*-haiku-*'); with one model served, every name is "
-        "served by it",
+        "--no-prefix-cache", dest="block_size", action="store_const", const=0,
+        help="turn the prefix cache off (same as --block-size 0)",
     )
-    serve_cmd.add_argument("--host", default=opt, help=f"default: {_DEFAULTS.host}")
-    serve_cmd.add_argument("--port", type=int, default=opt, help=f"default: {_DEFAULTS.port}")
-    serve_cmd.add_argument(
-        "--max-batch-size",
-        type=int,
-        metavar="N",
-        default=opt,
-        help=f"most sequences decoding at once (default: {_DEFAULTS.max_batch_size})",
-    )
-    serve_cmd.add_argument(
-        "--prefill-batch-size",
-        type=int,
-        metavar="N",
-        default=opt,
-        help=f"prompts prefilled together (default: {_DEFAULTS.prefill_batch_size})",
-    )
-    serve_cmd.add_argument(
-        "--prefill-step-size",
-        type=int,
-        metavar="N",
-        default=opt,
-        help=f"prompt tokens per prefill chunk (default: {_DEFAULTS.prefill_step_size})",
-    )
-    serve_cmd.add_argument(
-        "--prefill-interleave",
-        type=float,
-        metavar="R",
-        default=opt,
-        help="while sequences decode, hold a step's prefill to about R decode steps' time, "
-        "so streams keep flowing past a long prompt; 0: whole chunks "
-        f"(default: {_DEFAULTS.prefill_interleave})",
-    )
-    serve_cmd.add_argument(
-        "--step-budget-ms",
-        dest="step_budget_ms",
-        type=parse_ms,
-        metavar="MS",
-        default=opt,
-        help="while others wait on a step (streams decoding, a short prompt beside a long "
-        "one), size its prefill chunk from the measured prefill rate so the step takes about "
-        f"MS; 0: no bound (default: {_DEFAULTS.step_budget_ms})",
-    )
-    serve_cmd.add_argument(
-        "--arrival-window",
-        dest="arrival_window_ms",
-        type=float,
-        metavar="MS",
-        default=opt,
-        help="an idle server waits this long after a request arrives before its first step, "
-        f"so a burst is prefilled together; 0: at once (default: {_DEFAULTS.arrival_window_ms})",
-    )
-    serve_cmd.add_argument(
-        "--mixed-step",
-        action=argparse.BooleanOptionalAction,
-        default=opt,
-        help="while sequences decode, run the prefill chunk in the decode step's forward pass "
-        f"(one model call a step; llama-shaped models) (default: {_DEFAULTS.mixed_step})",
-    )
-    serve_cmd.add_argument(
-        "--max-queue",
-        type=int,
-        metavar="N",
-        default=opt,
-        help=f"requests waiting for a batch slot before 429 (default: {_DEFAULTS.max_queue})",
-    )
-    serve_cmd.add_argument(
-        "--default-max-tokens",
-        type=int,
-        metavar="N",
-        default=opt,
-        help=f"max_tokens when a request sends none (default: {_DEFAULTS.default_max_tokens})",
-    )
-    serve_cmd.add_argument(
-        "--max-tokens-limit",
-        type=int,
-        metavar="N",
-        default=opt,
-        help="the most tokens any answer may have: a request asking for more is served with "
-        "N (default: no limit but the model's context)",
-    )
-    serve_cmd.add_argument(
-        "--template-timeout",
-        type=float,
-        metavar="SECONDS",
-        default=opt,
-        help="seconds the chat template may take to render a request; a longer render is "
-        f"cut and the request refused with 400 (default: {_DEFAULTS.template_timeout})",
-    )
-    serve_cmd.add_argument(
-        "--responses-store",
-        type=int,
-        metavar="N",
-        default=opt,
-        help="Responses API: responses kept in memory for previous_response_id, the least "
-        f"recently used dropped first (default: {_DEFAULTS.responses_store}; 0: none)",
-    )
+    # A choice of the process (which BLAS library MLX loads), not of the server.
     serve_cmd.add_argument(
         "--blas",
         choices=blas.CHOICES,
@@ -495,192 +466,6 @@ def build_parser() -> argparse.ArgumentParser:
         "BLAS (Linux), with troupe's batch-1 matrix-vector product in front (x86-64 with "
         "AVX2: decode about 2x faster, same results); openblas: OpenBLAS alone; bundled: "
         "never (default: $TROUPE_BLAS, else auto)",
-    )
-    serve_cmd.add_argument(
-        "--cpu-kernels",
-        choices=("native", "mlx"),
-        default=opt,
-        help="native: MLX's kernels built for this CPU and a faster prefill attention, same "
-        f"results; mlx: MLX's own (default: {_DEFAULTS.cpu_kernels})",
-    )
-    serve_cmd.add_argument(
-        "--block-size",
-        type=int,
-        metavar="TOKENS",
-        default=opt,
-        help=f"prefix-cache block size in tokens (default: {_DEFAULTS.block_size}; 0: off)",
-    )
-    serve_cmd.add_argument(
-        "--no-prefix-cache",
-        dest="block_size",
-        action="store_const",
-        const=0,
-        default=opt,
-        help="turn the prefix cache off (same as --block-size 0)",
-    )
-    serve_cmd.add_argument(
-        "--cache-dir",
-        metavar="DIR",
-        default=opt,
-        help="where prefix-cache blocks are kept on disk (default: $TROUPE_HOME/kv-cache)",
-    )
-    serve_cmd.add_argument(
-        "--cache-ram-max",
-        type=parse_size,
-        metavar="SIZE",
-        default=opt,
-        help=f"RAM for prefix-cache blocks, e.g. 2GB (default: {_DEFAULTS.cache_ram_max} bytes)",
-    )
-    serve_cmd.add_argument(
-        "--cache-disk-max",
-        type=parse_size,
-        metavar="SIZE",
-        default=opt,
-        help=f"disk for prefix-cache blocks (default: {_DEFAULTS.cache_disk_max} bytes)",
-    )
-    serve_cmd.add_argument(
-        "--max-body-bytes",
-        type=int,
-        metavar="N",
-        default=opt,
-        help=f"largest request body accepted (default: {_DEFAULTS.max_body_bytes})",
-    )
-    serve_cmd.add_argument(
-        "--api-key",
-        action=_Repeated,
-        metavar="KEY",
-        default=os.environ.get("TROUPE_API_KEY", opt),
-        help="require this key on every route but /health; repeat it for several clients, "
-        "each with a prefix-cache namespace of its own (default: $TROUPE_API_KEY, else none)",
-    )
-    serve_cmd.add_argument(
-        "--api-keys-file",
-        metavar="PATH",
-        default=opt,
-        help="take the keys in this file too, one a line (# comments)",
-    )
-    serve_cmd.add_argument(
-        "--shared-cache",
-        action="store_true",
-        default=opt,
-        help="let every API key's requests share prefix-cache blocks (each key then can "
-        "probe, through cached token counts, what the others' prompts begin with)",
-    )
-    serve_cmd.add_argument(
-        "--admin-api-key",
-        metavar="KEY",
-        default=os.environ.get("TROUPE_ADMIN_API_KEY", opt),
-        help="require this key, and no other, on /actors and /metrics "
-        "(default: $TROUPE_ADMIN_API_KEY, else they take --api-key)",
-    )
-    serve_cmd.add_argument(
-        "--idle-timeout",
-        type=float,
-        metavar="SECONDS",
-        default=opt,
-        help="close a connection that has not sent a complete request head this long after "
-        f"opening or after its last response (default: {_DEFAULTS.idle_timeout})",
-    )
-    serve_cmd.add_argument(
-        "--body-timeout",
-        type=float,
-        metavar="SECONDS",
-        default=opt,
-        help=f"a request body must arrive within this (default: {_DEFAULTS.body_timeout})",
-    )
-    serve_cmd.add_argument(
-        "--max-connections",
-        type=int,
-        metavar="N",
-        default=opt,
-        help="connections open at once; more get 503 (default: 3/4 of the open-file limit)",
-    )
-    serve_cmd.add_argument(
-        "--max-header-bytes",
-        type=int,
-        metavar="N",
-        default=opt,
-        help=f"longest request line or header (default: {_DEFAULTS.max_header_bytes})",
-    )
-    serve_cmd.add_argument(
-        "--allowed-origins",
-        "--allowed-origin",
-        dest="allowed_origins",
-        metavar="ORIGINS",
-        action=_CommaList,
-        default=opt,
-        help="allow browser requests from these origins, comma-separated (repeatable; '*': any)",
-    )
-    serve_cmd.add_argument(
-        "--shutdown-grace",
-        type=float,
-        metavar="SECONDS",
-        default=opt,
-        help=f"seconds in-flight requests get on shutdown (default: {_DEFAULTS.shutdown_grace})",
-    )
-    serve_cmd.add_argument(
-        "--log-level", choices=_LOG_LEVELS, default=opt, help=f"default: {_DEFAULTS.log_level}"
-    )
-    serve_cmd.add_argument(
-        "--memory-limit",
-        type=parse_size,
-        metavar="SIZE",
-        default=opt,
-        help="MLX memory to stay under, e.g. 6GB (default: 75%% of the RAM available at start, "
-        "or 90%% of Metal's recommended working set)",
-    )
-    serve_cmd.add_argument(
-        "--memory-poll",
-        dest="memory_poll_ms",
-        type=int,
-        metavar="MS",
-        default=opt,
-        help=f"how often memory is read, in ms (default: {_DEFAULTS.memory_poll_ms})",
-    )
-    serve_cmd.add_argument(
-        "--no-prefill-guard",
-        dest="prefill_guard",
-        action="store_false",
-        default=opt,
-        help="do not refuse (413) or stop prompts whose prefill would pass the memory limit",
-    )
-    serve_cmd.add_argument(
-        "--models-memory",
-        type=parse_size,
-        metavar="SIZE",
-        default=opt,
-        help="weights the loaded models may take; loading one more unloads the least recently "
-        "used idle one (default: no budget)",
-    )
-    serve_cmd.add_argument(
-        "--pin",
-        action="append",
-        metavar="MODEL",
-        default=opt,
-        help="never unload this model (repeatable)",
-    )
-    serve_cmd.add_argument(
-        "--idle-ttl",
-        type=float,
-        metavar="SECONDS",
-        default=opt,
-        help="unload a model idle this long (default: never)",
-    )
-    serve_cmd.add_argument(
-        "--distributed",
-        choices=["tensor", "pipeline"],
-        default=opt,
-        help="shard the model over the ranks `mlx.launch` started (docs/distributed.md); rank 0 "
-        "serves HTTP, the others follow its batch; every rank needs the group's shared secret "
-        "in $TROUPE_DISTRIBUTED_SECRET (default: one process)",
-    )
-    serve_cmd.add_argument(
-        "--distributed-port",
-        type=int,
-        metavar="PORT",
-        default=opt,
-        help="port on rank 0's host where the other ranks take each step's plan "
-        f"(default: {_DEFAULTS.distributed_port})",
     )
 
     pull_cmd = commands.add_parser("pull", help="download/convert a model; print its directory")

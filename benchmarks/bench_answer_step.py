@@ -58,7 +58,7 @@ def served_engine(model: Any, tok: Any, sampling: Any) -> Any:
     from actors.engine.core import Engine
 
     cfg = ServeConfig()
-    engine = Engine(model, tok, cfg.engine(), stream=mx.default_stream(mx.cpu))
+    engine = Engine(model, tok, cfg.engine, stream=mx.default_stream(mx.cpu))
     engine.add("warm-up", prompts(tok, 1, f"warm-{time.time()}")[0], sampling)
     while engine.has_work:
         engine.step()

@@ -96,7 +96,7 @@ def main() -> None:
     model, tok = load_ceiling(str(resolve_default_model()))
     grammars = Grammars(tok)
     cfg = ServeConfig()
-    engine = Engine(model, tok, msgspec.structs.replace(cfg.engine(), prefill_batch_size=16,
+    engine = Engine(model, tok, msgspec.structs.replace(cfg.engine, prefill_batch_size=16,
                                                         block_size=0),
                     stream=mx.default_stream(mx.cpu))
     engine.warm_up()

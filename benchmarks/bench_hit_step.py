@@ -96,7 +96,7 @@ def main() -> None:
 
     model_dir = args.model or resolve_default_model()
     model, tok = load_ceiling(model_dir, args.kernels)
-    engine = Engine(model, tok, ServeConfig().engine(), stream=mx.default_stream(mx.cpu))
+    engine = Engine(model, tok, ServeConfig().engine, stream=mx.default_stream(mx.cpu))
     hot = engine.blocks.hot
     keeping: list[float] = []  # CPU ms of each ``keep_hot`` (in the finishing step)
     keep_hot = engine.blocks.keep_hot

@@ -84,8 +84,8 @@ class Stack:
 def serve_config(model: str | list[str], **fields: Any) -> Any:
     from actors.config import ServeConfig
 
-    return ServeConfig(model=model, host="127.0.0.1", port=0, block_size=0,
-                       memory_poll_ms=50, **fields)
+    return ServeConfig.of(model=model, host="127.0.0.1", port=0, block_size=0,
+                          memory_poll_ms=50, **fields)
 
 
 async def post(session: Any, url: str, body: dict[str, Any]) -> tuple[int, float, str]:

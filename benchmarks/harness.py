@@ -563,7 +563,7 @@ def ceiling_level(model: Any, tok: Any, messages: list[Messages], concurrency: i
     from actors.config import ServeConfig
     from actors.engine.batch import MixedBatchGenerator
 
-    cfg = ServeConfig()
+    cfg = ServeConfig().engine
     gen = MixedBatchGenerator(model, mixed=mixed, completion_batch_size=cfg.max_batch_size,
                          prefill_batch_size=cfg.prefill_batch_size,
                          prefill_step_size=cfg.prefill_step_size,

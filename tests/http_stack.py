@@ -259,7 +259,7 @@ class Scripted:
         return self.record.seen
 
     def config(self, **fields: Any) -> ServeConfig:
-        return ServeConfig(port=0, default_max_tokens=77, max_body_bytes=MAX_BODY, **fields)
+        return ServeConfig.of(port=0, default_max_tokens=77, max_body_bytes=MAX_BODY, **fields)
 
     def app(self, **fields: Any) -> web.Application:
         """The HTTP app on the scripted admission, with ``config(**fields)``."""
@@ -317,7 +317,7 @@ async def real_stack(model_dir: Path, **fields: Any) -> AsyncIterator[RealStack]
     """The real serving actors on ``model_dir``, served on 127.0.0.1 on a free port."""
     from actors.serving import start_serving  # imports MLX: only tests that need it pay
 
-    config = ServeConfig(model=str(model_dir), host="127.0.0.1", port=0, **fields)
+    config = ServeConfig.of(model=str(model_dir), host="127.0.0.1", port=0, **fields)
     async with ActorSystem() as system:
         handles = await start_serving(system, config)
         async with serve_http(system, config, handles) as server:

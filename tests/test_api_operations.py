@@ -225,7 +225,7 @@ def test_allowed_origins_flag_takes_comma_lists_and_keeps_the_singular_alias() -
         "--allowed-origin", "http://c.local",
     ])
     assert args.allowed_origins == ["http://a.local", "http://b.local", "http://c.local"]
-    assert not hasattr(build_parser().parse_args(["serve"]), "allowed_origins")
+    assert build_parser().parse_args(["serve"]).allowed_origins == []
 
 
 def test_alias_flag_collects_names_and_patterns_in_order() -> None:
@@ -249,11 +249,11 @@ def test_a_bad_alias_flag_is_a_usage_error(value: str,
 
 
 def test_step_budget_flag_reaches_the_engine_and_zero_turns_it_off() -> None:
-    engine = serve_config(build_parser().parse_args(["serve", "--step-budget-ms", "150"])).engine()
+    engine = serve_config(build_parser().parse_args(["serve", "--step-budget-ms", "150"])).engine
     assert engine.step_budget_ms == 150.0
     off = serve_config(build_parser().parse_args(["serve", "--step-budget-ms", "0"]))
-    assert off.engine().step_budget_ms == 0.0
-    assert serve_config(build_parser().parse_args(["serve"])).step_budget_ms > 0
+    assert off.engine.step_budget_ms == 0.0
+    assert serve_config(build_parser().parse_args(["serve"])).engine.step_budget_ms > 0
 
 
 @pytest.mark.parametrize("value", ["-1", "abc", "nan", "inf"])

@@ -14,7 +14,7 @@ from runtime import ActorSystem
 
 async def steps_for(aiohttp_client, model_dir: Path, window_ms: float, prompts: list[str],
                     stagger_s: float) -> int:
-    config = ServeConfig(model=str(model_dir), block_size=0, arrival_window_ms=window_ms)
+    config = ServeConfig.of(model=str(model_dir), block_size=0, arrival_window_ms=window_ms)
     async with ActorSystem() as system:
         handles = await start_serving(system, config)
         client = await aiohttp_client(create_app(system=system, admission=handles.admission,
@@ -64,7 +64,7 @@ async def test_a_steady_trickle_does_not_hold_the_first_step_back(aiohttp_client
     from actors.scheduler import ARRIVAL_WINDOWS_MAX
 
     trickle_s = 2 * ARRIVAL_WINDOWS_MAX * 0.1 + 1.0
-    config = ServeConfig(model=str(tiny_model_dir), block_size=0, arrival_window_ms=100)
+    config = ServeConfig.of(model=str(tiny_model_dir), block_size=0, arrival_window_ms=100)
     async with ActorSystem() as system:
         handles = await start_serving(system, config)
         client = await aiohttp_client(create_app(system=system, admission=handles.admission,

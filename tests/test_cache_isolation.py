@@ -159,8 +159,8 @@ async def probe(aiohttp_client: Any, model_dir: Path, cache_dir: Path,
                 **fields: Any) -> tuple[int, int]:
     """Key A sends its PIN; key B then guesses a wrong PIN and the right one: the cached
     tokens each guess reads."""
-    config = ServeConfig(model=str(model_dir), api_key=["key-a", "key-b"], block_size=BLOCK,
-                         cache_dir=str(cache_dir), **fields)
+    config = ServeConfig.of(model=str(model_dir), api_key=["key-a", "key-b"], block_size=BLOCK,
+                            cache_dir=str(cache_dir), **fields)
     client, _, handles = await real_client(aiohttp_client, config)
     model = handles.models[0].id
     await cached_tokens(client, model, "key-a", "4821")
@@ -182,8 +182,8 @@ async def test_a_key_reads_nothing_of_another_keys_prompt_through_cached_tokens(
 
 async def test_one_keys_requests_still_hit_and_a_cache_salt_separates_them(
         aiohttp_client: Any, tiny_model_dir: Path, tmp_path: Path) -> None:
-    config = ServeConfig(model=str(tiny_model_dir), api_key="key-a", block_size=BLOCK,
-                         cache_dir=str(tmp_path / "c"))
+    config = ServeConfig.of(model=str(tiny_model_dir), api_key="key-a", block_size=BLOCK,
+                            cache_dir=str(tmp_path / "c"))
     client, _, handles = await real_client(aiohttp_client, config)
     model = handles.models[0].id
     assert await cached_tokens(client, model, "key-a", "4821") == 0
@@ -196,8 +196,8 @@ async def test_one_keys_requests_still_hit_and_a_cache_salt_separates_them(
 
 async def test_disk_hits_after_a_restart_stay_within_their_namespace(
         aiohttp_client: Any, tiny_model_dir: Path, tmp_path: Path) -> None:
-    config = ServeConfig(model=str(tiny_model_dir), api_key=["key-a", "key-b"],
-                         block_size=BLOCK, cache_dir=str(tmp_path / "c"))
+    config = ServeConfig.of(model=str(tiny_model_dir), api_key=["key-a", "key-b"],
+                            block_size=BLOCK, cache_dir=str(tmp_path / "c"))
     long_pin = SECRET.format("4821") * 3
 
     async def complete(client: Any, model: str, key: str) -> dict[str, Any]:

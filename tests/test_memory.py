@@ -30,7 +30,7 @@ SENTENCE = "The quick brown fox jumps over the lazy dog. "
 
 
 async def serve(aiohttp_client: Any, model: str | list[str], **overrides: Any):
-    config = ServeConfig(model=model, **{"block_size": 0, "memory_poll_ms": 50, **overrides})
+    config = ServeConfig.of(model=model, **{"block_size": 0, "memory_poll_ms": 50, **overrides})
     return await real_client(aiohttp_client, config)
 
 

@@ -20,6 +20,7 @@ from actors.engine.memory_estimate import (
     ModelMemory,
     admission_estimate,
     default_memory_limit,
+    idle_floor,
     model_memory,
     model_memory_of,
     plan_step,
@@ -28,6 +29,7 @@ from actors.engine.memory_estimate import (
     prompt_need,
     score_factor,
     step_need,
+    too_large,
 )
 
 LLAMA = {
@@ -260,3 +262,15 @@ def test_memory_and_pool_flags_fill_serve_config():
     assert one.model == "a"  # one --model is the one-model server it always was
     default = serve_config(build_parser().parse_args(["serve"]))
     assert (default.model, default.memory_limit, default.prefill_guard) == (None, None, True)
+
+
+def test_the_idle_floor_is_at_least_the_weights_and_counts_them_again_until_loaded():
+    m = model_memory(LLAMA, dtype_bytes=4, weights_bytes=500)
+    assert idle_floor(m, 800) == 800
+    assert idle_floor(m, 100) == 500  # the floor was read before the weights were
+    assert idle_floor(m, 800, loaded=False) == 1300
+
+
+def test_a_prompt_is_too_large_only_when_it_cannot_fit_beside_the_idle_floor():
+    assert not too_large(600, limit=1000, idle=400)
+    assert too_large(601, limit=1000, idle=400)

@@ -20,8 +20,8 @@ LONG = ("The quick brown fox jumps over the lazy dog. " * 8
 
 
 async def serve(aiohttp_client, model_dir: Path, cache_dir: Path, **overrides):
-    config = ServeConfig(model=str(model_dir), block_size=BLOCK, cache_dir=str(cache_dir),
-                         **overrides)
+    config = ServeConfig.of(model=str(model_dir), block_size=BLOCK, cache_dir=str(cache_dir),
+                            **overrides)
     system = ActorSystem()
     await system.__aenter__()
     handles = await start_serving(system, config)

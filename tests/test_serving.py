@@ -32,7 +32,7 @@ def reference(tiny_model_dir: Path):
 
 async def serve(aiohttp_client, model_dir: Path | list[str], **overrides):
     model = model_dir if isinstance(model_dir, list) else str(model_dir)
-    config = ServeConfig(model=model, **overrides)
+    config = ServeConfig.of(model=model, **overrides)
     system = ActorSystem()
     await system.__aenter__()
     handles = await start_serving(system, config)

@@ -41,8 +41,9 @@ def start_rank(config: Any, models: list[str | None], cache_base: str | Path,
     Raises ValueError when this rank has no usable shared secret (``read_secret``)."""
     import mlx.core as mx
 
-    if config.distributed not in MODES:
-        raise ValueError(f"--distributed must be one of {MODES}, not {config.distributed!r}")
+    mode = config.engine.distributed
+    if mode not in MODES:
+        raise ValueError(f"--distributed must be one of {MODES}, not {mode!r}")
     if len(models) != 1:
         raise ValueError("--distributed serves one model; give --model once")
     group = mx.distributed.init()
@@ -50,12 +51,12 @@ def start_rank(config: Any, models: list[str | None], cache_base: str | Path,
         raise RuntimeError("--distributed needs the ranks of `mlx.launch` (this process is "
                            "alone in its group); see docs/distributed.md")
     read_secret()  # every rank stops here, saying why, before it loads its shard
-    engine = engine_config_for(config.engine(), config.distributed)
-    here = rank_cache_dir(cache_base, config.distributed, group.size(), group.rank())
-    config = msgspec.structs.replace(config, mixed_step=engine.mixed_step, cache_dir=str(here))
+    engine = engine_config_for(config.engine, mode)
+    here = rank_cache_dir(cache_base, mode, group.size(), group.rank())
+    config = msgspec.structs.replace(config, engine=engine, cache_dir=str(here))
     if group.rank() == 0:
         log.info("distributed: rank 0 of %d (%s parallel); prefix cache in %s",
-                 group.size(), config.distributed, here if config.block_size else "(off)")
+                 group.size(), mode, here if engine.block_size else "(off)")
         return config, None
     return config, _serve_follower(config, models[0], group, open_disk)
 
@@ -86,11 +87,11 @@ def _serve_follower(config: Any, spec: str | None, group: Any, open_disk: OpenDi
     resolved = resolve_model(spec)
     stream = mx.new_stream(mx.default_device())
     with mx.stream(stream):
-        model, tokenizer = load_shard(str(resolved.path), config.distributed, group)
+        model, tokenizer = load_shard(str(resolved.path), config.engine.distributed, group)
     fingerprint = model_fingerprint(resolved.path)
-    sock, welcome = connect(rank, config.distributed_port, fingerprint, read_secret())
+    sock, welcome = connect(rank, config.engine.distributed_port, fingerprint, read_secret())
     log.info("distributed: rank %d of %d follows rank 0 (%s parallel)", rank, group.size(),
-             config.distributed)
+             config.engine.distributed)
     mx.random.seed(welcome.seed)
     with mx.stream(stream):
         # The fingerprint names the blocks: every rank's hashes of a prompt are rank 0's.

@@ -33,7 +33,7 @@ from actors.engine.kv_blocks import (
     head,
     layer_kinds,
 )
-from actors.engine.memory_estimate import Member, ModelMemory, prompt_need
+from actors.engine.memory_estimate import Member, ModelMemory, idle_floor, prompt_need, too_large
 from actors.engine.output import StopStringFilter, delta, token_logprobs
 from actors.engine.prefix import block_hashes, chain_hash, namespace_root, usable_blocks
 from actors.engine.prefix_cache import PrefixCache
@@ -678,7 +678,7 @@ class Engine:
                 events.append(self._finish(req, "error", error="out of memory (rank 0's gate)",
                                            kind="unavailable"))
             return events
-        floor = max(floor, self.memory.weights_bytes)
+        floor = idle_floor(self.memory, floor)
         for req in reqs:
             self.runner.remove(req.uid)
             self.gate_failures += 1
@@ -687,7 +687,8 @@ class Engine:
                                block_size=self.block_size if self.caching else 0)
             mb = 1e6
             # It could never fit, even at idle; or memory is held by other work now.
-            kind: ErrorKind = "too_large" if need > limit - floor else "unavailable"
+            never = too_large(need, limit=limit, idle=floor)
+            kind: ErrorKind = "too_large" if never else "unavailable"
             message = (
                 f"out of memory for this prompt's prefill: it needs about {need / mb:.0f} MB "
                 f"more; {usage / mb:.0f} MB of the {limit / mb:.0f} MB memory limit are in use"

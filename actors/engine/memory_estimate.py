@@ -274,6 +274,18 @@ def admission_estimate(
     )
 
 
+def idle_floor(m: ModelMemory, floor: int, *, loaded: bool = True) -> int:
+    """Bytes that stay in use when nothing runs: the measured floor, at least this model's
+    weights, and its weights once more while it still has to be loaded."""
+    return max(floor, m.weights_bytes) + (0 if loaded else m.weights_bytes)
+
+
+def too_large(need: int, *, limit: int, idle: int) -> bool:
+    """Whether a prompt needing ``need`` new bytes could never be served under ``limit``, even
+    with nothing else running (``idle``: ``idle_floor``): refused for good, not "retry"."""
+    return need > limit - idle
+
+
 # --- the per-step gate -----------------------------------------------------------------------
 
 
