@@ -6,7 +6,7 @@ nothing a client library would tidy up. What must come back is a status and the 
 error shape: Anthropic's on ``/v1/messages`` and below, OpenAI's everywhere else
 (``api/errors.py``), or, for the few bad-looking requests a server must take (unknown
 fields, a ``top_k`` past the vocabulary), a complete answer. ``troupe soak`` replays the
-corpus throughout its run (``api/soak.py``).
+corpus throughout its run (``tools/soak/``).
 """
 
 from __future__ import annotations
