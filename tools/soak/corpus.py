@@ -21,7 +21,7 @@ CHAT = "/v1/chat/completions"
 MESSAGES = "/v1/messages"
 # A request the server takes answers with a few tokens: the corpus is about the refusals.
 ANSWER_TOKENS = 2
-# Deeper than the server's limit (64 levels): the depth that used to give a RecursionError.
+# Deeper than the server's limit (64 levels), at Python's default recursion limit (1,000).
 DEEP_LEVELS = 1000
 
 
