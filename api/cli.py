@@ -268,7 +268,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _soak(args: argparse.Namespace) -> int:
     # Lazy: a client of its own (aiohttp, a `troupe serve` subprocess), with its own flags.
-    from api.soak import main as soak_main
+    from tools.soak.run import main as soak_main
 
     return soak_main(args.soak_args)
 
@@ -492,7 +492,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="benchmark against mlx_lm.server (flags: troupe bench --help)",
     )
     bench_cmd.set_defaults(run=_bench)
-    # Likewise every flag after `soak` goes to api/soak.py.
+    # Likewise every flag after `soak` goes to tools/soak/run.py.
     soak_cmd = commands.add_parser(
         "soak",
         add_help=False,

@@ -56,7 +56,7 @@ tempfile.gettempdir()  # cached now: the ceiling's CPU kernels later point TMPDI
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]  # actors.models.blas, and plot.py beside this
 
 from actors.models.blas import GEMV_LIB, without_troupe_gemv  # noqa: E402  (MLX-free)
-from api.soak import interpolated_percentile as percentile  # noqa: E402
+from tools.soak.report import interpolated_percentile as percentile  # noqa: E402
 
 TROUPE = "mlx-troupe"
 BASELINE = "mlx-troupe@baseline"  # another commit's checkout (--baseline), served the same way

@@ -1,7 +1,9 @@
 """The layering rules of docs/design.md, checked on the source and on a fresh interpreter.
 
 runtime/ knows nothing of actors/ or api/; api/ never imports MLX, not even through what it
-imports; the SSD writer's module never imports MLX (it receives numpy snapshots only).
+imports; the SSD writer's module never imports MLX (it receives numpy snapshots only); tools/
+is a client of the server, imported only by the CLI's ``soak`` command, and imports none of
+the server's packages.
 """
 
 from __future__ import annotations
@@ -81,6 +83,27 @@ def test_api_loads_only_messages_and_config_from_actors() -> None:
         and not any(module == m or module.startswith(f"{m}.") for m in API_MAY_LOAD)
     ]
     assert offences == []
+
+
+def test_only_the_soak_command_imports_tools() -> None:
+    # api/cli.py's `soak` imports tools/ inside the command: the server never loads it.
+    lazy_in_cli = {
+        (line, module) for line, module in _imports(ROOT / "api" / "cli.py")
+    } - set(_imports(ROOT / "api" / "cli.py", module_level_only=True))
+    offences = [
+        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        for package in ("runtime", "actors", "api")
+        for path in _sources(package)
+        for line, module in _imports(path)
+        if _top(module) == "tools"
+        and not (path == ROOT / "api" / "cli.py" and (line, module) in lazy_in_cli)
+    ]
+    assert offences == []
+
+
+def test_tools_import_none_of_the_server() -> None:
+    # The soak talks to a `troupe serve` over HTTP only, as any client would.
+    assert _offences("tools", ("runtime", "actors", "api", *MLX)) == []
 
 
 def _loads_mlx(imports: str) -> subprocess.CompletedProcess[str]:

@@ -17,8 +17,9 @@ from typing import Any
 
 import pytest
 
-from api.soak import Ledger, Spec, judge_answer, judge_refusal, parse_answer
-from api.soak_corpus import build_corpus, error_shape_problem
+from tools.soak.corpus import build_corpus, error_shape_problem
+from tools.soak.judge import Ledger, judge_answer, judge_refusal, parse_answer
+from tools.soak.traffic import Spec
 
 REPO = Path(__file__).resolve().parents[1]
 PHASES = ["baseline", "load", "burst", "disk_full", "disk_deleted", "disk_readonly",

@@ -36,9 +36,9 @@ KV_STEP = 256
 # Attention scores are materialised once (on CPU MLX's SDPA is not fused) and the softmax
 # makes a partial second copy: measured 1.11x the scores on the default model; 1.15 for margin.
 SCORE_FACTOR = 1.15
-# troupe's CPU attention (actors/engine/cpu_kernels.py): measured about 3.0x the scores before
-# its heads went in groups of at most 8 MB (76fb10f); the estimate is now 1.13-4.35x the peak on the
-# default model, 0.89-0.95x on 16-wide heads (benchmarks/bench_prefill_memory.py, docs/memory.md).
+# troupe's CPU attention (actors/engine/cpu_kernels.py): the estimate is 1.13-4.35x the peak on
+# the default model, 0.89-0.95x on 16-wide heads (benchmarks/bench_prefill_memory.py,
+# docs/memory.md).
 NATIVE_SCORE_FACTOR = 3.2
 # One layer's live activations per prompt token of a chunk, in units of (hidden, intermediate)
 # widths: q/k/v/o projections, residuals and norms ~8 x hidden; gate, up, their product and

@@ -6,7 +6,7 @@ nothing a client library would tidy up. What must come back is a status and the 
 error shape: Anthropic's on ``/v1/messages`` and below, OpenAI's everywhere else
 (``api/errors.py``), or, for the few bad-looking requests a server must take (unknown
 fields, a ``top_k`` past the vocabulary), a complete answer. ``troupe soak`` replays the
-corpus throughout its run (``api/soak.py``).
+corpus throughout its run (``tools/soak/``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ CHAT = "/v1/chat/completions"
 MESSAGES = "/v1/messages"
 # A request the server takes answers with a few tokens: the corpus is about the refusals.
 ANSWER_TOKENS = 2
-# Deeper than the server's limit (64 levels): the depth that used to give a RecursionError.
+# Deeper than the server's limit (64 levels), at Python's default recursion limit (1,000).
 DEEP_LEVELS = 1000
 
 

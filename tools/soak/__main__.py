@@ -1,0 +1,7 @@
+"""``python -m tools.soak``: the same as ``troupe soak``."""
+
+import sys
+
+from tools.soak.run import main
+
+sys.exit(main())
