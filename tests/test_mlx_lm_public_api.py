@@ -17,7 +17,6 @@ import functools
 from pathlib import Path
 
 import mlx_lm
-import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("actors", "api", "runtime")
@@ -148,8 +147,6 @@ class Clock:
     assert private_uses(own, "own.py") == []
 
 
-@pytest.mark.xfail(strict=True, reason="63 uses of private mlx-lm names remain in actors/engine "
-                   "(batch.py, runner.py, ragged_cache.py) until issue 35's engine core lands")
 def test_no_module_uses_a_private_mlx_lm_name_outside_mlx_lm_private() -> None:
     uses = all_private_uses()
     assert not uses, ("private mlx-lm names used outside actors/mlx_lm_private.py "

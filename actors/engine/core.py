@@ -1,4 +1,4 @@
-"""The batch engine: plain synchronous policy around mlx-lm's ``BatchGenerator``.
+"""The batch engine: plain synchronous policy around troupe's batch (``runner.Runner``).
 
 The scheduler actor owns one ``Engine`` on the MLX thread and calls ``add``, ``abort`` and
 ``step``; everything here runs on that thread. ``step`` returns plain events (``actors.messages``)

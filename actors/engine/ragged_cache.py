@@ -17,7 +17,7 @@ class RaggedKVCache:
     the whole cache as it joins) and every decode step attends over 2,000 positions for each
     of them. Here a joining batch becomes a group of its own unless merging costs little
     padding; attention runs per group (``mixed_forward``) while the projections still take
-    every row at once. Rows are the groups' rows in order, which ``GenerationBatch``'s
+    every row at once. Rows are the groups' rows in order, which ``batch.Rows``'s
     order-keeping ``extend`` (append) and ``filter`` (sorted indices) preserve.
     """
 
