@@ -357,7 +357,8 @@ class Engine:
 
     def step(self, limit: int | None = None, floor: int = 0,
              plan: StepPlan | None = None) -> list[Event]:
-        """Run one step of the batch (a decode step plus at most one prefill chunk).
+        """Run one step of the batch: ``schedule`` decides, the runner executes, ``update``
+        turns the tokens into events.
 
         ``limit``: bytes of MLX memory the step must stay under (the per-chunk gate; None:
         no gate). Prefilling requests that no longer fit fail alone, and waiting ones join
@@ -368,6 +369,20 @@ class Engine:
         self.cut_pending()
         if not self.requests:
             return []
+        plan, usage = self._schedule(limit, plan)
+        events = self._fail_for_memory(plan, limit, floor, usage)
+        if not self.requests:
+            return events
+        try:
+            out = self.runner.run(plan)
+        except Exception as exc:  # the model step failed: no request in it can go on
+            return events + self._step_failed(exc)
+        self._measured(out, plan)
+        return events + self.update(out)
+
+    def _schedule(self, limit: int | None, plan: StepPlan | None) -> tuple[StepPlan, int]:
+        """The step's plan (``plan`` when given: rank 0's, on a follower) and the memory in
+        use it was made with; rank 0's followers are told it before it runs."""
         self._order_waiting()
         usage = 0
         if plan is None:
@@ -375,21 +390,22 @@ class Engine:
         if self.mirror is not None:
             self.mirror.plan(plan, self.steps, self.last_digest)
         self.last_prefill_budget = plan.budget
-        events = self._fail_for_memory(plan, limit, floor, usage)
-        if not self.requests:
-            return events
-        try:
-            out = self.runner.run(plan)
-        except Exception as exc:  # the model step failed: no request in it can go on
-            log.exception("batch step failed; failing %d requests", len(self.requests))
-            if self.mirror is not None:
-                self.mirror.reset(f"rank 0's step failed: {exc}")
-            return events + self.reset(f"engine step failed: {exc}")
-        self._measured(out, plan)
-        # The blocks this step's prefill completed are cut after its tokens are answered
-        # (``cut_pending``).
+        return plan, usage
+
+    def _step_failed(self, exc: Exception) -> list[Event]:
+        """Every request fails and the batch starts afresh (followers too)."""
+        log.exception("batch step failed; failing %d requests", len(self.requests))
+        if self.mirror is not None:
+            self.mirror.reset(f"rank 0's step failed: {exc}")
+        return self.reset(f"engine step failed: {exc}")
+
+    def update(self, out: StepOutput) -> list[Event]:
+        """The step's results as events: each sampled token appended to its request (text,
+        stop strings, tool calls, finishing); the blocks its prefill completed are cut after
+        the tokens are answered (``cut_pending``)."""
         if self.caching:
             self._to_cut = [r for r in out.prompt_responses if r.end_of_segment]
+        events: list[Event] = []
         for resp in out.responses:
             req = self._by_uid.get(resp.uid)
             if req is None:
