@@ -186,6 +186,8 @@ class Plan(msgspec.Struct, tag=True, frozen=True):
     budget: int | None
     chunk: int
     previous_digest: int
+    start: list[int]
+    tokens: dict[int, int]
 
 
 class Reset(msgspec.Struct, tag=True, frozen=True):
@@ -570,10 +572,11 @@ class Followers:
         self._broadcast(Abort(request_id=request_id))
 
     def plan(self, plan: Any, step: int, digest: int) -> None:
-        """Called by rank 0's engine with each step's plan (``schedule.StepPlan``) before it
+        """Called by rank 0's engine with each step's plan (``schedule.SchedulerOutput``) before it
         runs it, and the digest of the tokens its last step sampled."""
         self._broadcast(Plan(step=step, fail=plan.fail, reject=plan.reject, admit=plan.admit,
-                             budget=plan.budget, chunk=plan.chunk, previous_digest=digest))
+                             budget=plan.budget, chunk=plan.chunk, previous_digest=digest,
+                             start=plan.start, tokens=plan.tokens))
 
     def reset(self, reason: str) -> None:
         self._broadcast(Reset(reason=reason))
@@ -802,7 +805,7 @@ def follow(engine: Any, sock: socket.socket, rank: int, grammars: Any = None,
     cannot supply the cached blocks it promised, or rank 0 sent a frame it cannot read."""
     import mlx.core as mx
 
-    from actors.engine.schedule import StepPlan
+    from actors.engine.schedule import SchedulerOutput
     from actors.follower_cache import FollowerCache, SupplyError
 
     lock = threading.Lock()  # answers to probes also go from the disk thread
@@ -876,8 +879,9 @@ def follow(engine: Any, sock: socket.socket, rank: int, grammars: Any = None,
                               "(token digest %d != %d); exiting", rank, msg.step,
                               engine.last_digest, msg.previous_digest)
                     return 1
-                plan = StepPlan(fail=msg.fail, reject=msg.reject, admit=msg.admit,
-                                budget=msg.budget, chunk=msg.chunk, held=False)
+                plan = SchedulerOutput(fail=msg.fail, reject=msg.reject, admit=msg.admit,
+                                       budget=msg.budget, chunk=msg.chunk, held=False,
+                                       start=msg.start, tokens=msg.tokens)
                 mx.reset_peak_memory()
                 engine.step(plan=plan)
                 cache.after_step()

@@ -560,8 +560,6 @@ def ceiling_level(model: Any, tok: Any, messages: list[Messages], concurrency: i
     batched as troupe batches, with mixed steps as troupe runs them, in a closed loop like the
     HTTP clients: the most any server could do on this machine, so that the ceiling measures
     what serving costs, not the step."""
-    from types import SimpleNamespace
-
     from mlx_lm.sample_utils import greedy_sampler
 
     from actors.config import ServeConfig
@@ -573,7 +571,6 @@ def ceiling_level(model: Any, tok: Any, messages: list[Messages], concurrency: i
                                         prefill_batch_size=cfg.prefill_batch_size,
                                         prefill_step_size=cfg.prefill_step_size,
                                         mixed_step=mixed))
-    whole_chunks = SimpleNamespace(admit=cfg.prefill_batch_size, chunk=cfg.prefill_step_size)
     stop_ids = frozenset(tok.eos_token_ids)
     streams: dict[int, Stream] = {}
     pending = [chat_tokens(tok, m) for m in reversed(messages)]
@@ -585,7 +582,7 @@ def ceiling_level(model: Any, tok: Any, messages: list[Messages], concurrency: i
                                 sampler=greedy_sampler, processors=[], stop_ids=stop_ids)
             streams[uid] = Stream(sent=time.perf_counter())
             live += 1
-        responses = runner.run(whole_chunks).responses
+        responses = runner.run(runner.whole_chunks()).responses
         now = time.perf_counter()
         for resp in responses:
             s = streams[resp.uid]

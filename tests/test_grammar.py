@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import jsonschema
 import mlx.core as mx
@@ -670,9 +669,8 @@ def test_a_constrained_row_in_a_batch_follows_its_grammar_and_leaves_the_others_
                                    strict=True)]
     tokens: dict[int, list[int]] = {u: [] for u in uids}
     finish: dict[int, str] = {}
-    whole_chunks = SimpleNamespace(admit=8, chunk=64)
     while len(finish) < len(uids):
-        for r in runner.run(whole_chunks).responses:
+        for r in runner.run(runner.whole_chunks()).responses:
             if r.finish_reason != "stop":
                 tokens[r.uid].append(r.token)
             if r.finish_reason is not None:

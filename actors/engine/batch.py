@@ -70,18 +70,6 @@ def split_last(segments: list[list[int]]) -> list[list[int]]:
     return out
 
 
-def chunk_of(segments: list[list[int]], step: int, mixed: bool) -> tuple[int, bool]:
-    """The prompt tokens a sequence's next prefill chunk runs (the first ``step`` of its first
-    segment), and whether that chunk also takes the prompt's last token: with mixed steps, a
-    chunk that ends its segment with only that token left, and room to spare, runs it too, so
-    the step samples the prompt's first token from the chunk (else the last token waits for a
-    decode step: one more step before the first token). The memory gate counts the same."""
-    k = min(len(segments[0]), step)
-    takes_last = (mixed and k == len(segments[0]) and len(segments) == 2
-                  and len(segments[1]) == 1 and k < step)
-    return k + takes_last, takes_last
-
-
 def merge_caches(caches: list[list[Any]]) -> list[Any]:
     """Per-sequence caches (each a list of layers) as one batch cache per layer, by each
     layer's own ``merge``. One sequence whose layers are all filled ``KVCache``s keeps its

@@ -21,7 +21,6 @@ from mlx_lm.sample_utils import (
 )
 
 from actors.engine.agent_output import OutputParser
-from actors.engine.batch import chunk_of
 from actors.engine.config import DEFAULTS, EngineConfig
 from actors.engine.grammar import GrammarProcessor, thinking_budget_processor
 from actors.engine.kv_blocks import (
@@ -42,9 +41,10 @@ from actors.engine.runner import Runner, StepOutput
 from actors.engine.schedule import (
     Memory,
     Pending,
-    StepPlan,
+    SchedulerOutput,
     StepState,
     Waiting,
+    chunk_of,
     schedule,
     start_order,
 )
@@ -356,7 +356,7 @@ class Engine:
     # -- the step ------------------------------------------------------------------------
 
     def step(self, limit: int | None = None, floor: int = 0,
-             plan: StepPlan | None = None) -> list[Event]:
+             plan: SchedulerOutput | None = None) -> list[Event]:
         """Run one step of the batch: ``schedule`` decides, the runner executes, ``update``
         turns the tokens into events.
 
@@ -380,7 +380,8 @@ class Engine:
         self._measured(out, plan)
         return events + self.update(out)
 
-    def _schedule(self, limit: int | None, plan: StepPlan | None) -> tuple[StepPlan, int]:
+    def _schedule(self, limit: int | None, plan: SchedulerOutput | None
+                  ) -> tuple[SchedulerOutput, int]:
         """The step's plan (``plan`` when given: rank 0's, on a follower) and the memory in
         use it was made with; rank 0's followers are told it before it runs."""
         self._order_waiting()
@@ -418,7 +419,7 @@ class Engine:
                 events.append(self._finish(req, "error", error=str(exc), kind="internal"))
         return events
 
-    def _plan(self, limit: int | None) -> tuple[StepPlan, int]:
+    def _plan(self, limit: int | None) -> tuple[SchedulerOutput, int]:
         """The step's plan from ``schedule``, and the memory in use it was made with. When the
         gate held something back, MLX's allocator cache (memory it can give back) is given
         back first and the step planned again."""
@@ -457,18 +458,21 @@ class Engine:
     def _state(self, memory: Memory | None) -> StepState:
         """Where the batch stands, in the plain numbers ``schedule`` takes."""
         runner = self.runner
-        prefilling = [Pending(uid, self._member(uid, segments, in_cache), whole)
+        prefilling = [Pending(uid, self._member(uid, segments, in_cache), whole,
+                              segments=tuple(len(s) for s in segments))
                       for uid, segments, whole, in_cache in runner.prefill_rows()]
         waiting = []
         for uid, segments, in_cache in runner.waiting_rows(self.config.prefill_batch_size):
             member = self._member(uid, segments, in_cache)
-            waiting.append(Pending(uid, member, member.remaining, self._waited(uid)))
+            waiting.append(Pending(uid, member, member.remaining,
+                                   tuple(len(s) for s in segments), self._waited(uid)))
         return StepState(
             config=self.config, mixed=runner.mixed, decoding=runner.decoding,
             decode_len=runner.decode_len, prefilling=prefilling, waiting=waiting,
-            decode_s=self._decode_s, token_s=self._token_s, memory=memory)
+            decode_s=self._decode_s, token_s=self._token_s, memory=memory,
+            decode_uids=runner.decode_uids, first_token_in_chunk=runner.first_token_in_chunk)
 
-    def _measured(self, out: StepOutput, plan: StepPlan) -> None:
+    def _measured(self, out: StepOutput, plan: SchedulerOutput) -> None:
         """Count the step and learn its timings."""
         self.steps += 1
         self.last_digest = _digest(out.responses)
@@ -659,7 +663,8 @@ class Engine:
         """Where one sequence stands, for the gate: its cache, what is left of its prompt,
         its next chunk, and the prefix-cache blocks it cuts next step and until it ends."""
         remaining = sum(len(seg) for seg in segments)
-        chunk = chunk_of(segments, self.prefill_step_size, self.runner.mixed)[0] \
+        chunk = chunk_of([len(s) for s in segments], self.prefill_step_size,
+                         self.runner.mixed)[0] \
             if segments else 0
         req = self._by_uid.get(uid)
         cut_now = blocks_left = 0
@@ -672,7 +677,7 @@ class Engine:
         return Member(in_cache=in_cache, remaining=remaining, chunk=chunk, cut_now=cut_now,
                       blocks_left=blocks_left)
 
-    def _fail_for_memory(self, plan: StepPlan, limit: int | None, floor: int, usage: int
+    def _fail_for_memory(self, plan: SchedulerOutput, limit: int | None, floor: int, usage: int
                          ) -> list[Event]:
         """Take the requests the plan fails or rejects for want of memory out of the batch,
         freeing their caches."""

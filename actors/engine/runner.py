@@ -26,13 +26,20 @@ from actors.engine.batch import (
     Rows,
     Sequence,
     Status,
-    chunk_of,
     merge_caches,
     roll_right_padding,
     split_last,
 )
 from actors.engine.config import EngineConfig
 from actors.engine.forward import forward, supports_mixed
+from actors.engine.memory_estimate import Member
+from actors.engine.schedule import (
+    Pending,
+    SchedulerOutput,
+    StepState,
+    max_decoding,
+    name_tokens,
+)
 
 # Every this many decode steps MLX's allocator cache is given back (as mlx-lm's generator).
 CLEAR_CACHE_STEPS = 512
@@ -107,8 +114,6 @@ class Runner:
         self.config = config
         self.stream = stream or generation_stream
         self.mixed = config.mixed_step and supports_mixed(model)
-        # Sequences decoding past which nothing new starts prefilling.
-        self.max_decoding = max(config.max_batch_size, config.prefill_batch_size)
         self._old_wired_limit = maybe_set_recommended_wired_limit()
         self.batch = Batch(self.mixed)
 
@@ -176,6 +181,11 @@ class Runner:
         return len(self.batch.decode)
 
     @property
+    def decode_uids(self) -> tuple[int, ...]:
+        """The decoding sequences, in row order."""
+        return tuple(self.batch.decode.uids)
+
+    @property
     def decode_cache(self) -> list[Any]:
         """The decode rows' caches, one per layer."""
         return self.batch.decode.cache
@@ -221,19 +231,42 @@ class Runner:
 
     # -- the step --------------------------------------------------------------------------
 
-    def run(self, plan: Any) -> StepOutput:
-        """One step under ``plan`` (``schedule.StepPlan``): at most ``admit`` waiting
-        sequences start prefilling (the first of the queue, as ``order_waiting`` left it),
-        each prefilling sequence runs ``chunk`` prompt tokens."""
+    def run(self, plan: SchedulerOutput) -> StepOutput:
+        """One step under ``plan``: the waiting sequences it names in ``start`` start
+        prefilling, and each sequence runs the tokens ``plan.tokens`` gives it."""
         decoding = len(self.batch.decode)
         began = time.perf_counter()
         with mx.stream(self.stream):
-            prompt_responses, responses, prefilled = self._step(self.batch, plan.admit,
-                                                                plan.chunk)
+            prompt_responses, responses, prefilled = self._step(self.batch, plan)
         return StepOutput(prompt_responses, responses, prefilled, decoding,
                           time.perf_counter() - began)
 
-    def _step(self, batch: Batch, admit: int, chunk: int
+    def whole_chunks(self) -> SchedulerOutput:
+        """A plan without the engine's policy: waiting sequences start while prefill slots
+        are free and each prefilling one runs a whole chunk (for a batch stepped without an
+        engine: the warm-up, tests, the benchmarks' ceiling)."""
+        return self._whole_chunks(self.batch)
+
+    def _whole_chunks(self, batch: Batch) -> SchedulerOutput:
+        cfg = self.config
+
+        def pending(s: Sequence) -> Pending:
+            member = Member(in_cache=len(s.tokens), remaining=s.remaining, chunk=0)
+            return Pending(s.uid, member, s.total, tuple(len(g) for g in s.segments))
+
+        prefilling = [pending(s) for s in batch.prefill.seqs]
+        waiting = [pending(s) for s in list(batch.waiting)[:cfg.prefill_batch_size]]
+        state = StepState(config=cfg, mixed=self.mixed, decoding=len(batch.decode),
+                          decode_len=0, prefilling=prefilling, waiting=waiting, decode_s=None,
+                          token_s=None, decode_uids=tuple(batch.decode.uids),
+                          first_token_in_chunk=self.first_token_in_chunk)
+        admit = cfg.prefill_batch_size - len(prefilling)
+        start, tokens = name_tokens(state, prefilling, waiting, admit, cfg.prefill_step_size)
+        return SchedulerOutput(fail=[], reject=None, admit=admit, budget=None,
+                               chunk=cfg.prefill_step_size, held=False, start=start,
+                               tokens=tokens)
+
+    def _step(self, batch: Batch, plan: SchedulerOutput
               ) -> tuple[list[Prefilled], list[Sampled], int]:
         """The step: sequences start, those down to their last prompt token join the decode
         rows (that token is their first input), each prefilling row takes its next chunk,
@@ -241,15 +274,15 @@ class Runner:
         and then the chunk in a call of its own. Returns the prompt progress, the tokens
         sampled and the prompt tokens run."""
         pre, dec = batch.prefill, batch.decode
-        if len(dec) >= self.max_decoding:
+        if len(dec) >= max_decoding(self.config):
             return [], self._decode(batch, None)[0], 0
-        self._admit(batch, min(admit, self.max_decoding - len(dec), len(batch.waiting)))
+        self._admit(batch, plan.start)
         progress = self._join_decode(batch)
-        prompts, ends = self._next_chunks(pre, chunk, progress)
+        prompts, ends = self._next_chunks(pre, plan.tokens, progress)
         prefilled = sum(len(p) for p in prompts)
         if not self.mixed:
             responses = self._decode(batch, None)[0] if len(dec) else []
-            self._prefill(pre, prompts, chunk)
+            self._prefill(pre, prompts, plan.chunk)
             return progress, responses, prefilled
         ride = self._ride(pre, prompts, ends) if prompts else None
         responses: list[Sampled] = []
@@ -269,12 +302,16 @@ class Runner:
             responses += self._first_tokens(batch, ends, ended)
         return progress, responses, prefilled
 
-    def _admit(self, batch: Batch, n: int) -> None:
-        """The first ``n`` waiting sequences join the prefill rows, their caches merged."""
+    def _admit(self, batch: Batch, start: list[int]) -> None:
+        """The waiting sequences ``start`` (uids, in order) join the prefill rows, their
+        caches merged."""
         pre = batch.prefill
-        if n > 0:
+        if start:
+            by_uid = {s.uid: s for s in batch.waiting}
             rows = Rows()
-            rows.seqs = [batch.waiting.popleft() for _ in range(n)]
+            rows.seqs = [by_uid[uid] for uid in start]
+            # A new queue, swapped in whole: ``waiting`` is read from other threads.
+            batch.waiting = deque(s for s in batch.waiting if s.uid not in set(start))
             rows.cache = merge_caches([s.cache for s in rows.seqs])
             for s in rows.seqs:
                 s.cache, s.status = None, Status.PREFILLING
@@ -299,24 +336,24 @@ class Runner:
         batch.decode.extend(part)
         return [Prefilled(s.uid, (s.total, s.total), True, True) for s in part.seqs]
 
-    def _next_chunks(self, pre: Rows, chunk: int, progress: list[Prefilled]
+    def _next_chunks(self, pre: Rows, tokens: dict[int, int], progress: list[Prefilled]
                      ) -> tuple[list[list[int]], list[int]]:
-        """Each prefilling row's next chunk (its first ``chunk`` tokens of its first segment;
-        with mixed steps, the prompt's last token too when ``chunk_of`` says so), and the
-        rows whose chunk ends their prompt. Progress is appended to ``progress``."""
+        """Each prefilling row's next chunk: ``tokens[uid]`` of its first segment, and past
+        that segment's end the prompt's last token (``schedule.chunk_of``), and the rows whose
+        chunk ends their prompt. Progress is appended to ``progress``."""
         prompts: list[list[int]] = []
         ends: list[int] = []
         for i, s in enumerate(pre.seqs):
             segments = s.segments
-            _, takes_last = chunk_of(segments, chunk, self.mixed and self.first_token_in_chunk)
-            k = min(len(segments[0]), chunk)
+            n = tokens[s.uid]
+            k = min(len(segments[0]), n)
             prompt = segments[0][:k]
             segments[0] = segments[0][k:]
             end_of_segment = end_of_prompt = False
             if not segments[0]:
                 segments.pop(0)
                 end_of_segment = True
-                if takes_last:
+                if n > k:  # the chunk takes the last prompt token, a segment of its own
                     prompt = prompt + segments.pop()
                     end_of_prompt = True
                     ends.append(i)
@@ -447,7 +484,6 @@ class Runner:
         together, a third joining while they decode), so that MLX builds its run-time
         compiled kernels now; this runner's batch is unchanged."""
         batch = Batch(self.mixed)
-        cfg = self.config
 
         def add(prompt: list[int], n: int) -> None:
             self._insert(batch, [prompt], max_tokens=n, cache=None, done=[],
@@ -459,8 +495,7 @@ class Runner:
             for step in range(16):
                 if step == 1:
                     add(ids[2:12], 3)
-                progress, responses, _ = self._step(
-                    batch, cfg.prefill_batch_size - len(batch.prefill), cfg.prefill_step_size)
+                progress, responses, _ = self._step(batch, self._whole_chunks(batch))
                 if step > 1 and not (progress or responses or len(batch.decode)
                                      or batch.waiting):
                     break
