@@ -60,8 +60,8 @@ class Sequence:
 
 def split_last(segments: list[list[int]]) -> list[list[int]]:
     """The prompt's segments with its last token made a segment of its own (the empty ones
-    dropped): that token runs in the chunk before it (``chunk_of``) or as the first input of
-    a decode step."""
+    dropped): that token runs in the chunk before it (``schedule.chunk_of``) or as the first
+    input of a decode step."""
     out = [s for s in segments if s]
     if not out:
         raise ValueError("a sequence needs at least one prompt token to run")

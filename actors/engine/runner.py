@@ -309,9 +309,9 @@ class Runner:
         if start:
             by_uid = {s.uid: s for s in batch.waiting}
             rows = Rows()
-            rows.seqs = [by_uid[uid] for uid in start]
+            rows.seqs = [by_uid.pop(uid) for uid in start]
             # A new queue, swapped in whole: ``waiting`` is read from other threads.
-            batch.waiting = deque(s for s in batch.waiting if s.uid not in set(start))
+            batch.waiting = deque(s for s in batch.waiting if s.uid in by_uid)
             rows.cache = merge_caches([s.cache for s in rows.seqs])
             for s in rows.seqs:
                 s.cache, s.status = None, Status.PREFILLING
