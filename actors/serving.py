@@ -43,7 +43,7 @@ async def start_serving(system: ActorSystem, config: ServeConfig) -> ServingHand
     Start order: the engine pool (which resolves every model and loads the first, with its
     cache index and SSD writer), the memory monitor, then admission; actors stop in reverse.
     """
-    check_mlx_lm()  # troupe steers mlx-lm's batch generator from inside: tested versions only
+    check_mlx_lm()  # troupe reaches a few private mlx-lm names: tested versions only
     # Before any model runs: MLX reads PATH and TMPDIR when it first fuses a kernel.
     cpu_kernels.enable(config.cpu_kernels, troupe_home())
     cache = None

@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_answer_step import prompts, served_engine  # noqa: E402
+from engine_bench import prompts, served_engine  # noqa: E402
 from harness import (  # noqa: E402
     blas_name,
     chat_tokens,
@@ -61,7 +61,8 @@ def main() -> None:
     args = p.parse_args()
     same_blas_as_troupe_serve()
 
-    from actors.engine.schedule import StepPlan
+    import msgspec
+
     from actors.messages import SamplingParams
 
     model, tok = load_ceiling(args.model or resolve_default_model())
@@ -79,16 +80,19 @@ def main() -> None:
                                   "content": long_text(tok, args.long, f"c{time.time()}")}])
     engine.add("long", long_ids, SamplingParams(max_tokens=1, temperature=0.0))
 
-    def run(chunk: int, admit: int = 0) -> float:
+    def run(chunk: int) -> float:
+        """One step whose prefill is ``chunk`` tokens: whole chunks of that size (no
+        interleave, no step budget), timed."""
+        engine.config = msgspec.structs.replace(engine.config, prefill_step_size=chunk,
+                                                prefill_interleave=0.0, step_budget_ms=0.0)
         began = time.perf_counter()
-        engine.step(plan=StepPlan(fail=[], reject=None, admit=admit, budget=None, chunk=chunk,
-                                  held=False))
+        engine.step()
         return time.perf_counter() - began
 
     def prefilled() -> int:
         return next(p["prefilled_tokens"] for p in engine.progress() if p["id"] == "long")
 
-    run(step_size, admit=1)
+    run(step_size)
     while prefilled() < args.context:
         run(step_size)
     context = prefilled()

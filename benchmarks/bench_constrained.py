@@ -68,7 +68,7 @@ def round_steps(engine: Any, tok: Any, grammars: Any, constrained: bool, steps: 
                    constraint=constraint)
     times: list[float] = []
     while engine.has_work:
-        decoding = len(engine.runner.gen._generation_batch)
+        decoding = engine.runner.decoding
         before = engine.prefill_tokens
         began = time.perf_counter()
         engine.step()

@@ -1,7 +1,7 @@
 """A prompt's first token: sampled from the prefill chunk that runs its last prompt token, or
 from a decode step after it (mlx-lm keeps the last prompt token back for that step).
 
-troupe's ``MixedBatchGenerator`` (``actors/engine/batch.py``, mixed steps) samples the first token
+troupe's ``Runner`` (``actors/engine/runner.py``, mixed steps) samples the first token
 from the chunk's logits at the last prompt token, in the step that prefills it; this script
 puts mlx-lm's way back (``first_token_in_chunk = False``) for the comparison. On the default
 model (troupe's CPU kernels, OpenBLAS preloaded as ``troupe serve`` does), through troupe's
@@ -29,7 +29,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_answer_step import first_tokens, prompts, served_engine  # noqa: E402
+from engine_bench import first_tokens, prompts, served_engine  # noqa: E402
 from harness import (  # noqa: E402
     blas_name,
     load_ceiling,
@@ -49,16 +49,16 @@ def main() -> None:
     args = p.parse_args()
     same_blas_as_troupe_serve()
 
-    from actors.engine.batch import MixedBatchGenerator
+    from actors.engine.runner import Runner
     from actors.messages import SamplingParams
 
     model, tok = load_ceiling(args.model or resolve_default_model())  # troupe's CPU kernels
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
     def engine(mode: str) -> Any:
-        MixedBatchGenerator.first_token_in_chunk = mode == "chunk"
+        Runner.first_token_in_chunk = mode == "chunk"
         e = served_engine(model, tok, greedy)
-        assert e.runner.gen.mixed, "the comparison needs mixed steps (a llama-shaped model)"
+        assert e.runner.mixed, "the comparison needs mixed steps (a llama-shaped model)"
         return e
 
     out: dict[str, Any] = {"blas": blas_name(), "alone": {}, "burst": {}}
@@ -72,7 +72,7 @@ def main() -> None:
                                     greedy)
             out["burst"].setdefault(mode, []).append(times)
             e.close()
-    MixedBatchGenerator.first_token_in_chunk = True
+    Runner.first_token_in_chunk = True
     for mode in MODES:
         alone = statistics.median(a["s"] for a in out["alone"][mode])
         steps = statistics.median(a["steps"] for a in out["alone"][mode])

@@ -42,10 +42,10 @@ def once(model: Any, tok: Any, long_prompt: list[int], chunk: int,
     from actors.engine.core import Engine
 
     engine = Engine(model, tok, engine_config(prefill_step_size=chunk, mixed_step=mixed))
-    assert engine.runner.gen.mixed is mixed
+    assert engine.runner.mixed is mixed
     for i in range(4):
         engine.add(f"d{i}", tok.encode(PROMPTS[i]), greedy(10_000, ignore_eos=True))
-    while len(engine.runner.gen._generation_batch) < 4:
+    while engine.runner.decoding < 4:
         engine.step()
     for _ in range(3):
         engine.step()

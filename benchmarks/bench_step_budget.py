@@ -31,7 +31,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_answer_step import prompts, served_engine  # noqa: E402
+from engine_bench import prompts, served_engine  # noqa: E402
 from harness import (  # noqa: E402
     blas_name,
     chat_tokens,

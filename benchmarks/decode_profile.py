@@ -58,7 +58,7 @@ def main() -> None:
 
     import mlx.core as mx
     import numpy as np
-    from bench_answer_step import served_engine
+    from engine_bench import served_engine
     from mlx.utils import tree_flatten
     from mlx_lm import load
     from mlx_lm.models.base import scaled_dot_product_attention

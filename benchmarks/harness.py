@@ -556,28 +556,33 @@ def load_ceiling(model_dir: str, kernels: str = "native") -> tuple[Any, Any]:
 
 def ceiling_level(model: Any, tok: Any, messages: list[Messages], concurrency: int,
                   max_tokens: int, *, mixed: bool = True) -> dict[str, Any]:
-    """One serving level through ``BatchGenerator`` directly, batched as troupe batches, in
-    a closed loop like the HTTP clients: the most any server could do on this machine. The
-    generator is troupe's subclass (``actors.engine.batch``), with mixed steps as troupe runs them,
-    so that the ceiling measures what serving costs, not the step."""
+    """One serving level through troupe's batch runner directly (``actors.engine.runner``),
+    batched as troupe batches, with mixed steps as troupe runs them, in a closed loop like the
+    HTTP clients: the most any server could do on this machine, so that the ceiling measures
+    what serving costs, not the step."""
+    from mlx_lm.sample_utils import greedy_sampler
+
     from actors.config import ServeConfig
-    from actors.engine.batch import MixedBatchGenerator
+    from actors.engine.config import EngineConfig
+    from actors.engine.runner import Runner
 
     cfg = ServeConfig().engine
-    gen = MixedBatchGenerator(model, mixed=mixed, completion_batch_size=cfg.max_batch_size,
-                         prefill_batch_size=cfg.prefill_batch_size,
-                         prefill_step_size=cfg.prefill_step_size,
-                         stop_tokens=[[t] for t in tok.eos_token_ids])
+    runner = Runner(model, EngineConfig(max_batch_size=cfg.max_batch_size,
+                                        prefill_batch_size=cfg.prefill_batch_size,
+                                        prefill_step_size=cfg.prefill_step_size,
+                                        mixed_step=mixed))
+    stop_ids = frozenset(tok.eos_token_ids)
     streams: dict[int, Stream] = {}
     pending = [chat_tokens(tok, m) for m in reversed(messages)]
     live = 0
     start = time.perf_counter()
     while pending or live:
         while pending and live < concurrency:
-            (uid,) = gen.insert([pending.pop()], max_tokens=[max_tokens])
+            uid = runner.insert([pending.pop()], max_tokens=max_tokens, cache=None, done=[],
+                                sampler=greedy_sampler, processors=[], stop_ids=stop_ids)
             streams[uid] = Stream(sent=time.perf_counter())
             live += 1
-        responses = gen.next_generated()
+        responses = runner.run(runner.whole_chunks()).responses
         now = time.perf_counter()
         for resp in responses:
             s = streams[resp.uid]
@@ -586,7 +591,7 @@ def ceiling_level(model: Any, tok: Any, messages: list[Messages], concurrency: i
             if resp.finish_reason is not None:
                 live -= 1
     wall = time.perf_counter() - start
-    gen.close()
+    runner.close()
     return summarize(list(streams.values()), wall)
 
 

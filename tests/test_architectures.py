@@ -119,7 +119,7 @@ def ram_hit(engine: Engine, prompt: list[int]) -> list[KVBlock]:
 def test_one_request_gives_mlx_lm_greedy_tokens(tiny: Tiny) -> None:
     prompt = tiny.tok.encode(PROMPTS[0])
     engine = tiny.engine()
-    assert engine.runner.gen.mixed is tiny.arch.mixed
+    assert engine.runner.mixed is tiny.arch.mixed
     tokens, _ = serve(engine, "a", prompt, 24)
     assert tokens == tiny.reference(prompt, 24)
     assert len(tokens) > 1, "the model must generate something to compare"
@@ -135,7 +135,7 @@ def test_four_requests_joining_mid_way_each_give_their_tokens_alone(tiny: Tiny,
     prompts = [tiny.tok.encode(t) for t in texts]
     assert len({len(p) for p in prompts}) == 4
     engine = tiny.engine(prefill_step_size=4, mixed_step=mixed)
-    assert engine.runner.gen.mixed is (mixed and tiny.arch.mixed)
+    assert engine.runner.mixed is (mixed and tiny.arch.mixed)
     results = run_arriving(engine, prompts, 16)
     for i, p in enumerate(prompts):
         assert results[f"r{i}"] == tiny.reference(p, 16), f"r{i} ({len(p)} prompt tokens)"
@@ -149,7 +149,7 @@ def test_a_long_prompt_prefilled_in_chunks_beside_a_decoding_stream_gives_mlx_lm
     long_prompt = tiny.tok.encode(" ".join(PROMPTS) * 2)
     assert len(long_prompt) > 6 * CHUNK
     engine = tiny.engine(prefill_step_size=CHUNK)
-    assert engine.runner.gen.mixed is tiny.arch.mixed
+    assert engine.runner.mixed is tiny.arch.mixed
     engine.add("short", short, greedy(64, ignore_eos=True))
     got: dict[str, list[int]] = {"short": [], "long": []}
 

@@ -50,7 +50,7 @@ from actors.distributed.shards import (
 from actors.engine.config import EngineConfig
 from actors.engine.memory_estimate import ModelMemory
 from actors.engine.prefix_cache import PrefixCache
-from actors.engine.schedule import StepPlan
+from actors.engine.schedule import SchedulerOutput
 from actors.messages import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,7 +119,7 @@ class Recorder:
         self.calls.append(("reset", reason))
 
     def step(self, plan):
-        self.calls.append(("step", plan.admit, plan.chunk, plan.fail))
+        self.calls.append(("step", plan.admit, plan.chunk, plan.fail, plan.start, plan.tokens))
         self.last_digest += 1
 
     def take_new_blocks(self):
@@ -156,9 +156,11 @@ def _following(engine: Recorder, sock: socket.socket) -> tuple[threading.Thread,
     return t, out
 
 
-def _plan(admit: int = 1, chunk: int = 64, fail: list[int] | None = None) -> StepPlan:
-    return StepPlan(fail=fail or [], reject=None, admit=admit, budget=None, chunk=chunk,
-                    held=False)
+def _plan(admit: int = 1, chunk: int = 64, fail: list[int] | None = None,
+          start: list[int] | None = None, tokens: dict[int, int] | None = None
+          ) -> SchedulerOutput:
+    return SchedulerOutput(fail=fail or [], reject=None, admit=admit, budget=None, chunk=chunk,
+                           held=False, start=start or [], tokens=tokens or {})
 
 
 def test_a_follower_applies_rank_0s_requests_and_plans_in_order_then_stops_on_bye():
@@ -168,7 +170,8 @@ def test_a_follower_applies_rank_0s_requests_and_plans_in_order_then_stops_on_by
     sampling = SamplingParams(max_tokens=5, temperature=0.0)
     followers.add("a", [1, 2, 3], sampling, None, None)
     followers.add("b", [4], sampling, None, '{"grammars": []}')
-    followers.plan(_plan(admit=2, chunk=32), step=0, digest=0)
+    followers.plan(_plan(admit=2, chunk=32, start=[0, 1], tokens={0: 2, 1: 1}), step=0,
+                   digest=0)
     followers.abort("a")
     followers.plan(_plan(admit=0, chunk=16, fail=[3]), step=1, digest=1)
     followers.reset("boom")
@@ -181,9 +184,9 @@ def test_a_follower_applies_rank_0s_requests_and_plans_in_order_then_stops_on_by
     assert engine.calls == [
         ("add", "a", [1, 2, 3], 5, None),
         ("add", "b", [4], 5, 'compiled:{"grammars": []}'),
-        ("step", 2, 32, []),
+        ("step", 2, 32, [], [0, 1], {0: 2, 1: 1}),
         ("abort", "a"),
-        ("step", 0, 16, [3]),
+        ("step", 0, 16, [3], [], {}),
         ("reset", "boom"),
     ]
     # Each step's status came back: rank 0 shows where its follower stands.

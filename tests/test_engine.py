@@ -201,11 +201,11 @@ def test_abort_removes_request_and_frees_its_cache(loaded):
     engine.add("gone", encode(tok, PROMPTS[5]), greedy(40, ignore_eos=True))
     for _ in range(4):
         engine.step()
-    with_both = engine.runner.gen.prompt_cache_nbytes
+    with_both = engine.runner.cache_nbytes
     finished = engine.abort("gone")
     assert finished.finish_reason == "abort"
     assert "gone" not in engine.requests
-    assert engine.runner.gen.prompt_cache_nbytes < with_both
+    assert engine.runner.cache_nbytes < with_both
     res = run(engine)
     assert "gone" not in res and res["keep"]["finish"].finish_reason == "length"
 
@@ -281,7 +281,7 @@ def test_hybrid_requests_joining_a_running_batch_match_each_alone(tiny_hybrid_di
     prompt token a row of the decode step), each as mlx-lm generates it alone."""
     model, tok = load(str(tiny_hybrid_dir))
     engine = Engine(model, tok, engine_config(prefill_step_size=4))
-    assert not engine.runner.gen.mixed
+    assert not engine.runner.mixed
     prompts = [encode(tok, p) for p in PROMPTS[:3]]
     results = run_arriving(engine, prompts, 12)
     for i, p in enumerate(prompts):
@@ -334,7 +334,7 @@ def test_a_long_prompt_is_prefilled_in_budgeted_chunks_while_streams_decode(load
 
     engine = Engine(model, tok, engine_config(prefill_step_size=512, prefill_interleave=1.0,
                                               mixed_step=mixed))
-    assert engine.runner.gen.mixed is mixed
+    assert engine.runner.mixed is mixed
     floor = MIN_MIXED_CHUNK if mixed else MIN_PREFILL_CHUNK
     # Fixed timings so the budget is known: 8 tokens a step (mixed: the floor is 8 too),
     # raised to the floor (MIN_PREFILL_CHUNK).
@@ -379,7 +379,7 @@ def test_a_short_prompt_is_never_split_even_beside_a_long_one(loaded):
     # Three streams, more than the two prompts: the budget holds (schedule.first_tokens_first).
     for i in range(3):
         engine.add(f"decoder{i}", encode(tok, PROMPTS[i]), greedy(400, ignore_eos=True))
-    while len(engine.runner.gen._generation_batch) < 3:
+    while engine.runner.decoding < 3:
         engine.step()
     long_prompt = encode(tok, " ".join(PROMPTS) * 3)
     short = encode(tok, " ".join(reversed(PROMPTS)))[:40]
@@ -393,7 +393,7 @@ def test_a_short_prompt_is_never_split_even_beside_a_long_one(loaded):
     # Both joined with a chunk the size of the short prompt's rest: the short one prefilled
     # all of it (its last token too: the step samples its first token), the long one that
     # chunk.
-    assert engine.runner.gen.mixed
+    assert engine.runner.mixed
     assert engine.prefill_tokens - before == len(short) + len(short)
     assert "short" in engine.requests and engine.requests["short"].generated == 1
     for rid in list(engine.requests):

@@ -14,18 +14,19 @@ from pathlib import Path
 import jsonschema
 import mlx.core as mx
 import pytest
-from mlx_lm.generate import StopSequences
+from engine_helpers import engine_config
+from mlx_lm.sample_utils import greedy_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.tool_parsers import json_tools, mistral, qwen3_coder
 from reference import PROMPTS, reference_tokens
 
-from actors.engine.batch import MixedBatchGenerator
 from actors.engine.grammar import (
     Constraint,
     GrammarError,
     Grammars,
     thinking_budget_processor,
 )
+from actors.engine.runner import Runner
 from actors.messages import OutputFormat, ToolChoice
 
 PET = {
@@ -639,11 +640,11 @@ def test_thinking_budget_finishes_an_end_tag_the_model_began(tokenizer):
     assert mx.argmax(logits).item() == 10 and mx.isinf(logits).sum().item() == width - 1
 
 
-# --- in the batch generator --------------------------------------------------------------
+# --- in the batch ------------------------------------------------------------------------
 
 
 def test_a_constrained_row_in_a_batch_follows_its_grammar_and_leaves_the_others_alone(loaded):
-    """Three prompts decode together in the engine's batch generator; the middle one carries a
+    """Three prompts decode together in the engine's batch (its runner); the middle one carries a
     JSON Schema. Its answer validates; the other two are mlx-lm's greedy answers alone."""
     model, tok = loaded
     schema = {
@@ -660,20 +661,21 @@ def test_a_constrained_row_in_a_batch_follows_its_grammar_and_leaves_the_others_
     constraint = Grammars(tok, vocab_size=model.args.vocab_size).for_format(
         OutputFormat(type="json_schema", schema=schema))
     prompts = [tok.encode(p) for p in PROMPTS[:3]]
-    gen = MixedBatchGenerator(model, completion_batch_size=8, prefill_batch_size=8,
-                              prefill_step_size=64)
-    eos = StopSequences([(t,) for t in tok.eos_token_ids])
-    uids = gen.insert(prompts, max_tokens=[24, 200, 24], stop_sequences=[eos] * 3,
-                      logits_processors=[[], [constraint.processor()], []])
+    runner = Runner(model, engine_config(max_batch_size=8, prefill_batch_size=8,
+                                         prefill_step_size=64))
+    uids = [runner.insert([p], max_tokens=n, cache=None, done=[], sampler=greedy_sampler,
+                          processors=procs, stop_ids=frozenset(tok.eos_token_ids))
+            for p, n, procs in zip(prompts, [24, 200, 24], [[], [constraint.processor()], []],
+                                   strict=True)]
     tokens: dict[int, list[int]] = {u: [] for u in uids}
     finish: dict[int, str] = {}
     while len(finish) < len(uids):
-        for r in gen.next_generated():
+        for r in runner.run(runner.whole_chunks()).responses:
             if r.finish_reason != "stop":
                 tokens[r.uid].append(r.token)
             if r.finish_reason is not None:
                 finish[r.uid] = r.finish_reason
-    gen.close()
+    runner.close()
     assert finish[uids[1]] == "stop"
     jsonschema.validate(json.loads(tok.decode(tokens[uids[1]])), schema)
     for i in (0, 2):

@@ -178,7 +178,7 @@ def test_the_hit_writes_into_the_hot_buffers_in_place(tiny):
     engine.step()  # the prompt's last token, and the first answer token
     engine.step()  # a decode step
     assert engine.blocks.hot.hits == 1
-    layers = engine.runner.gen._generation_batch.prompt_cache
+    layers = engine.runner.decode_cache
     for layer, was in zip(layers, where, strict=True):
         (group,) = getattr(layer, "groups", [layer])
         assert group.keys.shape[2] == size  # not regrown

@@ -42,7 +42,7 @@ def run(engine: Engine, prompts: dict[str, list[int]], limit: int | None,
                 tokens[ev.request_id] += ev.token_ids
             elif isinstance(ev, RequestFinished):
                 finished[ev.request_id] = ev
-        most = max(most, len(engine.runner.gen._prompt_batch))
+        most = max(most, engine.runner.prefilling)
     assert not engine.has_work
     return tokens, finished, most
 

@@ -12,10 +12,10 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 from reference import PROMPTS, reference_tokens
 from tiny_model import make_tiny_model
 
-from actors.engine.batch import MixedBatchGenerator
 from actors.engine.core import Engine
 from actors.engine.forward import mixed_forward, supports_mixed
 from actors.engine.ragged_cache import MERGE_SLACK, RaggedKVCache
+from actors.engine.runner import Runner
 from actors.messages import TokensGenerated
 
 
@@ -56,8 +56,7 @@ def test_llama_shaped_models_are_supported_and_hybrids_are_not(loaded, tiny_hybr
     assert supports_mixed(model)
     hybrid, _ = load(str(tiny_hybrid_dir))
     assert not supports_mixed(hybrid)
-    gen = MixedBatchGenerator(hybrid)
-    assert not gen.mixed  # mlx-lm's own step
+    assert not Runner(hybrid, engine_config()).mixed  # the model's own call
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +68,7 @@ def loaded_qwen3(tmp_path_factory: pytest.TempPathFactory):
 def test_qwen3_takes_the_one_pass_step(loaded_qwen3):
     model, _ = loaded_qwen3
     assert supports_mixed(model)
-    assert MixedBatchGenerator(model).mixed
+    assert Runner(model, engine_config()).mixed
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -220,7 +219,7 @@ def test_a_long_prompt_joining_short_decoders_gets_its_own_group(loaded):
     engine.add("long", long_prompt, greedy(12, ignore_eos=True))
     while "long" not in got:
         step()
-    caches = engine.runner.gen._generation_batch.prompt_cache
+    caches = engine.runner.decode_cache
     assert all(isinstance(c, RaggedKVCache) and len(c.groups) == 2 for c in caches)
     while engine.requests:
         step()
@@ -240,7 +239,7 @@ def test_one_forward_pass_a_step_while_a_prompt_is_prefilled(loaded, monkeypatch
     fix_budget(engine, 16)
     for i, p in enumerate(PROMPTS[:2]):
         engine.add(f"d{i}", encode(tok, p), greedy(200, ignore_eos=True))
-    while len(engine.runner.gen._generation_batch) < 2:
+    while engine.runner.decoding < 2:
         engine.step()
     long_prompt = encode(tok, " ".join(PROMPTS) * 2)
     engine.add("long", long_prompt, greedy(4))
@@ -270,7 +269,7 @@ def test_a_request_aborted_before_its_first_token_leaves_the_batch_clean(loaded)
     assert "b" in engine.requests
     engine.abort("b")
     got = run(engine)["a"]["tokens"]
-    assert len(engine.runner.gen._generation_batch) == 0
+    assert engine.runner.decoding == 0
     full = reference_tokens(model, tok, encode(tok, PROMPTS[0]), 30)
     assert got == full[len(full) - len(got):]
 
@@ -284,7 +283,7 @@ def test_prompts_finishing_at_different_steps_beside_decoders_match_mlx_lm(reque
     fix_budget(engine, 16)
     engine.add("d", encode(tok, PROMPTS[0]), greedy(80, ignore_eos=True))
     early: list[int] = []  # what "d" answered before the others came
-    while not len(engine.runner.gen._generation_batch):
+    while not engine.runner.decoding:
         early += [t for ev in engine.step() if isinstance(ev, TokensGenerated)
                   for t in ev.token_ids]
     prompts = {"long": encode(tok, " ".join(PROMPTS) * 3), "short": encode(tok, PROMPTS[3])}
@@ -313,7 +312,7 @@ def loaded_gemma3(tmp_path_factory: pytest.TempPathFactory):
 def test_gemma3_takes_the_one_pass_step(loaded_gemma3):
     model, _ = loaded_gemma3
     assert supports_mixed(model)
-    assert MixedBatchGenerator(model).mixed
+    assert Runner(model, engine_config()).mixed
 
 
 @pytest.mark.parametrize(("decoding", "prior", "chunk", "steps"), [
@@ -371,7 +370,7 @@ def test_gemma3_takes_one_forward_pass_a_step_while_a_prompt_is_prefilled(
     passes = count_passes(monkeypatch, model)
     engine = Engine(model, tok, engine_config(prefill_step_size=16, prefill_interleave=1.0,
                                               mixed_step=mixed))
-    assert engine.runner.gen.mixed is mixed
+    assert engine.runner.mixed is mixed
     fix_budget(engine, 16)
     decoders = {f"d{i}": encode(tok, p) for i, p in enumerate(PROMPTS[:2])}
     for rid, p in decoders.items():
@@ -383,7 +382,7 @@ def test_gemma3_takes_one_forward_pass_a_step_while_a_prompt_is_prefilled(
             if isinstance(ev, TokensGenerated):
                 got.setdefault(ev.request_id, []).extend(ev.token_ids)
 
-    while len(engine.runner.gen._generation_batch) < 2:
+    while engine.runner.decoding < 2:
         step()
     long_prompt = encode(tok, " ".join(PROMPTS) * 2)
     assert len(long_prompt) > 6 * window
@@ -398,7 +397,7 @@ def test_gemma3_takes_one_forward_pass_a_step_while_a_prompt_is_prefilled(
         assert set(per_step) == {1}
     else:
         assert per_step.count(2) >= len(long_prompt) // 16 - 1
-    caches = engine.runner.gen._generation_batch.prompt_cache
+    caches = engine.runner.decode_cache
     assert not any(isinstance(c, RaggedKVCache) for c in caches)
     while engine.requests:
         step()

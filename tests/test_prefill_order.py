@@ -11,7 +11,7 @@ from engine_helpers import encode, engine_config, greedy, run
 from reference import PROMPTS
 
 from actors.engine.core import Engine
-from actors.engine.schedule import LONG_PROMPT, StepPlan
+from actors.engine.schedule import LONG_PROMPT, SchedulerOutput
 from actors.messages import TokensGenerated
 
 SENTENCE = "The quick brown fox jumps over the lazy dog. "
@@ -90,9 +90,9 @@ class _Plans:
     """Rank 0's channel to its followers (``Engine.mirror``), keeping the plans."""
 
     def __init__(self) -> None:
-        self.plans: list[StepPlan] = []
+        self.plans: list[SchedulerOutput] = []
 
-    def plan(self, plan: StepPlan, step: int, digest: int) -> None:
+    def plan(self, plan: SchedulerOutput, step: int, digest: int) -> None:
         self.plans.append(plan)
 
     def reset(self, reason: str) -> None:
@@ -100,8 +100,8 @@ class _Plans:
 
 
 def test_a_follower_running_rank_0s_plans_starts_the_same_sequences(loaded):
-    """A sharded model's follower runs rank 0's plan, which says how many waiting sequences
-    start, not which: each engine orders its own queue, and they agree."""
+    """A sharded model's follower runs rank 0's plan, which names the waiting sequences that
+    start: each engine orders its own queue, and they agree."""
     model, tok = loaded
     prompts = {**long_prompts(tok), "chat": encode(tok, PROMPTS[0])}
     leader = Engine(model, tok, engine_config(prefill_step_size=128))

@@ -39,7 +39,9 @@ def seq(uid: int, remaining: int, *, whole: int | None = None, in_cache: int = 0
         waited: int = 0) -> Pending:
     chunk = min(remaining, CONFIG.prefill_step_size)
     member = Member(in_cache=in_cache, remaining=remaining, chunk=chunk)
-    return Pending(uid, member, remaining if whole is None else whole, waited)
+    # The prompt's segments as the batch holds them: its last token is one of its own.
+    segments = (remaining - 1, 1) if remaining > 1 else (1,)
+    return Pending(uid, member, remaining if whole is None else whole, segments, waited)
 
 
 def state(**kw) -> StepState:
@@ -352,3 +354,34 @@ def test_the_schedule_loads_without_mlx():
     code = ("import sys, actors.engine.schedule; "
             "assert not [m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')]")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- the plan names who starts and what each sequence runs -----------------------------------
+
+
+def test_the_plan_names_who_starts_and_the_tokens_each_sequence_runs():
+    """Decoding sequences run one token, a prefilling one its chunk, a starting one its first
+    chunk (a short prompt's last token too: its first token comes from that chunk)."""
+    plan = schedule(state(decoding=2, decode_uids=(7, 8), prefilling=[seq(1, 700)],
+                          waiting=[seq(2, 40), seq(3, 30)]))
+    assert (plan.budget, plan.chunk) == (None, 512)
+    assert plan.start == [2, 3]
+    assert plan.tokens == {7: 1, 8: 1, 1: 512, 2: 40, 3: 30}
+
+
+def test_a_last_token_alone_runs_as_one_and_waits_outside_the_chunk_when_told():
+    """A prompt down to its last token runs it (as a decode row); without first tokens from
+    the chunk, a chunk leaves the prompt's last token for the next step."""
+    plan = schedule(state(prefilling=[seq(4, 1)], waiting=[seq(5, 40)]))
+    assert plan.tokens == {4: 1, 5: 40}
+    plan = schedule(state(prefilling=[seq(4, 1)], waiting=[seq(5, 40)],
+                          first_token_in_chunk=False))
+    assert plan.tokens == {4: 1, 5: 39}
+
+
+def test_with_the_batch_full_of_decoding_sequences_the_step_only_decodes():
+    full = tuple(range(100, 100 + CONFIG.max_batch_size))
+    plan = schedule(state(decoding=len(full), decode_uids=full, prefilling=[seq(1, 300)],
+                          waiting=[seq(2, 40)]))
+    assert plan.start == []
+    assert plan.tokens == dict.fromkeys(full, 1)

@@ -128,7 +128,7 @@ def follow(engine: Any, sock: socket.socket, rank: int, grammars: Any = None,
     cannot supply the cached blocks it promised, or rank 0 sent a frame it cannot read."""
     import mlx.core as mx
 
-    from actors.engine.schedule import StepPlan
+    from actors.engine.schedule import SchedulerOutput
     from actors.follower_cache import FollowerCache, SupplyError
 
     lock = threading.Lock()  # answers to probes also go from the disk clerk's thread
@@ -202,8 +202,9 @@ def follow(engine: Any, sock: socket.socket, rank: int, grammars: Any = None,
                               "(token digest %d != %d); exiting", rank, msg.step,
                               engine.last_digest, msg.previous_digest)
                     return 1
-                plan = StepPlan(fail=msg.fail, reject=msg.reject, admit=msg.admit,
-                                budget=msg.budget, chunk=msg.chunk, held=False)
+                plan = SchedulerOutput(fail=msg.fail, reject=msg.reject, admit=msg.admit,
+                                       budget=msg.budget, chunk=msg.chunk, held=False,
+                                       start=msg.start, tokens=msg.tokens)
                 mx.reset_peak_memory()
                 engine.step(plan=plan)
                 cache.after_step()

@@ -233,10 +233,11 @@ class Followers:
         self._broadcast(Abort(request_id=request_id))
 
     def plan(self, plan: Any, step: int, digest: int) -> None:
-        """Called by rank 0's engine with each step's plan (``schedule.StepPlan``) before it
+        """Called by rank 0's engine with each step's plan (``schedule.SchedulerOutput``) before it
         runs it, and the digest of the tokens its last step sampled."""
         self._broadcast(Plan(step=step, fail=plan.fail, reject=plan.reject, admit=plan.admit,
-                             budget=plan.budget, chunk=plan.chunk, previous_digest=digest))
+                             budget=plan.budget, chunk=plan.chunk, previous_digest=digest,
+                             start=plan.start, tokens=plan.tokens))
 
     def reset(self, reason: str) -> None:
         self._broadcast(Reset(reason=reason))

@@ -149,6 +149,8 @@ class Plan(msgspec.Struct, tag=True, frozen=True):
     budget: int | None
     chunk: int
     previous_digest: int
+    start: list[int]
+    tokens: dict[int, int]
 
 
 class Reset(msgspec.Struct, tag=True, frozen=True):

@@ -1,4 +1,4 @@
-"""The batch engine: plain synchronous policy around mlx-lm's ``BatchGenerator``.
+"""The batch engine: plain synchronous policy around troupe's batch (``runner.Runner``).
 
 The scheduler actor owns one ``Engine`` on the MLX thread and calls ``add``, ``abort`` and
 ``step``; everything here runs on that thread. ``step`` returns plain events (``actors.messages``)
@@ -21,7 +21,6 @@ from mlx_lm.sample_utils import (
 )
 
 from actors.engine.agent_output import OutputParser
-from actors.engine.batch import chunk_of
 from actors.engine.config import DEFAULTS, EngineConfig
 from actors.engine.grammar import GrammarProcessor, thinking_budget_processor
 from actors.engine.kv_blocks import (
@@ -42,9 +41,10 @@ from actors.engine.runner import Runner, StepOutput
 from actors.engine.schedule import (
     Memory,
     Pending,
-    StepPlan,
+    SchedulerOutput,
     StepState,
     Waiting,
+    chunk_of,
     schedule,
     start_order,
 )
@@ -356,8 +356,9 @@ class Engine:
     # -- the step ------------------------------------------------------------------------
 
     def step(self, limit: int | None = None, floor: int = 0,
-             plan: StepPlan | None = None) -> list[Event]:
-        """Run one step of the batch (a decode step plus at most one prefill chunk).
+             plan: SchedulerOutput | None = None) -> list[Event]:
+        """Run one step of the batch: ``schedule`` decides, the runner executes, ``update``
+        turns the tokens into events.
 
         ``limit``: bytes of MLX memory the step must stay under (the per-chunk gate; None:
         no gate). Prefilling requests that no longer fit fail alone, and waiting ones join
@@ -368,6 +369,21 @@ class Engine:
         self.cut_pending()
         if not self.requests:
             return []
+        plan, usage = self._schedule(limit, plan)
+        events = self._fail_for_memory(plan, limit, floor, usage)
+        if not self.requests:
+            return events
+        try:
+            out = self.runner.run(plan)
+        except Exception as exc:  # the model step failed: no request in it can go on
+            return events + self._step_failed(exc)
+        self._measured(out, plan)
+        return events + self.update(out)
+
+    def _schedule(self, limit: int | None, plan: SchedulerOutput | None
+                  ) -> tuple[SchedulerOutput, int]:
+        """The step's plan (``plan`` when given: rank 0's, on a follower) and the memory in
+        use it was made with; rank 0's followers are told it before it runs."""
         self._order_waiting()
         usage = 0
         if plan is None:
@@ -375,21 +391,22 @@ class Engine:
         if self.mirror is not None:
             self.mirror.plan(plan, self.steps, self.last_digest)
         self.last_prefill_budget = plan.budget
-        events = self._fail_for_memory(plan, limit, floor, usage)
-        if not self.requests:
-            return events
-        try:
-            out = self.runner.run(plan)
-        except Exception as exc:  # the model step failed: no request in it can go on
-            log.exception("batch step failed; failing %d requests", len(self.requests))
-            if self.mirror is not None:
-                self.mirror.reset(f"rank 0's step failed: {exc}")
-            return events + self.reset(f"engine step failed: {exc}")
-        self._measured(out, plan)
-        # The blocks this step's prefill completed are cut after its tokens are answered
-        # (``cut_pending``).
+        return plan, usage
+
+    def _step_failed(self, exc: Exception) -> list[Event]:
+        """Every request fails and the batch starts afresh (followers too)."""
+        log.exception("batch step failed; failing %d requests", len(self.requests))
+        if self.mirror is not None:
+            self.mirror.reset(f"rank 0's step failed: {exc}")
+        return self.reset(f"engine step failed: {exc}")
+
+    def update(self, out: StepOutput) -> list[Event]:
+        """The step's results as events: each sampled token appended to its request (text,
+        stop strings, tool calls, finishing); the blocks its prefill completed are cut after
+        the tokens are answered (``cut_pending``)."""
         if self.caching:
             self._to_cut = [r for r in out.prompt_responses if r.end_of_segment]
+        events: list[Event] = []
         for resp in out.responses:
             req = self._by_uid.get(resp.uid)
             if req is None:
@@ -402,7 +419,7 @@ class Engine:
                 events.append(self._finish(req, "error", error=str(exc), kind="internal"))
         return events
 
-    def _plan(self, limit: int | None) -> tuple[StepPlan, int]:
+    def _plan(self, limit: int | None) -> tuple[SchedulerOutput, int]:
         """The step's plan from ``schedule``, and the memory in use it was made with. When the
         gate held something back, MLX's allocator cache (memory it can give back) is given
         back first and the step planned again."""
@@ -441,18 +458,21 @@ class Engine:
     def _state(self, memory: Memory | None) -> StepState:
         """Where the batch stands, in the plain numbers ``schedule`` takes."""
         runner = self.runner
-        prefilling = [Pending(uid, self._member(uid, segments, in_cache), whole)
+        prefilling = [Pending(uid, self._member(uid, segments, in_cache), whole,
+                              segments=tuple(len(s) for s in segments))
                       for uid, segments, whole, in_cache in runner.prefill_rows()]
         waiting = []
         for uid, segments, in_cache in runner.waiting_rows(self.config.prefill_batch_size):
             member = self._member(uid, segments, in_cache)
-            waiting.append(Pending(uid, member, member.remaining, self._waited(uid)))
+            waiting.append(Pending(uid, member, member.remaining,
+                                   tuple(len(s) for s in segments), self._waited(uid)))
         return StepState(
             config=self.config, mixed=runner.mixed, decoding=runner.decoding,
             decode_len=runner.decode_len, prefilling=prefilling, waiting=waiting,
-            decode_s=self._decode_s, token_s=self._token_s, memory=memory)
+            decode_s=self._decode_s, token_s=self._token_s, memory=memory,
+            decode_uids=runner.decode_uids, first_token_in_chunk=runner.first_token_in_chunk)
 
-    def _measured(self, out: StepOutput, plan: StepPlan) -> None:
+    def _measured(self, out: StepOutput, plan: SchedulerOutput) -> None:
         """Count the step and learn its timings."""
         self.steps += 1
         self.last_digest = _digest(out.responses)
@@ -649,7 +669,8 @@ class Engine:
         """Where one sequence stands, for the gate: its cache, what is left of its prompt,
         its next chunk, and the prefix-cache blocks it cuts next step and until it ends."""
         remaining = sum(len(seg) for seg in segments)
-        chunk = chunk_of(segments, self.prefill_step_size, self.runner.mixed)[0] \
+        chunk = chunk_of([len(s) for s in segments], self.prefill_step_size,
+                         self.runner.mixed)[0] \
             if segments else 0
         req = self._by_uid.get(uid)
         cut_now = blocks_left = 0
@@ -662,7 +683,7 @@ class Engine:
         return Member(in_cache=in_cache, remaining=remaining, chunk=chunk, cut_now=cut_now,
                       blocks_left=blocks_left)
 
-    def _fail_for_memory(self, plan: StepPlan, limit: int | None, floor: int, usage: int
+    def _fail_for_memory(self, plan: SchedulerOutput, limit: int | None, floor: int, usage: int
                          ) -> list[Event]:
         """Take the requests the plan fails or rejects for want of memory out of the batch,
         freeing their caches."""

@@ -17,7 +17,7 @@ class RaggedKVCache:
     the whole cache as it joins) and every decode step attends over 2,000 positions for each
     of them. Here a joining batch becomes a group of its own unless merging costs little
     padding; attention runs per group (``mixed_forward``) while the projections still take
-    every row at once. Rows are the groups' rows in order, which ``GenerationBatch``'s
+    every row at once. Rows are the groups' rows in order, which ``batch.Rows``'s
     order-keeping ``extend`` (append) and ``filter`` (sorted indices) preserve.
     """
 
@@ -119,16 +119,15 @@ def _merge_into(a: Any, b: Any) -> None:
         a.extend(b)
         return
     na, nb = _rows(a), _rows(b)
-    top = max(a._idx, b._idx)
+    ia, ib = a.size(), b.size()  # the positions in use (the buffers have room to grow)
+    top = max(ia, ib)
     size = max(a.keys.shape[2], b.keys.shape[2])
     merged = []
     for xa, xb in ((a.keys, b.keys), (a.values, b.values)):
         out = mx.zeros((na + nb, *xa.shape[1:2], size, xa.shape[3]), xa.dtype)
-        out[:na, :, top - a._idx:top, :] = xa[..., :a._idx, :]
-        out[na:, :, top - b._idx:top, :] = xb[..., :b._idx, :]
+        out[:na, :, top - ia:top, :] = xa[..., :ia, :]
+        out[na:, :, top - ib:top, :] = xb[..., :ib, :]
         merged.append(out)
-    a.keys, a.values = merged
-    a.offset = mx.concatenate([a.offset, b.offset])
-    a.left_padding = mx.concatenate([a.left_padding + (top - a._idx),
-                                     b.left_padding + (top - b._idx)])
-    a._idx = top
+    # ``state`` is (keys, values, offset, left padding, positions in use).
+    a.state = (*merged, mx.concatenate([a.offset, b.offset]),
+               mx.concatenate([a.left_padding + (top - ia), b.left_padding + (top - ib)]), top)

@@ -1,55 +1,121 @@
-"""The runner: runs the batch's model steps under the schedule's plans.
+"""The runner: troupe's batch on the MLX thread, stepped under the schedule's plans.
 
-It owns the generator, ``MixedBatchGenerator`` (actors/engine/batch.py): mlx-lm's
-``BatchGenerator`` with one forward pass a step for the architectures
-``forward.supports_mixed`` names, and the model's own call for every other. It is the one
-place the engine reaches into the generator's batch: what is waiting, prefilling and
-decoding, handed to ``schedule`` as plain numbers.
+It owns the sequences (``batch.Sequence``) waiting, prefilling and decoding, their batched
+caches (``batch.Rows``), and the step: one forward pass of the decode rows and the prefill
+chunk together for the architectures ``forward.supports_mixed`` names, the model's own call
+for every other, and the sampling of each row's logits with the request's sampler and logits
+processors (mlx-lm's public ``sample_utils``). What is waiting, prefilling and decoding is
+handed to ``schedule`` as plain numbers.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from mlx_lm.generate import StopSequences
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+from mlx_lm.models.cache import BatchKVCache, TokenBuffer, make_prompt_cache
+from mlx_lm.sample_utils import greedy_sampler
+from mlx_lm.utils import maybe_set_recommended_wired_limit
 
-from actors.engine.batch import MixedBatchGenerator
+from actors.engine.batch import (
+    PROMPT_CACHE_STEP,
+    Rows,
+    Sequence,
+    Status,
+    merge_caches,
+    roll_right_padding,
+    split_last,
+)
 from actors.engine.config import EngineConfig
+from actors.engine.forward import forward, supports_mixed
+from actors.engine.memory_estimate import Member
+from actors.engine.schedule import (
+    Pending,
+    SchedulerOutput,
+    StepState,
+    max_decoding,
+    name_tokens,
+)
+
+# Every this many decode steps MLX's allocator cache is given back (as mlx-lm's generator).
+CLEAR_CACHE_STEPS = 512
+
+
+class Prefilled(NamedTuple):
+    """A prefilling sequence's progress in a step: prompt tokens run of its uncached prompt,
+    whether its chunk ended a segment (a place its blocks are cut), and its prompt."""
+
+    uid: int
+    progress: tuple[int, int]
+    end_of_segment: bool
+    end_of_prompt: bool
+
+
+class Sampled(NamedTuple):
+    """A token a step sampled for a sequence. A sequence that finished (``finish_reason``
+    "length" or "stop") left the batch with its cache and the tokens in it."""
+
+    uid: int
+    token: int
+    logprobs: mx.array
+    finish_reason: str | None
+    prompt_cache: list[Any] | None
+    all_tokens: list[int] | None
 
 
 class StepOutput(NamedTuple):
-    """What one step did: the generator's prompt and token responses, the prompt tokens it
-    ran through the model, how many sequences decoded, and its wall time in seconds."""
+    """What one step did: the prefilling sequences' progress, the tokens sampled, the prompt
+    tokens it ran through the model, how many sequences decoded, and its wall time in
+    seconds."""
 
-    prompt_responses: list[Any]
-    responses: list[Any]
+    prompt_responses: list[Prefilled]
+    responses: list[Sampled]
     prefilled: int
     decoding: int
     wall: float
+
+
+class _Chunk(NamedTuple):
+    """A prefill chunk as one forward pass takes it: the rows' tokens, right padded to the
+    longest, each row's padding, and the flattened rows that end a prompt."""
+
+    tokens: mx.array
+    padding: list[int]
+    ends: list[int]
+
+
+class Batch:
+    """The sequences of one batch: waiting (in the order they start), prefilling rows and
+    decoding rows. Row caches are ragged (``RaggedKVCache``) for a one-pass model."""
+
+    def __init__(self, ragged: bool) -> None:
+        self.waiting: deque[Sequence] = deque()
+        self.prefill = Rows()
+        self.decode = Rows(decode=True, ragged=ragged)
+        self.next_uid = 0
+        self.decode_steps = 0
 
 
 class Runner:
     """The batch on the MLX thread: sequences join (``insert``), leave (``remove``), and
     step (``run``) under a plan."""
 
+    # With mixed steps, a prompt's first token is sampled from the chunk that runs its last
+    # prompt token (False: that token waits for a decode step, one step later; for
+    # benchmarks/bench_first_token.py's comparison).
+    first_token_in_chunk = True
+
     def __init__(self, model: Any, config: EngineConfig, stream: Any = None) -> None:
         self.model = model
         self.config = config
-        self._kwargs = dict(
-            completion_batch_size=config.max_batch_size,
-            prefill_batch_size=config.prefill_batch_size,
-            prefill_step_size=config.prefill_step_size,
-            stream=stream,
-            mixed=config.mixed_step,
-        )
-        self.gen = MixedBatchGenerator(model, **self._kwargs)
-
-    @property
-    def mixed(self) -> bool:
-        """Whether a step is one forward pass (the architecture is one ``forward`` knows)."""
-        return self.gen.mixed
+        self.stream = stream or generation_stream
+        self.mixed = config.mixed_step and supports_mixed(model)
+        self._old_wired_limit = maybe_set_recommended_wired_limit()
+        self.batch = Batch(self.mixed)
 
     # -- who is in the batch ---------------------------------------------------------------
 
@@ -58,117 +124,410 @@ class Runner:
                stop_ids: frozenset[int]) -> int:
         """Queue one sequence: its prompt still to run, in ``segments`` (split where blocks
         must be cut), after ``done`` tokens already in ``cache``. Returns its uid."""
-        (uid,) = self.gen.insert_segments(
-            [segments], max_tokens=[max_tokens], caches=[cache], all_tokens=[done],
-            samplers=[sampler], logits_processors=[processors],
-            stop_sequences=[StopSequences([(t,) for t in stop_ids] or None)])
-        return uid
+        return self._insert(self.batch, segments, max_tokens=max_tokens, cache=cache,
+                            done=done, sampler=sampler, processors=processors,
+                            stop_ids=stop_ids)
+
+    def _insert(self, batch: Batch, segments: list[list[int]], *, max_tokens: int, cache: Any,
+                done: list[int], sampler: Callable[[mx.array], mx.array],
+                processors: list[Any], stop_ids: frozenset[int]) -> int:
+        segments = split_last(segments)
+        seq = Sequence(uid=batch.next_uid, segments=segments,
+                       total=sum(len(s) for s in segments), tokens=list(done),
+                       cache=cache if cache is not None else make_prompt_cache(self.model),
+                       sampler=sampler, processors=tuple(processors), stop_ids=stop_ids,
+                       max_tokens=max_tokens)
+        batch.next_uid += 1
+        batch.waiting.append(seq)
+        return seq.uid
 
     def remove(self, uid: int) -> None:
-        self.gen.remove([uid])
+        batch = self.batch
+        if any(s.uid == uid for s in batch.waiting):
+            # A new queue, swapped in whole: ``waiting`` is read from other threads.
+            batch.waiting = deque(s for s in batch.waiting if s.uid != uid)
+            return
+        for rows in (batch.prefill, batch.decode):
+            i = rows.index(uid)
+            if i is not None:
+                rows.filter([j for j in range(len(rows)) if j != i])
+                return
 
     def holds(self, uid: int) -> bool:
-        return bool(self.gen._find_uids([uid]))
+        batch = self.batch
+        return (any(s.uid == uid for s in batch.waiting) or batch.prefill.index(uid) is not None
+                or batch.decode.index(uid) is not None)
 
     def extract_cache(self, uid: int) -> tuple[list[Any], list[int]]:
         """The sequence's cache, per layer, and the tokens in it."""
-        return self.gen.extract_cache([uid])[uid]
+        batch = self.batch
+        for rows in (batch.decode, batch.prefill):
+            i = rows.index(uid)
+            if i is not None:
+                return rows.extract(i), rows.seqs[i].tokens
+        seq = next(s for s in batch.waiting if s.uid == uid)
+        return seq.cache, seq.tokens
 
     @property
     def waiting(self) -> int:
-        return len(self.gen._unprocessed_sequences)
+        return len(self.batch.waiting)
 
     @property
     def prefilling(self) -> int:
-        return len(self.gen._prompt_batch)
+        return len(self.batch.prefill)
 
     @property
     def decoding(self) -> int:
-        return len(self.gen._generation_batch)
+        return len(self.batch.decode)
+
+    @property
+    def decode_uids(self) -> tuple[int, ...]:
+        """The decoding sequences, in row order."""
+        return tuple(self.batch.decode.uids)
+
+    @property
+    def decode_cache(self) -> list[Any]:
+        """The decode rows' caches, one per layer."""
+        return self.batch.decode.cache
+
+    @property
+    def cache_nbytes(self) -> int:
+        """Bytes of every sequence's cache: waiting, prefilling and decoding."""
+        batch = self.batch
+        return (sum(c.nbytes for s in batch.waiting for c in s.cache)
+                + batch.prefill.nbytes + batch.decode.nbytes)
 
     @property
     def decode_len(self) -> int:
         """The longest context among the decoding sequences."""
-        return max((len(t) for t in self.gen._generation_batch.tokens), default=0)
+        return max((len(s.tokens) for s in self.batch.decode.seqs), default=0)
 
     def prefill_rows(self) -> list[tuple[int, list[list[int]], int, int]]:
         """Each prefilling sequence: (uid, its prompt segments still to run, its whole
         uncached prompt, tokens already in its cache)."""
-        batch = self.gen._prompt_batch
-        return [(uid, seq[0], seq[2], len(tokens)) for uid, seq, tokens in
-                zip(batch.uids, self.gen._currently_processing, batch.tokens, strict=True)]
+        return [(s.uid, s.segments, s.total, len(s.tokens)) for s in self.batch.prefill.seqs]
 
     def waiting_rows(self, n: int) -> list[tuple[int, list[list[int]], int]]:
         """The first ``n`` waiting sequences: (uid, prompt segments, tokens already cached)."""
-        # An unprocessed sequence: (uid, segments, max_tokens, cache, cached tokens, ...).
-        return [(seq[0], seq[1], len(seq[4])) for seq in
-                list(self.gen._unprocessed_sequences)[:n]]
+        return [(s.uid, s.segments, len(s.tokens)) for s in list(self.batch.waiting)[:n]]
 
     def waiting_lengths(self) -> list[tuple[int, int]]:
         """Every waiting sequence, in the order it would start: (uid, prompt tokens to run)."""
-        return [(seq[0], sum(len(s) for s in seq[1])) for seq in self.gen._unprocessed_sequences]
+        return [(s.uid, s.remaining) for s in self.batch.waiting]
 
     def order_waiting(self, uids: list[int]) -> None:
-        """Reorder the waiting sequences (``uids``: all of theirs): the generator starts
-        them from the front of its queue, in arrival order unless told otherwise here."""
-        queue = self.gen._unprocessed_sequences
-        if [seq[0] for seq in queue] != uids:
-            by_uid = {seq[0]: seq for seq in queue}
+        """Reorder the waiting sequences (``uids``: all of theirs): a step starts them from
+        the front of the queue, in arrival order unless told otherwise here."""
+        batch = self.batch
+        if [s.uid for s in batch.waiting] != uids:
+            by_uid = {s.uid: s for s in batch.waiting}
             # A new queue, swapped in whole: ``waiting`` is read from other threads.
-            self.gen._unprocessed_sequences = deque(by_uid[uid] for uid in uids)
+            batch.waiting = deque(by_uid[uid] for uid in uids)
 
     def prefilled_tokens(self) -> dict[int, int]:
         """Tokens each prefilling sequence holds; safe to call from another thread (the
-        containers are copied with ``list()``, which does not yield the GIL)."""
-        batch = self.gen._prompt_batch
-        uids, held = list(batch.uids), list(batch.tokens)
-        return {uid: len(tokens) for uid, tokens in zip(uids, held, strict=False)}
+        container is copied with ``list()``, which does not yield the GIL)."""
+        return {s.uid: len(s.tokens) for s in list(self.batch.prefill.seqs)}
 
     # -- the step --------------------------------------------------------------------------
 
-    def run(self, plan: Any) -> StepOutput:
-        """One step under ``plan`` (``schedule.StepPlan``): at most ``admit`` waiting
-        sequences start prefilling (the first of the queue, as ``order_waiting`` left it),
-        each prefilling sequence runs ``chunk`` prompt tokens."""
-        gen = self.gen
-        counted = gen._counters.prompt_tokens
-        decoding = len(gen._generation_batch)
-        # BatchGenerator takes min(prefill_batch_size - prefilling, ...) new sequences.
-        gen.prefill_batch_size = len(gen._prompt_batch) + plan.admit
-        self._set_chunk(plan.chunk)
+    def run(self, plan: SchedulerOutput) -> StepOutput:
+        """One step under ``plan``: the waiting sequences it names in ``start`` start
+        prefilling, and each sequence runs the tokens ``plan.tokens`` gives it."""
+        decoding = len(self.batch.decode)
         began = time.perf_counter()
-        try:
-            prompt_responses, responses = gen.next()
-        finally:
-            gen.prefill_batch_size = self.config.prefill_batch_size
-            self._set_chunk(self.config.prefill_step_size)
-        return StepOutput(prompt_responses, responses, gen._counters.prompt_tokens - counted,
-                          decoding, time.perf_counter() - began)
+        with mx.stream(self.stream):
+            prompt_responses, responses, prefilled = self._step(self.batch, plan)
+        return StepOutput(prompt_responses, responses, prefilled, decoding,
+                          time.perf_counter() - began)
 
-    def _set_chunk(self, n: int) -> None:
-        self.gen.prefill_step_size = n
-        self.gen._prompt_batch.prefill_step_size = n
+    def whole_chunks(self) -> SchedulerOutput:
+        """A plan without the engine's policy: waiting sequences start while prefill slots
+        are free and each prefilling one runs a whole chunk (for a batch stepped without an
+        engine: the warm-up, tests, the benchmarks' ceiling)."""
+        return self._whole_chunks(self.batch)
+
+    def _whole_chunks(self, batch: Batch) -> SchedulerOutput:
+        cfg = self.config
+
+        def pending(s: Sequence) -> Pending:
+            member = Member(in_cache=len(s.tokens), remaining=s.remaining, chunk=0)
+            return Pending(s.uid, member, s.total, tuple(len(g) for g in s.segments))
+
+        prefilling = [pending(s) for s in batch.prefill.seqs]
+        waiting = [pending(s) for s in list(batch.waiting)[:cfg.prefill_batch_size]]
+        state = StepState(config=cfg, mixed=self.mixed, decoding=len(batch.decode),
+                          decode_len=0, prefilling=prefilling, waiting=waiting, decode_s=None,
+                          token_s=None, decode_uids=tuple(batch.decode.uids),
+                          first_token_in_chunk=self.first_token_in_chunk)
+        admit = cfg.prefill_batch_size - len(prefilling)
+        start, tokens = name_tokens(state, prefilling, waiting, admit, cfg.prefill_step_size)
+        return SchedulerOutput(fail=[], reject=None, admit=admit, budget=None,
+                               chunk=cfg.prefill_step_size, held=False, start=start,
+                               tokens=tokens)
+
+    def _step(self, batch: Batch, plan: SchedulerOutput
+              ) -> tuple[list[Prefilled], list[Sampled], int]:
+        """The step: sequences start, those down to their last prompt token join the decode
+        rows (that token is their first input), each prefilling row takes its next chunk,
+        and the model runs: decode rows and chunk in one pass (mixed), else the decode step
+        and then the chunk in a call of its own. Returns the prompt progress, the tokens
+        sampled and the prompt tokens run."""
+        pre, dec = batch.prefill, batch.decode
+        if len(dec) >= max_decoding(self.config):
+            return [], self._decode(batch, None)[0], 0
+        self._admit(batch, plan.start)
+        progress = self._join_decode(batch)
+        prompts, ends = self._next_chunks(pre, plan.tokens, progress)
+        prefilled = sum(len(p) for p in prompts)
+        if not self.mixed:
+            responses = self._decode(batch, None)[0] if len(dec) else []
+            self._prefill(pre, prompts, plan.chunk)
+            return progress, responses, prefilled
+        ride = self._ride(pre, prompts, ends) if prompts else None
+        responses: list[Sampled] = []
+        ended = None
+        try:
+            if len(dec):
+                responses, ended = self._decode(batch, ride)
+            elif ride is not None:
+                _, ended = forward(self.model, None, None, ride.tokens, pre.cache, ride.ends)
+                mx.eval([c.state for c in pre.cache], [] if ended is None else ended)
+                mx.clear_cache()
+        finally:
+            if ride is not None and max(ride.padding) > 0:
+                for c in pre.cache:
+                    roll_right_padding(c, ride.padding)
+        if ends:
+            responses += self._first_tokens(batch, ends, ended)
+        return progress, responses, prefilled
+
+    def _admit(self, batch: Batch, start: list[int]) -> None:
+        """The waiting sequences ``start`` (uids, in order) join the prefill rows, their
+        caches merged."""
+        pre = batch.prefill
+        if start:
+            by_uid = {s.uid: s for s in batch.waiting}
+            rows = Rows()
+            rows.seqs = [by_uid.pop(uid) for uid in start]
+            # A new queue, swapped in whole: ``waiting`` is read from other threads.
+            batch.waiting = deque(s for s in batch.waiting if s.uid in by_uid)
+            rows.cache = merge_caches([s.cache for s in rows.seqs])
+            for s in rows.seqs:
+                s.cache, s.status = None, Status.PREFILLING
+            pre.extend(rows)
+        for c in pre.cache:
+            if type(c) is BatchKVCache:
+                small = c.keys is None or c.keys.shape[2] < BatchKVCache.step
+                c.step = PROMPT_CACHE_STEP if small else BatchKVCache.step
+
+    def _join_decode(self, batch: Batch) -> list[Prefilled]:
+        """Prefilling sequences down to their last prompt token join the decode rows without
+        a model call of their own: that token is their input in the step's decode rows."""
+        pre = batch.prefill
+        done = [i for i, s in enumerate(pre.seqs)
+                if len(s.segments) == 1 and len(s.segments[0]) == 1]
+        if not done:
+            return []
+        part = pre.take(done)
+        for s in part.seqs:
+            s.next_input = s.segments.pop()[0]
+            s.status = Status.DECODING
+        batch.decode.extend(part)
+        return [Prefilled(s.uid, (s.total, s.total), True, True) for s in part.seqs]
+
+    def _next_chunks(self, pre: Rows, tokens: dict[int, int], progress: list[Prefilled]
+                     ) -> tuple[list[list[int]], list[int]]:
+        """Each prefilling row's next chunk: ``tokens[uid]`` of its first segment, and past
+        that segment's end the prompt's last token (``schedule.chunk_of``), and the rows whose
+        chunk ends their prompt. Progress is appended to ``progress``."""
+        prompts: list[list[int]] = []
+        ends: list[int] = []
+        for i, s in enumerate(pre.seqs):
+            segments = s.segments
+            n = tokens[s.uid]
+            k = min(len(segments[0]), n)
+            prompt = segments[0][:k]
+            segments[0] = segments[0][k:]
+            end_of_segment = end_of_prompt = False
+            if not segments[0]:
+                segments.pop(0)
+                end_of_segment = True
+                if n > k:  # the chunk takes the last prompt token, a segment of its own
+                    prompt = prompt + segments.pop()
+                    end_of_prompt = True
+                    ends.append(i)
+            s.done += len(prompt)
+            prompts.append(prompt)
+            progress.append(Prefilled(s.uid, (s.done, s.total), end_of_segment, end_of_prompt))
+        return prompts, ends
+
+    def _ride(self, pre: Rows, prompts: list[list[int]], ends: list[int]) -> _Chunk:
+        """The chunk as the step's forward pass takes it (rows right padded to the longest);
+        the rows' tokens are in their caches from this step on."""
+        for s, new in zip(pre.seqs, prompts, strict=True):
+            s.tokens += new
+        lengths = [len(p) for p in prompts]
+        longest = max(lengths)
+        padding = [longest - n for n in lengths]
+        if max(padding) > 0:
+            tokens = _right_pad(prompts, longest)
+            for c in pre.cache:
+                # A plain batch cache's padding is rolled by ``roll_right_padding``; other
+                # kinds (rotating) keep what they need for their own ``finalize``.
+                if type(c) is not BatchKVCache:
+                    c.prepare(lengths=lengths, right_padding=padding)
+        else:
+            tokens = mx.array(prompts)
+        # Rows of the flattened chunk: each ending prompt's last token.
+        return _Chunk(tokens, padding, [i * longest + lengths[i] - 1 for i in ends])
+
+    def _prefill(self, pre: Rows, prompts: list[list[int]], step: int) -> None:
+        """The chunk in a model call of its own, as mlx-lm's ``PromptProcessingBatch.prompt``
+        runs it (right padded, in pieces of at most ``step`` tokens)."""
+        if not prompts:
+            return
+        for s, new in zip(pre.seqs, prompts, strict=True):
+            s.tokens += new
+        lengths = [len(p) for p in prompts]
+        longest = max(lengths)
+        padding = [longest - n for n in lengths]
+        if max(padding) > 0:
+            tokens = _right_pad(prompts, longest)
+            for c in pre.cache:
+                c.prepare(lengths=lengths, right_padding=padding)
+        else:
+            tokens = mx.array(prompts)
+        while tokens.shape[1] > 0:
+            self.model(tokens[:, :step], cache=pre.cache)
+            mx.eval([c.state for c in pre.cache])
+            mx.clear_cache()
+            tokens = tokens[:, step:]
+        if max(padding) > 0:
+            for c in pre.cache:
+                c.finalize()
+            mx.eval([c.state for c in pre.cache])
+            mx.clear_cache()
+
+    def _decode(self, batch: Batch, ride: _Chunk | None
+                ) -> tuple[list[Sampled], mx.array | None]:
+        """The decode rows' step (the chunk ``ride`` in the same pass), its tokens sampled;
+        finished rows leave. Also returns the logits of the chunk's rows that end a prompt
+        (None: none do)."""
+        dec = batch.decode
+        inputs = mx.array([s.next_input for s in dec.seqs], dtype=mx.uint32)
+        ended = None
+        if self.mixed:
+            chunk = (ride.tokens, batch.prefill.cache, ride.ends) if ride else (None, None, ())
+            logits, ended = forward(self.model, inputs[:, None], dec.cache, *chunk)
+        else:
+            logits = self.model(inputs[:, None], cache=dec.cache)
+        tokens, logprobs = self._sample(dec.seqs, inputs, logits[:, -1, :])
+        for s, t in zip(dec.seqs, inputs.tolist(), strict=True):
+            s.tokens.append(t)
+        responses = _finish(dec, tokens, logprobs)
+        batch.decode_steps += 1
+        if batch.decode_steps % CLEAR_CACHE_STEPS == 0:
+            mx.clear_cache()
+        return responses, ended
+
+    def _first_tokens(self, batch: Batch, rows: list[int], logits: mx.array) -> list[Sampled]:
+        """The first tokens of the prefill ``rows`` whose prompts ended in this step's chunk,
+        sampled from ``logits`` (the chunk's, at their last tokens) as a decode step samples;
+        the sequences that go on join the decode rows, their first token their next input."""
+        part = batch.prefill.take(rows)
+        # The last prompt token is the input these logits answer, as a decode step's is.
+        inputs = mx.array([s.tokens.pop() for s in part.seqs], dtype=mx.uint32)
+        tokens, logprobs = self._sample(part.seqs, inputs, logits)
+        for s, t in zip(part.seqs, inputs.tolist(), strict=True):
+            s.tokens.append(t)
+            s.status = Status.DECODING
+        responses = _finish(part, tokens, logprobs)
+        batch.decode.extend(part)
+        return responses
+
+    def _sample(self, seqs: list[Sequence], inputs: mx.array, logits: mx.array
+                ) -> tuple[list[int], mx.array]:
+        """Each row's token from its logits ([rows, vocab]): the row's logits processors (over
+        the tokens so far and ``inputs``, the tokens these logits answer), then its sampler on
+        the log-probabilities, in one call when every row shares the sampler (greedy)."""
+        contexts = []
+        if any(s.processors for s in seqs):
+            rows = []
+            for e, s in enumerate(seqs):
+                row = logits[e:e + 1]
+                if s.processors:
+                    if s.context is None:
+                        s.context = TokenBuffer(s.tokens)
+                    context = s.context.update_and_fetch(inputs[e:e + 1])
+                    contexts.append(context)
+                    for processor in s.processors:
+                        row = processor(context, row)
+                rows.append(row)
+            logits = mx.concatenate(rows, axis=0)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        samplers = [s.sampler for s in seqs]
+        if all(f is samplers[0] for f in samplers):
+            sampled = samplers[0](logprobs)
+        else:
+            sampled = mx.concatenate([f(logprobs[e:e + 1]) for e, f in enumerate(samplers)],
+                                     axis=0)
+        mx.eval(sampled, logprobs, contexts)
+        return sampled.tolist(), logprobs
 
     def reset(self) -> None:
         """A fresh batch: the old one's state is not trustworthy after a failed step."""
-        self.gen = MixedBatchGenerator(self.model, **self._kwargs)
+        self.batch = Batch(self.mixed)
 
     def warm_up(self, ids: list[int]) -> None:
-        """A few tokens through a throwaway generator of the same settings (two prompts
-        prefilled together, a third joining while they decode), so that MLX builds its
-        run-time compiled kernels now; this runner's batch is unchanged."""
-        gen = MixedBatchGenerator(self.model, **self._kwargs)
-        try:
-            gen.insert([ids[:5], ids[:9]], max_tokens=[4, 4])
+        """A few tokens through a throwaway batch of the same settings (two prompts prefilled
+        together, a third joining while they decode), so that MLX builds its run-time
+        compiled kernels now; this runner's batch is unchanged."""
+        batch = Batch(self.mixed)
+
+        def add(prompt: list[int], n: int) -> None:
+            self._insert(batch, [prompt], max_tokens=n, cache=None, done=[],
+                         sampler=greedy_sampler, processors=[], stop_ids=frozenset())
+
+        add(ids[:5], 4)
+        add(ids[:9], 4)
+        with mx.stream(self.stream):
             for step in range(16):
                 if step == 1:
-                    gen.insert([ids[2:12]], max_tokens=[3])
-                prompt_responses, responses = gen.next()
-                if step > 1 and not (prompt_responses or responses or len(gen._generation_batch)
-                                     or gen._unprocessed_sequences):
+                    add(ids[2:12], 3)
+                progress, responses, _ = self._step(batch, self._whole_chunks(batch))
+                if step > 1 and not (progress or responses or len(batch.decode)
+                                     or batch.waiting):
                     break
-        finally:
-            gen.close()
 
     def close(self) -> None:
-        self.gen.close()
+        if self._old_wired_limit is not None:
+            mx.synchronize(self.stream)
+            mx.set_wired_limit(self._old_wired_limit)
+            self._old_wired_limit = None
+
+
+def _right_pad(prompts: list[list[int]], longest: int) -> mx.array:
+    return mx.array([p + [0] * (longest - len(p)) for p in prompts])
+
+
+def _finish(rows: Rows, tokens: list[int], logprobs: mx.array) -> list[Sampled]:
+    """The rows' sampled tokens as answers; a row that reached its token limit ("length") or
+    sampled a stop token ("stop") leaves ``rows`` with its cache; the others' next input is
+    their token."""
+    keep, out = [], []
+    for i, (s, token) in enumerate(zip(rows.seqs, tokens, strict=True)):
+        s.generated += 1
+        finish = "length" if s.generated >= s.max_tokens else None
+        if token in s.stop_ids:
+            finish = "stop"
+        if finish is None:
+            keep.append(i)
+            s.next_input = token
+            out.append(Sampled(s.uid, token, logprobs[i], None, None, None))
+        else:
+            s.status = Status.FINISHED
+            out.append(Sampled(s.uid, token, logprobs[i], finish, rows.extract(i), s.tokens))
+    if len(keep) < len(rows):
+        rows.filter(keep)
+    return out

@@ -1,11 +1,11 @@
-"""The step policy as a pure function: ``schedule(state) -> StepPlan``.
+"""The step policy as a pure function: ``schedule(state) -> SchedulerOutput``.
 
 Each step the engine describes where its sequences stand in plain numbers (``StepState``) and
 this module decides what the step does: which prefilling sequences fail for want of memory,
-which waiting ones start (``start_order``, then how many of them), and how many prompt tokens
-each prefilling sequence runs. No MLX, no clock: the timings it needs are measured by the
-engine and passed in, so every rule here is unit tested with numbers alone
-(tests/test_schedule.py).
+which waiting ones start (``start_order``, then how many of them), and how many tokens each
+sequence runs, by uid (a decoding one 1, a prefilling one its chunk). No MLX, no clock: the
+timings it needs are measured by the engine and passed in, so every rule here is unit tested
+with numbers alone (tests/test_schedule.py).
 """
 
 from __future__ import annotations
@@ -41,12 +41,14 @@ STARVED_STEPS = 8
 
 class Pending(NamedTuple):
     """A sequence prefilling, or waiting to start: the gate's view of it (``member``),
-    ``whole``, its whole uncached prompt (a short prompt is never split), and for a waiting
-    one, ``waited``: the prompt tokens others prefilled since it arrived."""
+    ``whole``, its whole uncached prompt (a short prompt is never split), ``segments``: the
+    lengths of its prompt's segments still to run (the last token is one of its own), and
+    for a waiting one, ``waited``: the prompt tokens others prefilled since it arrived."""
 
     uid: int
     member: Member
     whole: int
+    segments: tuple[int, ...]
     waited: int = 0
 
 
@@ -78,10 +80,15 @@ class StepState(NamedTuple):
     decode_s: float | None  # a decode step's time, smoothed (None: not measured yet)
     token_s: float | None  # one prompt token's prefill time, smoothed
     memory: Memory | None = None  # None: no memory gate
+    decode_uids: tuple[int, ...] = ()  # the decoding sequences
+    # With mixed steps, a prompt's first token is sampled from the chunk that runs its last
+    # token (``chunk_of``); False: that token waits for a decode step.
+    first_token_in_chunk: bool = True
 
 
-class StepPlan(NamedTuple):
-    """What the next step does."""
+class SchedulerOutput(NamedTuple):
+    """What the next step does: who starts and how many tokens each sequence runs, by uid.
+    A plain value: rank 0 sends it to the other ranks of a sharded model, which run it."""
 
     fail: list[int]  # uids of prefilling sequences that no longer fit in memory
     reject: int | None  # uid of a waiting sequence that can never fit, even alone
@@ -89,12 +96,16 @@ class StepPlan(NamedTuple):
     budget: int | None  # prompt tokens the step may prefill (None: whole chunks)
     chunk: int  # prompt tokens each prefilling sequence runs
     held: bool  # the gate held something back (failed, rejected or kept waiting)
+    start: list[int]  # uids of the waiting sequences that start, in order
+    # Tokens each sequence runs (uid -> n): 1 decoding, or joining the decode rows with its
+    # last prompt token; its next chunk prefilling (``chunk_of``).
+    tokens: dict[int, int]
 
 
-def schedule(state: StepState) -> StepPlan:
+def schedule(state: StepState) -> SchedulerOutput:
     """Decide the next step: the memory gate first, then who of the waiting may start
     (``startable``: never more than the gate admits), then the prefill budget and the
-    chunk."""
+    chunk, and what each sequence runs (``name_tokens``)."""
     cfg = state.config
     free = max(0, cfg.prefill_batch_size - len(state.prefilling))
     fail: list[int] = []
@@ -122,7 +133,46 @@ def schedule(state: StepState) -> StepPlan:
                if b is not None]
     budget = min(budgets, default=None)
     chunk = cfg.prefill_step_size if budget is None else chunk_for(budget, work, state)
-    return StepPlan(fail=fail, reject=reject, admit=admit, budget=budget, chunk=chunk, held=held)
+    start, tokens = name_tokens(state, prefilling, waiting, admit, chunk)
+    return SchedulerOutput(fail=fail, reject=reject, admit=admit, budget=budget, chunk=chunk,
+                           held=held, start=start, tokens=tokens)
+
+
+def max_decoding(config: EngineConfig) -> int:
+    """Sequences decoding at which a step only decodes (nothing starts or prefills)."""
+    return max(config.max_batch_size, config.prefill_batch_size)
+
+
+def name_tokens(state: StepState, prefilling: list[Pending], waiting: list[Pending],
+                admit: int, chunk: int) -> tuple[list[int], dict[int, int]]:
+    """Who starts (the first ``admit`` waiting, while fewer than ``max_decoding`` decode) and
+    the tokens each sequence runs: 1 for a decoding one and for one down to its last prompt
+    token (that token joins the decode rows), else its next chunk of at most ``chunk``
+    tokens (``chunk_of``). At ``max_decoding`` the step only decodes."""
+    tokens = dict.fromkeys(state.decode_uids, 1)
+    room = max_decoding(state.config) - state.decoding
+    if room <= 0:
+        return [], tokens
+    starting = waiting[:max(0, min(admit, room))]
+    mixed = state.mixed and state.first_token_in_chunk
+    for p in (*prefilling, *starting):
+        segments = list(p.segments)
+        last_only = len(segments) == 1 and segments[0] == 1
+        tokens[p.uid] = 1 if last_only else chunk_of(segments, chunk, mixed)[0]
+    return [p.uid for p in starting], tokens
+
+
+def chunk_of(segments: list[int], step: int, mixed: bool) -> tuple[int, bool]:
+    """The prompt tokens a sequence's next prefill chunk runs (at most ``step`` of its first
+    segment; ``segments``: the lengths of the segments still to run), and whether that chunk
+    also takes the prompt's last token: with mixed steps, a chunk that ends its segment with
+    only that token left, and room to spare, runs it too, so the step samples the prompt's
+    first token from the chunk (else the last token waits for a decode step: one more step
+    before the first token). The memory gate counts the same."""
+    k = min(segments[0], step)
+    takes_last = (mixed and k == segments[0] and len(segments) == 2 and segments[1] == 1
+                  and k < step)
+    return k + takes_last, takes_last
 
 
 def starved(config: EngineConfig, waited: int) -> bool:

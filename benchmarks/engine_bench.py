@@ -1,0 +1,58 @@
+"""troupe's ``Engine`` as benchmarks drive it in process: the harness's chat prompts, an engine
+with ``troupe serve``'s defaults, and the time to each prompt's first token."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import SERVING_PROMPT, chat_tokens, tag  # noqa: E402
+
+
+def prompts(tok: Any, n: int, key: str) -> list[list[int]]:
+    return [chat_tokens(tok, [{"role": "user",
+                               "content": SERVING_PROMPT.format(key=tag(f"{key}-{i}"))}])
+            for i in range(n)]
+
+
+def served_engine(model: Any, tok: Any, sampling: Any) -> Any:
+    """troupe's ``Engine`` with ``troupe serve``'s defaults, its chat template already cached
+    by one request (as a server that has answered before)."""
+    import mlx.core as mx
+
+    from actors.config import ServeConfig
+    from actors.engine.core import Engine
+
+    cfg = ServeConfig()
+    engine = Engine(model, tok, cfg.engine, stream=mx.default_stream(mx.cpu))
+    engine.add("warm-up", prompts(tok, 1, f"warm-{time.time()}")[0], sampling)
+    while engine.has_work:
+        engine.step()
+    return engine
+
+
+def first_tokens(engine: Any, batch: list[list[int]], sampling: Any) -> tuple[list[float], int]:
+    """Add ``batch`` at once and step: the seconds from adding to each prompt's first token
+    (sorted), and the steps until the last of them; the requests then run to their end."""
+    from actors.messages import TokensGenerated
+
+    sent: dict[str, float] = {}
+    first: dict[str, float] = {}
+    for i, ids in enumerate(batch):
+        engine.add(f"r{i}", ids, sampling)
+        sent[f"r{i}"] = time.perf_counter()
+    steps = 0
+    while len(first) < len(batch):
+        events = engine.step()
+        steps += 1
+        now = time.perf_counter()
+        for ev in events:
+            if isinstance(ev, TokensGenerated) and ev.request_id not in first:
+                first[ev.request_id] = now - sent[ev.request_id]
+    while engine.has_work:
+        engine.step()
+    return sorted(first.values()), steps
