@@ -78,7 +78,7 @@ async def start_serving(system: ActorSystem, config: ServeConfig) -> ServingHand
         limit=config.memory_limit,
         poll_s=config.memory_poll_ms / 1000,
         guard=config.prefill_guard,
-        pool=POOL_NAME,
+        pool=pool,
         schedulers=[n.scheduler for n in names],
     )
     loaded = {card.id: system.find(n.scheduler) for card, n in zip(cards, names, strict=True)}
