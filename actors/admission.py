@@ -331,7 +331,7 @@ class Admission(Actor):
         self,
         *,
         models: list[tuple[ModelCard, ActorRef | None]],
-        pool: str | None = "engine_pool",
+        pool: ActorRef | None = None,
         prefill_step_size: int = 512,
         block_size: int = 0,
         workers: int | None = None,
@@ -357,7 +357,9 @@ class Admission(Actor):
         if not template_timeout > 0:
             raise ValueError(f"--template-timeout must be above 0, not {template_timeout}")
         self.template_timeout = template_timeout
-        self.pool_name = pool
+        # The engine pool, injected by the wiring; None where every model is loaded at spawn
+        # and none can load later (tests, embedding programs without a pool).
+        self.pool = pool
         self.prefill_step_size = prefill_step_size
         self.block_size = block_size
         self.distributed = distributed
@@ -695,7 +697,7 @@ class Admission(Actor):
             if entry.loaded:
                 assert entry.scheduler is not None
                 return entry.scheduler
-            pool = self.system.find(self.pool_name) if self.pool_name else None
+            pool = self.pool
             if pool is None:
                 raise _refusal("unavailable", f"model {entry.card.id!r} is not loaded",
                                retry_after=RETRY_AFTER_S)

@@ -199,6 +199,8 @@ class CacheIndex(Actor):
         self.write_failures = 0
         self.forgotten = 0
         self.room_asks = 0  # MakeRoom asked of it
+        # Lookups whose asker (named in ``reply_to``) was gone when the answer was ready.
+        self.missing_reply_targets = 0
 
     async def on_start(self) -> None:
         self.cache_dir.mkdir(parents=True, exist_ok=True)
@@ -264,6 +266,7 @@ class CacheIndex(Actor):
             "write_failures": self.write_failures,
             "forgotten": self.forgotten,
             "room_asks": self.room_asks,
+            "missing_reply_targets": self.missing_reply_targets,
             "skipped": dict(self.skipped),
         }
 
@@ -285,6 +288,7 @@ class CacheIndex(Actor):
         """Tell the actor that asked; one gone (stopping) needs no answer."""
         ref = self.system.find(name)
         if ref is None:
+            self.missing_reply_targets += 1
             log.warning("cache index: no actor %r for the answer to its lookup", name)
             return
         try:

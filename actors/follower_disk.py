@@ -31,7 +31,7 @@ from actors.cache_messages import (
 )
 from actors.follower_cache import FLUSH_DEADLINE_S
 from actors.ssd_writer import SSD_THREAD, SsdWriter
-from runtime import Actor, ActorDead, ActorSystem, MailboxFull, Message
+from runtime import Actor, ActorDead, ActorRef, ActorSystem, MailboxFull, Message
 
 log = logging.getLogger("actors.follower_disk")
 
@@ -55,8 +55,8 @@ class DiskClerk(Actor):
     read them (``ReadBlocks``, answered ``BlocksRead``), and hands them over. It waits on no
     ``ask``: every answer is a message."""
 
-    def __init__(self, *, index: str, writer: str) -> None:
-        self.index_name, self.writer_name = index, writer
+    def __init__(self, *, index: ActorRef, writer: ActorRef) -> None:
+        self.index, self.writer = index, writer
         self._reads: dict[str, ReadChain] = {}
         self._next = 0
 
@@ -66,23 +66,20 @@ class DiskClerk(Actor):
                 self._next += 1
                 token = str(self._next)
                 self._reads[token] = msg
-                self._send(token, self.index_name,
+                self._send(token, self.index,
                            LookupDisk(hashes=msg.hashes, request_id=token, reply_to=self.name))
             case FoundOnDisk(request_id=token, blocks=n):
                 read = self._reads.get(token)
                 if read is not None and n:
-                    self._send(token, self.writer_name, ReadBlocks(
+                    self._send(token, self.writer, ReadBlocks(
                         request_id=token, hashes=read.hashes[:n], reply_to=self.name))
                 elif read is not None:
                     self._done(token, [])
             case BlocksRead(request_id=token, blocks=blocks):
                 self._done(token, blocks)
 
-    def _send(self, token: str, name: str, msg: Message) -> None:
-        ref = self.system.find(name)
+    def _send(self, token: str, ref: ActorRef, msg: Message) -> None:
         try:
-            if ref is None:
-                raise ActorDead(f"no actor {name!r}")
             ref.try_tell(msg)
         except (MailboxFull, ActorDead):
             self._done(token, [])  # the disk is busy or gone: nothing from it this time
@@ -139,7 +136,7 @@ class FollowerDisk:
             fingerprint=fingerprint, disk_max_bytes=disk_max_bytes, index=INDEX,
             flush_deadline_s=FLUSH_DEADLINE_S)
         self.clerk = await self.system.spawn(DiskClerk, name=CLERK, thread=CLERK,
-                                             index=INDEX, writer=WRITER)
+                                             index=self.index, writer=self.writer)
 
     def _on_loop(self, coro: Any, timeout: float | None = None) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)

@@ -46,7 +46,7 @@ from actors.memory_messages import (
     SetMemoryLimit,
     UnloadIdle,
 )
-from runtime import Actor, ActorDead, MailboxFull
+from runtime import Actor, ActorDead, ActorRef, MailboxFull
 
 log = logging.getLogger("actors.memory_monitor")
 
@@ -119,13 +119,14 @@ class MemoryMonitor(Actor):
         poll_s: float = 0.25,
         guard: bool = True,
         admission: str = "admission",
-        pool: str = "engine_pool",
+        pool: ActorRef | None = None,
         schedulers: list[str] | tuple[str, ...] = ("scheduler",),
     ) -> None:
         self.poll_s = poll_s
         self.guard = guard
         self.admission_name = admission
-        self.pool_name = pool
+        # Injected by the wiring; None where no pool can unload models (a test of the limits).
+        self.pool = pool
         self.scheduler_names = list(schedulers)
         self.configured_limit = limit
         self.limit = limit or 0
@@ -243,13 +244,17 @@ class MemoryMonitor(Actor):
                 self.spills += 1
         if pressure == HARD and now - self._last_unload >= UNLOAD_EVERY_S:
             self._last_unload = now
-            if self._tell(self.pool_name, UnloadIdle()):
+            if self.pool is not None and self._try_tell(self.pool, UnloadIdle()):
                 self.unloads += 1
 
     def _tell(self, name: str, msg: Any) -> bool:
-        """Never wait: a busy actor gets the next poll's message instead."""
+        """To an actor by name: a scheduler is there only while its model is loaded."""
         ref = self.system.find(name)
-        if ref is None or not ref.alive:
+        return ref is not None and self._try_tell(ref, msg)
+
+    def _try_tell(self, ref: ActorRef, msg: Any) -> bool:
+        """Never wait: a busy actor gets the next poll's message instead."""
+        if not ref.alive:
             return False
         try:
             ref.try_tell(msg)

@@ -83,7 +83,9 @@ class EngineSlot:
     memory: ModelMemory
     pinned: bool
     ref: ActorRef | None = None
-    cache_started: bool = False
+    # The model's cache index and SSD writer, once started (kept across unloads).
+    index: ActorRef | None = None
+    writer: ActorRef | None = None
     loaded_at: float = 0.0
     stats: dict[str, float] = field(default_factory=dict)
 
@@ -161,12 +163,11 @@ class EnginePool(Actor):
             pinned = card.id in self.pin or (spec or "default") in self.pin
             slot = EngineSlot(card=card, names=names, memory=model_memory_of(resolved.path),
                               pinned=pinned)
-            # A restarted pool adopts the schedulers its predecessor left running.
-            found = self.system.find(names.scheduler)
-            if found is not None and found.alive:
-                slot.ref = found
-            index = self.system.find(names.cache_index)
-            slot.cache_started = index is not None and index.alive
+            # A restarted pool adopts the actors its predecessor spawned and left running:
+            # the one lookup by name, of names this pool gave.
+            slot.ref = _alive(self.system.find(names.scheduler))
+            slot.index = _alive(self.system.find(names.cache_index))
+            slot.writer = _alive(self.system.find(names.ssd_writer))
             self.slots[card.id] = slot
         known = {s.card.id for s in self.slots.values()} | {s or "default" for s in self.specs}
         unknown = self.pin - known
@@ -241,7 +242,7 @@ class EnginePool(Actor):
         await self._make_room(slot)
         started = time.perf_counter()
         names = slot.names
-        if self.cache is not None and not slot.cache_started:
+        if self.cache is not None and (slot.index is None or slot.writer is None):
             await self._start_cache(slot)
         slot.ref = await self.system.spawn(
             Scheduler,
@@ -251,8 +252,8 @@ class EnginePool(Actor):
             mailbox_size=self.scheduler_mailbox,
             model=slot.card.path,
             model_id=slot.card.id,
-            index=names.cache_index,
-            writer=names.ssd_writer,
+            index=slot.index,
+            writer=slot.writer,
             config=self.engine_config,
             memory_monitor=self.memory_monitor,
         )
@@ -266,30 +267,31 @@ class EnginePool(Actor):
         across unloads (the disk tier stays useful; they hold no MLX memory)."""
         cache = self.cache or {}
         names = slot.names
-        await self.system.spawn(
-            CacheIndex,
-            name=names.cache_index,
-            thread=CACHE_INDEX_THREAD,
-            restart=Restart.PERMANENT,
-            mailbox_size=4096,
-            cache_dir=cache["cache_dir"],
-            fingerprint=slot.card.fingerprint,
-            disk_max_bytes=cache["disk_max_bytes"],
-            block_size=self.engine_config.block_size,
-        )
-        # The writer's mailbox is the bounded write queue the scheduler waits on (~250 ms).
-        await self.system.spawn(
-            SsdWriter,
-            name=names.ssd_writer,
-            thread="ssd",
-            restart=Restart.PERMANENT,
-            mailbox_size=64,
-            cache_dir=cache["cache_dir"],
-            fingerprint=slot.card.fingerprint,
-            disk_max_bytes=cache["disk_max_bytes"],
-            index=names.cache_index,
-        )
-        slot.cache_started = True
+        if slot.index is None:
+            slot.index = await self.system.spawn(
+                CacheIndex,
+                name=names.cache_index,
+                thread=CACHE_INDEX_THREAD,
+                restart=Restart.PERMANENT,
+                mailbox_size=4096,
+                cache_dir=cache["cache_dir"],
+                fingerprint=slot.card.fingerprint,
+                disk_max_bytes=cache["disk_max_bytes"],
+                block_size=self.engine_config.block_size,
+            )
+        if slot.writer is None:
+            # The writer's mailbox is the bounded write queue the scheduler waits on (~250 ms).
+            slot.writer = await self.system.spawn(
+                SsdWriter,
+                name=names.ssd_writer,
+                thread="ssd",
+                restart=Restart.PERMANENT,
+                mailbox_size=64,
+                cache_dir=cache["cache_dir"],
+                fingerprint=slot.card.fingerprint,
+                disk_max_bytes=cache["disk_max_bytes"],
+                index=names.cache_index,
+            )
 
     async def _make_room(self, slot: EngineSlot) -> None:
         """Unload idle models, least recently used first, until ``slot`` fits the budget."""
@@ -402,3 +404,6 @@ async def _settle(target: int) -> None:
             return
         last = now
 
+
+def _alive(ref: ActorRef | None) -> ActorRef | None:
+    return ref if ref is not None and ref.alive else None

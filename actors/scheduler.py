@@ -82,7 +82,7 @@ from actors.messages import (
 )
 from actors.models.store import DEFAULT_MODEL, resolve_model
 from actors.retry import FinishPace
-from runtime import Actor, ActorDead, AskTimeout, MailboxFull, Message, Reply
+from runtime import Actor, ActorDead, ActorRef, AskTimeout, MailboxFull, Message, Reply
 from runtime.threads import at_thread_exit
 
 log = logging.getLogger("actors.scheduler")
@@ -174,8 +174,8 @@ class Scheduler(Actor):
         *,
         model: str | None = None,
         config: EngineConfig = DEFAULTS,
-        index: str = "cache_index",
-        writer: str = "ssd_writer",
+        index: ActorRef | None = None,
+        writer: ActorRef | None = None,
         model_id: str | None = None,
         memory_monitor: str = "memory_monitor",
     ) -> None:
@@ -192,8 +192,10 @@ class Scheduler(Actor):
         self.model_name = model_id or model or DEFAULT_MODEL
         self.max_queue = config.max_queue
         self.pace = FinishPace()  # how fast requests finish: a full queue's Retry-After
-        self.index_name = index
-        self.writer_name = writer
+        # The disk tier's actors, injected at spawn; None when the prefix cache has no disk
+        # tier (block_size 0, or a test of RAM alone): every use below checks that once.
+        self.index = index
+        self.writer = writer
         self.monitor_name = memory_monitor
         self.limits: MemoryLimits | None = None
         self.retired = False
@@ -418,7 +420,7 @@ class Scheduler(Actor):
         are on disk; its answer comes back as ``FoundOnDisk``, and the request waits for it
         (the batch does not) at most LOOKUP_TIMEOUT_S. False when there is no index to ask: RAM
         alone serves. A prompt whose usable blocks are all in RAM asks the index nothing."""
-        index = self.system.find(self.index_name)
+        index = self.index
         if index is None:
             return False
         rid, epoch = loading.msg.request_id, loading.epoch
@@ -455,7 +457,7 @@ class Scheduler(Actor):
         """Have the SSD writer read the prompt's ``disk`` blocks and, on a sharded model, ask
         the other ranks what they can supply; start the request now if neither is needed."""
         msg, reply, ram = loading.msg, loading.reply, loading.cached
-        writer = self.system.find(self.writer_name)
+        writer = self.writer
         if disk and writer is not None:
             try:
                 writer.try_tell(ReadBlocks(request_id=msg.request_id, hashes=disk,
@@ -500,7 +502,7 @@ class Scheduler(Actor):
         now = time.monotonic()
         if self._spill_asked is not None and now - self._spill_asked < LOOKUP_TIMEOUT_S:
             return  # the index's answer to the question in flight does this one's spill
-        index = self.system.find(self.index_name)
+        index = self.index
         if candidates and index is not None:
             try:
                 index.try_tell(OnDisk(hashes=candidates, reply_to=self.name))
@@ -619,7 +621,7 @@ class Scheduler(Actor):
             self._deliver([finished])
 
     def _cancel_writes(self, request_id: str) -> None:
-        writer = self.system.find(self.writer_name)
+        writer = self.writer
         epoch = self._epochs.get(request_id)
         if epoch is not None and self._unsaved:
             self._unsaved = deque(u for u in self._unsaved if (u[0], u[1]) != (request_id, epoch))
@@ -758,7 +760,7 @@ class Scheduler(Actor):
 
         A full queue gets at most WRITE_WAIT_S of this step; blocks that still find no room
         are dropped and counted: the disk tier is an optimisation, the batch is not."""
-        writer = self.system.find(self.writer_name)
+        writer = self.writer
         if writer is None:
             return
         began = time.monotonic()

@@ -78,7 +78,7 @@ async def start_serving(system: ActorSystem, config: ServeConfig) -> ServingHand
         limit=config.memory_limit,
         poll_s=config.memory_poll_ms / 1000,
         guard=config.prefill_guard,
-        pool=POOL_NAME,
+        pool=pool,
         schedulers=[n.scheduler for n in names],
     )
     loaded = {card.id: system.find(n.scheduler) for card, n in zip(cards, names, strict=True)}
@@ -89,7 +89,7 @@ async def start_serving(system: ActorSystem, config: ServeConfig) -> ServingHand
         restart=Restart.PERMANENT,
         mailbox_size=1024,
         models=[(card, loaded[card.id]) for card in cards],
-        pool=POOL_NAME,
+        pool=pool,
         prefill_step_size=config.engine.prefill_step_size,
         block_size=config.engine.block_size,
         distributed=config.engine.distributed,

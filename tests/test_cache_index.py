@@ -3,6 +3,7 @@ around it on a real ActorSystem. Block files are made with ``actors.block_store`
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import time
@@ -193,6 +194,20 @@ async def test_the_index_answers_a_lookup_by_message_to_the_actor_it_names(
         await asker.ask(OnDisk(hashes=[]), timeout=5.0)  # and both answers delivered
         assert answers[:2] == [FoundOnDisk(request_id="r", epoch=7, blocks=2),
                                HeldOnDisk(hashes=[chain[1]])]
+
+
+async def test_an_answer_with_no_actor_to_take_it_is_counted_and_logged(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """``reply_to`` is a name: an asker gone before its answer is not a silent skip."""
+    async with running_index(tmp_path) as (system, index):
+        chain = hashes(2)
+        await persisted(index, chain)
+        with caplog.at_level(logging.WARNING, logger="actors.cache_index"):
+            await index.tell(LookupDisk(hashes=chain, request_id="r", reply_to="gone"))
+            await index.tell(OnDisk(hashes=chain, reply_to="gone"))
+            await index.ask(OnDisk(hashes=[]), timeout=5.0)  # both handled before this
+        assert report(system)["missing_reply_targets"] == 2
+        assert sum("'gone'" in r.getMessage() for r in caplog.records) == 2
 
 
 async def test_forget_blocks_drops_disk_entries(tmp_path: Path) -> None:

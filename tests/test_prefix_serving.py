@@ -188,9 +188,10 @@ async def test_a_stuck_writer_costs_the_scheduler_at_most_a_bounded_wait(tiny_mo
 
     async with ActorSystem() as system:
         try:
-            await system.spawn(StuckWriter, name="ssd_writer", mailbox_size=1)
+            writer = await system.spawn(StuckWriter, name="ssd_writer", mailbox_size=1)
             scheduler = await system.spawn(Scheduler, name="scheduler", thread=MLX_THREAD,
-                                           model=str(tiny_model_dir), config=EngineConfig(
+                                           model=str(tiny_model_dir), writer=writer,
+                                           config=EngineConfig(
                                                block_size=BLOCK, prefill_interleave=0.0,
                                                arrival_window_ms=0.0))
             await scheduler.ask(DescribeEngine())
@@ -259,9 +260,10 @@ async def test_a_prompt_whose_blocks_are_all_in_ram_asks_the_cache_index_nothing
                     request_id=msg.request_id, epoch=msg.epoch, blocks=0))
 
     async with ActorSystem() as system:
-        await system.spawn(EmptyDisk, name="cache_index")
+        index = await system.spawn(EmptyDisk, name="cache_index")
         scheduler = await system.spawn(Scheduler, name="scheduler", thread=MLX_THREAD,
-                                       model=str(tiny_model_dir), config=EngineConfig(
+                                       model=str(tiny_model_dir), index=index,
+                                       config=EngineConfig(
                                            block_size=BLOCK, arrival_window_ms=0.0))
         await scheduler.ask(DescribeEngine())
         from mlx_lm.utils import load_tokenizer
@@ -388,9 +390,10 @@ async def test_a_disk_lookup_does_not_hold_the_step(tiny_model_dir):
             return 0
 
     async with ActorSystem() as system:
-        await system.spawn(SlowDisk, name="cache_index")
+        index = await system.spawn(SlowDisk, name="cache_index")
         scheduler = await system.spawn(Scheduler, name="scheduler", thread=MLX_THREAD,
-                                       model=str(tiny_model_dir), config=EngineConfig(
+                                       model=str(tiny_model_dir), index=index,
+                                       config=EngineConfig(
                                            block_size=BLOCK, arrival_window_ms=0.0))
         await scheduler.ask(DescribeEngine())
         sched = system.find("scheduler")._cell.instance
@@ -438,9 +441,10 @@ async def test_a_lookup_the_index_never_answers_starts_the_request_from_ram_alon
             return None
 
     async with ActorSystem() as system:
-        await system.spawn(SilentDisk, name="cache_index")
+        index = await system.spawn(SilentDisk, name="cache_index")
         scheduler = await system.spawn(Scheduler, name="scheduler", thread=MLX_THREAD,
-                                       model=str(tiny_model_dir), config=EngineConfig(
+                                       model=str(tiny_model_dir), index=index,
+                                       config=EngineConfig(
                                            block_size=BLOCK, arrival_window_ms=0.0))
         await scheduler.ask(DescribeEngine())
         events = await scheduler.stream(AddRequest(

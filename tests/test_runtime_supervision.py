@@ -261,3 +261,33 @@ async def test_budget_failures_are_logged_on_the_runtime_logger(
         await ref.tell(Crash())
         await wait_for(lambda: not ref.alive)
     assert {r.name for r in caplog.records} == {"runtime"}
+
+
+class Relay(Actor):
+    """Forwards ``Who`` to the peer it was given at spawn."""
+
+    def __init__(self, peer: Any) -> None:
+        self.peer = peer
+
+    async def handle(self, msg: Any) -> Any:
+        if isinstance(msg, Crash):
+            raise ValueError(msg.reason)
+        return await self.peer.ask(Who())
+
+
+async def test_a_ref_injected_at_spawn_reaches_its_peer_across_both_restarts() -> None:
+    """The wiring gives refs at spawn: a restarted actor is built with the same arguments, so
+    it keeps its peer's ref, and that ref still reaches the peer after the peer restarts."""
+    events: list[tuple[str, int, str, Any]] = []
+    with anyio.fail_after(5):
+        async with ActorSystem() as system:
+            peer = await system.spawn(Worker, name="peer", events=events, tag="p")
+            relay = await system.spawn(Relay, name="relay", peer=peer)
+            first = await relay.ask(Who())
+            await peer.tell(Crash())
+            await wait_for(lambda: state(system, "peer").restarts == 1)
+            second = await relay.ask(Who())
+            assert second != first  # a new instance answered, through the same ref
+            await relay.tell(Crash())
+            await wait_for(lambda: state(system, "relay").restarts == 1)
+            assert await relay.ask(Who()) == second
