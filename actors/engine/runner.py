@@ -365,20 +365,10 @@ class Runner:
     def _ride(self, pre: Rows, prompts: list[list[int]], ends: list[int]) -> _Chunk:
         """The chunk as the step's forward pass takes it (rows right padded to the longest);
         the rows' tokens are in their caches from this step on."""
-        for s, new in zip(pre.seqs, prompts, strict=True):
-            s.tokens += new
-        lengths = [len(p) for p in prompts]
-        longest = max(lengths)
-        padding = [longest - n for n in lengths]
-        if max(padding) > 0:
-            tokens = _right_pad(prompts, longest)
-            for c in pre.cache:
-                # A plain batch cache's padding is rolled by ``roll_right_padding``; other
-                # kinds (rotating) keep what they need for their own ``finalize``.
-                if type(c) is not BatchKVCache:
-                    c.prepare(lengths=lengths, right_padding=padding)
-        else:
-            tokens = mx.array(prompts)
+        # A plain batch cache's padding is rolled by ``roll_right_padding``; other kinds
+        # (rotating) keep what they need for their own ``finalize``.
+        tokens, lengths, padding = _take_chunk(pre, prompts, prepare_plain=False)
+        longest = tokens.shape[1]
         # Rows of the flattened chunk: each ending prompt's last token.
         return _Chunk(tokens, padding, [i * longest + lengths[i] - 1 for i in ends])
 
@@ -387,17 +377,7 @@ class Runner:
         runs it (right padded, in pieces of at most ``step`` tokens)."""
         if not prompts:
             return
-        for s, new in zip(pre.seqs, prompts, strict=True):
-            s.tokens += new
-        lengths = [len(p) for p in prompts]
-        longest = max(lengths)
-        padding = [longest - n for n in lengths]
-        if max(padding) > 0:
-            tokens = _right_pad(prompts, longest)
-            for c in pre.cache:
-                c.prepare(lengths=lengths, right_padding=padding)
-        else:
-            tokens = mx.array(prompts)
+        tokens, _, padding = _take_chunk(pre, prompts, prepare_plain=True)
         while tokens.shape[1] > 0:
             self.model(tokens[:, :step], cache=pre.cache)
             mx.eval([c.state for c in pre.cache])
@@ -505,6 +485,25 @@ class Runner:
             mx.synchronize(self.stream)
             mx.set_wired_limit(self._old_wired_limit)
             self._old_wired_limit = None
+
+
+def _take_chunk(pre: Rows, prompts: list[list[int]], *, prepare_plain: bool
+                ) -> tuple[mx.array, list[int], list[int]]:
+    """The rows' chunks as one array, right padded to the longest, the rows' tokens counted
+    as in their caches, and the caches told the padding (``prepare``): every kind, or
+    (``prepare_plain`` False) all but plain batch caches. Returns the tokens, each row's
+    length and its padding."""
+    for s, new in zip(pre.seqs, prompts, strict=True):
+        s.tokens += new
+    lengths = [len(p) for p in prompts]
+    longest = max(lengths)
+    padding = [longest - n for n in lengths]
+    if max(padding) == 0:
+        return mx.array(prompts), lengths, padding
+    for c in pre.cache:
+        if prepare_plain or type(c) is not BatchKVCache:
+            c.prepare(lengths=lengths, right_padding=padding)
+    return _right_pad(prompts, longest), lengths, padding
 
 
 def _right_pad(prompts: list[list[int]], longest: int) -> mx.array:
