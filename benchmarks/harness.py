@@ -11,8 +11,8 @@ one after the other, and get the same load:
 - **interference**: ``--streams`` streams decoding while a ``--long-tokens`` prompt arrives;
   their inter-token latency while it is prefilled against their median before it arrived.
 
-The in-process ceiling runs the serving load through mlx-lm's ``BatchGenerator`` directly (no
-HTTP, no actors). Each repetition starts both servers afresh (troupe with a fresh cache
+The in-process ceiling runs the serving load through troupe's batch runner directly (no HTTP,
+no actors). Each repetition starts both servers afresh (troupe with a fresh cache
 directory) and runs every step on one and then the other (then the ceiling), alternating which
 server goes first and waiting for both to be idle before each: on a shared machine the
 measurements of one step then see much the same load. Figures are medians over
@@ -684,7 +684,7 @@ def markdown(report: dict[str, Any]) -> str:
         "| ITL p50 (ms) | ITL p99 (ms) | errors |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    labels = {CEILING: "in-process BatchGenerator (ceiling)",
+    labels = {CEILING: "in-process runner (ceiling)",
               BASELINE: f"mlx-troupe at {meta.get('baseline_rev')} (baseline)"}
     for name in (*SERVERS, CEILING):
         for c, r in med.get(name, {}).get("serving", {}).items():

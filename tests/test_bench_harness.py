@@ -78,7 +78,7 @@ def test_troupe_bench_writes_markdown_tables_for_servers_ratios_and_goals(bench_
     md = (bench_run / "harness.md").read_text()
     assert "| server | concurrency | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) " in md
     for row in ("| mlx-troupe | 1 |", "| mlx-troupe | 2 |", "| mlx_lm.server | 2 |",
-                "| in-process BatchGenerator (ceiling) | 1 |"):
+                "| in-process runner (ceiling) | 1 |"):
         assert row in md
     assert "| concurrency | troupe / mlx_lm.server tok/s |" in md
     assert "prompt TTFT: cold (s) | repeated (s) | new ending (s) |" in md
