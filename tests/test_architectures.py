@@ -6,9 +6,9 @@ Per architecture: one request; four joining a running batch at different steps; 
 prefilled in chunks beside a decoding stream; a repeated prompt served from the RAM prefix cache;
 blocks written to disk serving a restarted engine. The generation tests also check which step
 serves it: one forward pass a step (actors/engine/forward.py) or mlx-lm's own model call.
-Architectures whose caches cannot be cut into blocks (sliding windows keep a RotatingKVCache)
-run without a prefix cache: for them the cache tests check that caching is off and that repeats
-are still right.
+An architecture whose caches cannot be cut into blocks (a cache kind actors/engine/kv_blocks.py
+does not know) runs without a prefix cache: for it the cache tests check that caching is off
+and that repeats are still right.
 """
 
 from __future__ import annotations
