@@ -176,3 +176,33 @@ def test_a_block_of_another_layout_is_never_read_as_this_one(tiny: Any) -> None:
                           layout=layout)
         with pytest.raises(ValueError, match="layers"):
             from_numpy(stale, e.kinds, e.state_sizes, e.layout)
+
+
+async def test_a_sliding_window_model_is_served_from_ram_and_from_disk_after_a_restart(
+        aiohttp_client: Any, tmp_path: Path) -> None:
+    """Through the serving stack (scheduler, SSD writer, cache index, files): gemma3_text's
+    repeated prompt hits RAM, and after a restart its blocks come back from disk, with the
+    answer unchanged."""
+    from test_prefix_serving import complete, report, serve, wait_persisted
+
+    model_dir = make_tiny_model(tmp_path / "gemma3", arch="gemma3_text", layers=4)
+    cache_dir = tmp_path / "c"
+    prompt = ("The quick brown fox jumps over the lazy dog. " * 8
+              + "What is the capital of France? The capital of France is Paris. " * 3)
+    client, system, model = await serve(aiohttp_client, model_dir, cache_dir)
+    cold_text, cold = await complete(client, model, prompt)
+    warm_text, warm = await complete(client, model, prompt)
+    assert cold["prompt_tokens_details"]["cached_tokens"] == 0
+    assert warm["prompt_tokens_details"]["cached_tokens"] == cold["prompt_tokens"] - 1
+    assert warm_text == cold_text
+    total = cold["prompt_tokens"] + cold["completion_tokens"]
+    await wait_persisted(system, total // 16)
+    await system.__aexit__(None, None, None)
+
+    client, system, model = await serve(aiohttp_client, model_dir, cache_dir)
+    disk_text, disk = await complete(client, model, prompt)
+    assert disk["prompt_tokens_details"]["cached_tokens"] == (
+        (cold["prompt_tokens"] - 1) // 16 * 16)
+    assert disk_text == cold_text
+    assert report(system, "scheduler")["disk_loads"] == 1
+    await system.__aexit__(None, None, None)
