@@ -5,8 +5,9 @@ is complete and fsynced (written as ``.<hash>.<tag>.<pid>-<n>.tmp`` in the same 
 ``os.replace``d), so a crash leaves temp files behind, never a partial block under a final name.
 ``tag`` is derived from the model fingerprint, so start-up removes only its own model's temp
 files. The safetensors metadata (str -> str) records ``format_version``, ``fingerprint``,
-``block_hash``, ``parent_hash`` ("" for a root block), ``n_tokens``, ``dtypes`` (JSON: tensor
-name -> original dtype name) and ``checksum`` (``data_checksum`` of the tensors, verified on
+``block_hash``, ``parent_hash`` ("" for a root block), ``n_tokens``, ``layout`` (what each
+layer holds, ``kv_blocks.layout``), ``dtypes`` (JSON: tensor name -> original dtype name) and
+``checksum`` (``data_checksum`` of the tensors, verified on
 every read: bytes changed on disk without changing its size are caught there, not served).
 bfloat16 tensors are stored as their uint16 bit pattern.
 
@@ -161,6 +162,8 @@ def encode_block(block: BlockData, fingerprint: str) -> bytes:
         "dtypes": msgspec.json.encode(dtypes).decode(),
         "checksum": data_checksum(tensors),
     }
+    if block.layout:
+        metadata["layout"] = block.layout
     try:
         return safetensors.numpy.save(tensors, metadata=metadata)
     except SafetensorError as exc:  # e.g. a dtype safetensors cannot store
@@ -174,8 +177,8 @@ def decode_block(data: bytes, fingerprint: str, block_hash: str) -> BlockData:
     tensors come back as uint16 bit patterns, with ``dtypes[name] == "bfloat16"``, exactly as
     they were written.
     """
-    info, dtypes, checksum = _check(read_header(io.BytesIO(data), len(data)), fingerprint,
-                                    block_hash, len(data))
+    header = read_header(io.BytesIO(data), len(data))
+    info, dtypes, checksum = _check(header, fingerprint, block_hash, len(data))
     try:
         tensors = safetensors.numpy.load(data)
     except SafetensorError as exc:
@@ -192,7 +195,7 @@ def decode_block(data: bytes, fingerprint: str, block_hash: str) -> BlockData:
                              checksum=True)
     return BlockData(
         block_hash=info.block_hash, parent_hash=info.parent_hash, n_tokens=info.n_tokens,
-        tensors=tensors, dtypes=dtypes,
+        tensors=tensors, dtypes=dtypes, layout=str(header["__metadata__"].get("layout", "")),
     )
 
 

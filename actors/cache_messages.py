@@ -23,9 +23,10 @@ class BlockData(msgspec.Struct, frozen=True, kw_only=True):
     """One block's cache state: per-layer tensors as numpy arrays plus their original dtypes.
 
     Tensor names: ``"{layer}.keys"``/``"{layer}.values"`` for KV layers (shape
-    [1, kv_heads, n_tokens, head_dim]); ``"{layer}.state.{j}"`` for recurrent-state layers (the
-    state at the END of this block). ``dtypes`` maps each name to the MLX dtype name
-    ("float16", "bfloat16", "float32", ...).
+    [1, kv_heads, n_tokens, head_dim]) and for sliding-window layers (the block's last tokens
+    the layer held, fewer than ``n_tokens`` or none at all); ``"{layer}.state.{j}"`` for
+    recurrent-state layers (the state at the END of this block). ``dtypes`` maps each name to
+    the MLX dtype name ("float16", "bfloat16", "float32", ...).
     """
 
     block_hash: str
@@ -33,6 +34,8 @@ class BlockData(msgspec.Struct, frozen=True, kw_only=True):
     n_tokens: int
     tensors: dict[str, Any]  # name -> numpy.ndarray
     dtypes: dict[str, str]
+    # What each layer holds (``kv_blocks.layout``); "" in blocks written before it was kept.
+    layout: str = ""
 
     @property
     def nbytes(self) -> int:

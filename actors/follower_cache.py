@@ -147,7 +147,8 @@ class FollowerCache:
         cached = res.ram[:blocks]
         for data in res.disk[: blocks - len(cached)]:
             try:
-                block = from_numpy(data, self.engine.kinds, self.engine.state_sizes)
+                block = from_numpy(data, self.engine.kinds, self.engine.state_sizes,
+                                   self.engine.layout)
             except Exception as exc:
                 raise SupplyError(f"block {data.block_hash} read from disk for {request_id} "
                                   f"is unusable: {exc}") from exc
@@ -200,7 +201,8 @@ class FollowerCache:
                                  <= PERSIST_BYTES_PER_STEP):
             wait = max(0.0, deadline - time.monotonic()) if everything else 0.0
             request_id, block = self._unsaved[0]
-            if not disk.has_room(wait) or not disk.write(to_numpy(block), request_id):
+            if not disk.has_room(wait) or not disk.write(to_numpy(block, self.engine.layout),
+                                                         request_id):
                 break  # it waits for room, snapshotted again then
             self._unsaved.popleft()
             size += block.nbytes

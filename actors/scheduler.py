@@ -535,7 +535,8 @@ class Scheduler(Actor):
         root = self.engine.chain_root(loading.msg.cache_namespace)
         for data in msg.blocks:
             try:
-                block = from_numpy(data, self.engine.kinds, self.engine.state_sizes)
+                block = from_numpy(data, self.engine.kinds, self.engine.state_sizes,
+                                   self.engine.layout)
             except Exception:
                 log.exception("block %s read from disk is unusable", data.block_hash)
                 break
@@ -768,7 +769,8 @@ class Scheduler(Actor):
         for request_id, epoch, block in new:
             if block.tail:
                 continue  # tails live in RAM only
-            msg = WriteBlock(block=to_numpy(block), request_id=request_id, epoch=epoch)
+            msg = WriteBlock(block=to_numpy(block, self.engine.layout), request_id=request_id,
+                             epoch=epoch)
             try:
                 writer.try_tell(msg)
             except MailboxFull:

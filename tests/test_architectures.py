@@ -6,9 +6,9 @@ Per architecture: one request; four joining a running batch at different steps; 
 prefilled in chunks beside a decoding stream; a repeated prompt served from the RAM prefix cache;
 blocks written to disk serving a restarted engine. The generation tests also check which step
 serves it: one forward pass a step (actors/engine/forward.py) or mlx-lm's own model call.
-Architectures whose caches cannot be cut into blocks (sliding windows keep a RotatingKVCache)
-run without a prefix cache: for them the cache tests check that caching is off and that repeats
-are still right.
+An architecture whose caches cannot be cut into blocks (a cache kind actors/engine/kv_blocks.py
+does not know) runs without a prefix cache: for it the cache tests check that caching is off
+and that repeats are still right.
 """
 
 from __future__ import annotations
@@ -52,11 +52,11 @@ ARCHS = [
     Arch("llama", 2, True, True, "the reference shape"),
     Arch("qwen2", 2, True, True, "q/k/v biases"),
     Arch("qwen3", 2, True, True, "q/k norms"),
-    Arch("gemma3_text", 4, False, True, "sliding-window and global layers, four norms a layer"),
-    Arch("mistral", 2, False, False, "a sliding window (as llama with layer_types)"),
+    Arch("gemma3_text", 4, True, True, "sliding-window and global layers, four norms a layer"),
+    Arch("mistral", 2, True, False, "a sliding window (as llama with layer_types)"),
     Arch("phi3", 2, True, False, "fused qkv and gate/up projections"),
     Arch("qwen3_moe", 2, True, False, "a mixture of experts"),
-    Arch("gpt_oss", 2, False, False, "attention sinks, sliding window, experts"),
+    Arch("gpt_oss", 2, True, False, "attention sinks, sliding window, experts"),
     Arch("lfm2", 4, True, False, "hybrid: convolution and attention layers"),
     Arch("qwen3_next", 4, True, False, "hybrid: gated delta-net and attention layers, experts"),
 ]
@@ -201,6 +201,12 @@ def test_a_repeated_prompt_is_served_from_ram_blocks_with_the_same_tokens(tiny: 
     assert len(hit) == usable_blocks(len(prompt), BLOCK)
     if engine.hybrid:  # recurrent state exists only at block ends: whole blocks only
         assert warm_cached == len(hit) * BLOCK
+    elif any(engine.windows):
+        # Whole blocks, then of the block after them (cut as the answer decoded) as much as
+        # its sliding layers' KV reaches back: none when the window is smaller than a block.
+        assert len(hit) * BLOCK <= warm_cached <= len(prompt) - 1
+        assert (warm_cached == len(prompt) - 1) is (min(engine.windows[i] for i in
+                                                        engine.window_layers) > BLOCK)
     else:  # whole blocks, then the first request's tail up to the last prompt token
         assert warm_cached == len(prompt) - 1
 
@@ -219,7 +225,7 @@ def test_blocks_written_to_disk_serve_a_restarted_engine_with_the_same_tokens(
     assert cold == want
     for _, blk in first.take_new_blocks():
         if not blk.tail:  # tails are RAM-only
-            data = to_numpy(blk)
+            data = to_numpy(blk, first.layout)
             block_store.write_atomic(block_store.block_path(cache_dir, blk.block_hash),
                                      block_store.encode_block(data, fingerprint),
                                      block_store.fingerprint_tag(fingerprint))
@@ -234,7 +240,7 @@ def test_blocks_written_to_disk_serve_a_restarted_engine_with_the_same_tokens(
             break
         data = block_store.decode_block(
             block_store.block_path(cache_dir, h).read_bytes(), fingerprint, h)
-        hit.append(from_numpy(data, restarted.kinds, restarted.state_sizes))
+        hit.append(from_numpy(data, restarted.kinds, restarted.state_sizes, restarted.layout))
     warm, warm_cached = serve(restarted, "warm", prompt, 12, cached=hit)
     assert warm == want
     if not tiny.arch.caching:

@@ -24,7 +24,7 @@ from actors.distributed.follower import connect, follow
 from actors.distributed.leader import Followers
 from actors.distributed.protocol import Supply, combine
 from actors.engine.config import EngineConfig
-from actors.engine.kv_blocks import KV, KVBlock, to_numpy
+from actors.engine.kv_blocks import KV, KVBlock, layout, to_numpy
 from actors.engine.prefix import block_hashes, namespace_root, usable_blocks
 from actors.engine.prefix_cache import PrefixCache
 from actors.follower_cache import FollowerCache, SupplyError
@@ -33,6 +33,7 @@ from actors.messages import SamplingParams
 
 B = 4  # tokens per block
 PROMPT = list(range(100, 115))  # 15 tokens: 3 usable blocks, then 3 tokens
+LAYOUT = layout([KV, KV], [0, 0])
 SAMPLING = SamplingParams(max_tokens=2, temperature=0.0)
 
 
@@ -46,6 +47,7 @@ class Engine:
         self.blocks = PrefixCache(ram_max, block_size=B)
         self.caching, self.hybrid = True, False
         self.kinds, self.state_sizes = [KV, KV], [0, 0]
+        self.layout = LAYOUT
         self.new_blocks: list[tuple[str, KVBlock]] = []
         self.added: list[tuple[str, list[KVBlock], int | None]] = []
         self.last_digest = 0
@@ -227,7 +229,7 @@ def test_a_followers_blocks_go_through_the_cache_index_and_the_ssd_writer(tmp_pa
     kinds = {s.name: s.actor_class for s in disk.system.snapshot()}
     assert kinds["cache_index"] == f"{CacheIndex.__module__}.{CacheIndex.__qualname__}"
     assert kinds["ssd_writer"] == f"{SsdWriter.__module__}.{SsdWriter.__qualname__}"
-    assert disk.write(to_numpy(block(PROMPT, 0)))
+    assert disk.write(to_numpy(block(PROMPT, 0), LAYOUT))
     written(disk, 1)
     reports = {s.name: s.report for s in disk.system.snapshot()}
     assert reports["ssd_writer"]["persisted"] == 1 and reports["cache_index"]["blocks"] == 1
@@ -235,11 +237,11 @@ def test_a_followers_blocks_go_through_the_cache_index_and_the_ssd_writer(tmp_pa
 
 
 def test_a_followers_disk_keeps_its_quota_oldest_first(tmp_path):
-    size = len(block_store.encode_block(to_numpy(block(PROMPT, 0)), "fp"))
+    size = len(block_store.encode_block(to_numpy(block(PROMPT, 0), LAYOUT), "fp"))
     disk = FollowerDisk(tmp_path, "fp", 2 * size + size // 2)
     other = [7] * 15  # a second chain, written later
     for i, b in enumerate([block(PROMPT, 0), block(PROMPT, 1), block(other, 0)]):
-        assert disk.write(to_numpy(b))
+        assert disk.write(to_numpy(b, LAYOUT))
         written(disk, i + 1)
     assert disk.stats()["disk_blocks"] == 2
     disk.close()
@@ -258,7 +260,7 @@ def test_a_full_write_queue_refuses_blocks_and_the_follower_keeps_them(tmp_path)
     engine = Engine()
     cache = FollowerCache(engine, answers()[1], disk)
     engine.new_blocks = [("r", block(PROMPT, i)) for i in range(3)]
-    results = [disk.write(to_numpy(block([1000 + i] * 15, 0))) for i in range(64)]
+    results = [disk.write(to_numpy(block([1000 + i] * 15, 0), LAYOUT)) for i in range(64)]
     assert False in results  # a queue of one, written to faster than a disk writes
     cache.after_step()  # whatever finds no room now waits in RAM, not dropped
     while cache.unsaved:
@@ -272,7 +274,7 @@ def test_a_full_write_queue_refuses_blocks_and_the_follower_keeps_them(tmp_path)
 def test_a_corrupt_block_on_a_followers_disk_ends_the_read_and_is_forgotten(tmp_path):
     disk = FollowerDisk(tmp_path, "fp", 1 << 30)
     for i in range(3):
-        assert disk.write(to_numpy(block(PROMPT, i)))
+        assert disk.write(to_numpy(block(PROMPT, i), LAYOUT))
     written(disk, 3)
     disk.close()
     hashes = block_hashes("fp", PROMPT, B)[:3]

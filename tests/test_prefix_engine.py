@@ -142,7 +142,8 @@ def test_blocks_round_trip_through_numpy_give_identical_output(tiny_hybrid_dir):
     prompt = engine.tokenizer.encode(LONG)
     cold, _ = run(engine, "a", prompt)
     kinds, sizes = engine.kinds, engine.state_sizes
-    restored = [from_numpy(to_numpy(b), kinds, sizes) for b in cached_for(engine, prompt)]
+    restored = [from_numpy(to_numpy(b, engine.layout), kinds, sizes, engine.layout)
+                for b in cached_for(engine, prompt)]
     warm, warm_cached = run(engine, "b", prompt, cached=restored)
     assert warm_cached > 0 and warm == cold
 
@@ -153,10 +154,10 @@ def test_bfloat16_blocks_round_trip_bit_for_bit(tmp_path):
     prompt = engine.tokenizer.encode(LONG)
     run(engine, "a", prompt)
     block = cached_for(engine, prompt)[0]
-    data = to_numpy(block)
+    data = to_numpy(block, engine.layout)
     assert set(data.dtypes.values()) == {"bfloat16"}
     assert all(t.dtype == np.uint16 for t in data.tensors.values())
-    back = from_numpy(data, engine.kinds, engine.state_sizes)
+    back = from_numpy(data, engine.kinds, engine.state_sizes, engine.layout)
     for (k0, v0), (k1, v1) in zip(block.layers, back.layers, strict=True):
         assert k1.dtype == mx.bfloat16
         assert mx.array_equal(k0.view(mx.uint16), k1.view(mx.uint16)).item()

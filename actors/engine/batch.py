@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -190,9 +190,11 @@ class Rows:
         self.filter([i for i in range(len(self.seqs)) if i not in set(indices)])
         return part
 
-    def extract(self, i: int) -> list[Any]:
-        """Row ``i``'s cache, per layer, as one sequence's own."""
-        return [c.extract(i) for c in self.cache]
+    def extract(self, i: int, layers: Container[int] | None = None) -> list[Any]:
+        """Row ``i``'s cache, per layer (only ``layers`` when given, None for the others), as
+        one sequence's own."""
+        return [c.extract(i) if layers is None or n in layers else None
+                for n, c in enumerate(self.cache)]
 
     @property
     def nbytes(self) -> int:

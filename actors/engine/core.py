@@ -25,12 +25,18 @@ from actors.engine.config import DEFAULTS, EngineConfig
 from actors.engine.grammar import GrammarProcessor, thinking_budget_processor
 from actors.engine.kv_blocks import (
     ARRAYS,
+    WINDOW,
     KVBlock,
     build_cache,
+    covered,
     cut_blocks,
     cut_tail,
     head,
     layer_kinds,
+    layer_windows,
+    layout,
+    usable,
+    window_parts,
 )
 from actors.engine.memory_estimate import Member, ModelMemory, idle_floor, prompt_need, too_large
 from actors.engine.output import StopStringFilter, delta, token_logprobs
@@ -117,6 +123,10 @@ class Engine:
         self.fingerprint = fingerprint
         self.kinds = layer_kinds(model) if config.block_size else None
         self.hybrid = bool(self.kinds) and ARRAYS in self.kinds
+        # Per layer, a sliding window's tokens (0: none); what a block holds, by layer.
+        self.windows = layer_windows(model) if self.kinds else []
+        self.window_layers = frozenset(i for i, k in enumerate(self.kinds or ()) if k == WINDOW)
+        self.layout = layout(self.kinds, self.windows) if self.kinds else ""
         self.state_sizes = (
             [len(c.cache) if k == ARRAYS else 0 for c, k in
              zip(make_prompt_cache(model), self.kinds, strict=True)]
@@ -209,11 +219,15 @@ class Engine:
                 start_tokens=self._encode_tag(start), starts_inside=output.in_reasoning))
         root = self.chain_root(namespace)
         hashes = self.prompt_hashes(prompt, namespace)
-        n_cached = len(cached)
+        # Sliding-window layers: only up to a block whose window the blocks hold.
+        n_cached = usable(cached, self.kinds, self.windows) if cached else 0
+        cached = cached[:n_cached]
         start = n_cached * self.block_size
         prefix = list(cached)
         partial = self._partial_hit(prompt, start, cached[-1].block_hash if cached else None,
                                     partial_max, root)
+        if partial is not None and not covered([*prefix, partial], self.kinds, self.windows):
+            partial = None
         if partial is not None:
             prefix.append(partial)
             start += partial.n_tokens
@@ -238,6 +252,7 @@ class Engine:
             cached_tokens=start,
             hashes=hashes,
             stored=n_cached,
+            windows_upto=n_cached,
             root=root,
             parser=OutputParser(output) if output is not None else None,
             grammar=grammar,
@@ -308,9 +323,11 @@ class Engine:
         if last <= req.stored or first < 0:
             return
         for blk in cut_blocks(cache, self.kinds, first, last, self.block_size, hashes, tokens,
-                              req.root):
+                              req.root, req.windows):
             self._keep(req, blk)
         req.stored = last
+        for b in range(first, last):
+            req.windows.pop(b, None)
 
     def _keep(self, req: Request, blk: KVBlock) -> None:
         # Queued for the disk even if the RAM budget evicts it at once: the queue holds it.
@@ -331,9 +348,30 @@ class Engine:
         cache), which the prompts' first tokens need not wait for. Nothing moves the
         batch's caches until the next step, which cuts first if nobody has
         (``take_new_blocks`` and ``abort`` do too)."""
+        if self.window_layers:
+            self._take_windows()
         pending, self._to_cut = self._to_cut, []
         if pending:
             self._cut_at_boundaries(pending)
+
+    def _take_windows(self) -> None:
+        """Sliding-window models: the window layers' KV of the blocks the last step completed,
+        kept with their request until its blocks are cut. A sliding layer keeps only its last
+        ``window`` tokens (and a prefill's last chunk): by the end of a prompt, or of an
+        answer, it has dropped most blocks' tokens, and a hit ending at such a block could not
+        rebuild its window. Only those layers are copied, a window each."""
+        size = self.block_size
+        for uid, n in self.runner.cache_lengths().items():
+            req = self._by_uid.get(uid)
+            if req is None or n // size <= req.windows_upto:
+                continue
+            try:
+                cache, _ = self.runner.extract_cache(uid, self.window_layers)
+                req.windows.update(window_parts(cache, self.kinds, req.windows_upto, n // size,
+                                                size))
+            except Exception:  # caching is an optimisation: never fail the request for it
+                log.exception("could not take the windows of %s", req.request_id)
+            req.windows_upto = n // size
 
     def abort(self, request_id: str) -> RequestFinished | None:
         """Remove a request wherever it is (queued, prefilling, decoding) and free its KV."""
@@ -548,7 +586,8 @@ class Engine:
             if start < len(tokens):
                 parent = hashes[-1] if hashes else None
                 name = "tail-" + chain_hash(parent or req.root, tokens[start:])
-                self._keep(req, cut_tail(cache, start, tokens, parent, name, req.root))
+                self._keep(req, cut_tail(cache, self.kinds, start, tokens, parent, name,
+                                         req.root))
             self.blocks.keep_hot(tokens, cache, req.root)
         except Exception:
             log.exception("could not cut prefix blocks of %s", req.request_id)

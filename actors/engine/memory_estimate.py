@@ -114,7 +114,9 @@ def _first(cfg: Mapping[str, Any], *keys: str) -> int | None:
 
 def _kv_layers(cfg: Mapping[str, Any], layers: int) -> int:
     """Layers with a KV cache: hybrid models (recurrent or convolutional layers) have fewer.
-    Sliding-window layers count in full: an over-estimate, never an under-estimate."""
+    Sliding-window layers count in full: their caches stop at the window, but with the prefix
+    cache on each block's window KV is kept until its blocks are cut
+    (``kv_blocks.window_parts``)."""
     types = cfg.get("layer_types")
     if isinstance(types, list) and types:
         return sum(1 for t in types if "attention" in str(t) and "linear" not in str(t))

@@ -87,6 +87,11 @@ class Request:
     hashes: list[str] = field(default_factory=list)
     stored: int = 0
     root: str = ""
+    # Sliding-window models: per block not cut yet, the window layers' KV of its tokens, taken
+    # in the step that completed it (``Engine._take_windows``; a sliding layer drops them
+    # later), and how many leading blocks have theirs.
+    windows: dict[int, list[Any]] = field(default_factory=dict)
+    windows_upto: int = 0
     # Reads tool calls and reasoning out of a chat answer (None: the text is all content).
     parser: OutputParser | None = None
     reasoning_tokens: int = 0

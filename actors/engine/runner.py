@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import Any, NamedTuple
 
 import mlx.core as mx
@@ -158,15 +158,22 @@ class Runner:
         return (any(s.uid == uid for s in batch.waiting) or batch.prefill.index(uid) is not None
                 or batch.decode.index(uid) is not None)
 
-    def extract_cache(self, uid: int) -> tuple[list[Any], list[int]]:
-        """The sequence's cache, per layer, and the tokens in it."""
+    def extract_cache(self, uid: int, layers: Container[int] | None = None
+                      ) -> tuple[list[Any], list[int]]:
+        """The sequence's cache, per layer (only ``layers`` when given, None for the others),
+        and the tokens in it."""
         batch = self.batch
         for rows in (batch.decode, batch.prefill):
             i = rows.index(uid)
             if i is not None:
-                return rows.extract(i), rows.seqs[i].tokens
+                return rows.extract(i, layers), rows.seqs[i].tokens
         seq = next(s for s in batch.waiting if s.uid == uid)
         return seq.cache, seq.tokens
+
+    def cache_lengths(self) -> dict[int, int]:
+        """Tokens in the cache of each sequence in the batch (prefilling or decoding)."""
+        return {s.uid: len(s.tokens) for rows in (self.batch.prefill, self.batch.decode)
+                for s in rows.seqs}
 
     @property
     def waiting(self) -> int:
