@@ -25,6 +25,7 @@ from tiny_model import CHATML, make_tiny_model
 
 from actors.admission import with_model_defaults
 from actors.config import ServeConfig
+from actors.engine.memory_estimate import model_memory_of
 from actors.engine.prefix import model_fingerprint
 from actors.messages import (
     DEFAULTABLE,
@@ -135,6 +136,16 @@ def test_every_shard_counts_in_the_model_fingerprint(community_dir: Path,
     with open(changed / "model-00002-of-00002.safetensors", "ab") as f:
         f.write(b"\0" * 8)
     assert model_fingerprint(changed) != model_fingerprint(community_dir)
+
+
+def test_memory_estimate_counts_only_the_weight_files_mlx_lm_loads(community_dir: Path,
+                                                                   tmp_path: Path) -> None:
+    cloned = shutil.copytree(community_dir, tmp_path / "cloned")
+    # A repo cloned whole: the same weights again in the file Mistral's own tools read.
+    shutil.copy(cloned / "model-00001-of-00002.safetensors", cloned / "consolidated.safetensors")
+    memory = model_memory_of(cloned)
+    assert memory == model_memory_of(community_dir)
+    assert memory.weights_bytes == sum(f.stat().st_size for f in community_dir.glob("model-*"))
 
 
 async def test_mlx_community_directory_answers_as_the_model_it_was_made_from(
