@@ -18,9 +18,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import http_stack
+import openai
 import pytest
-from http_stack import real_client
+from http_stack import real_client, real_stack
 from tiny_model import CHATML, make_tiny_model
 
 from actors.admission import with_model_defaults
@@ -296,6 +298,31 @@ async def test_models_list_and_responses_echo_show_the_model_defaults(
         data = await resp.json()
         assert resp.status == 200, data
         assert (data["temperature"], data["top_p"]) == echoed
+
+
+async def test_official_clients_silent_on_sampling_get_the_model_defaults(
+    community_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TROUPE_HOME", str(tmp_path))
+    messages = [{"role": "user", "content": "The quick brown fox"}]
+    async with real_stack(community_dir) as stack:
+        oai = openai.AsyncOpenAI(base_url=f"{stack.server.url}/v1", api_key="x", max_retries=0)
+        ant = anthropic.AsyncAnthropic(base_url=stack.server.url, api_key="x", max_retries=0)
+        try:
+            greedy = await oai.chat.completions.create(
+                model=stack.model, messages=messages, max_tokens=12, temperature=0)
+            silent = await oai.chat.completions.create(
+                model=stack.model, messages=messages, max_tokens=12)
+            assert silent.choices[0].message.content == greedy.choices[0].message.content
+            message = await ant.messages.create(model=stack.model, messages=messages,
+                                                max_tokens=12)
+            assert message.content[0].text == greedy.choices[0].message.content
+            response = await oai.responses.create(model=stack.model, input="hi",
+                                                  max_output_tokens=4)
+            assert (response.temperature, response.top_p) == (0.0, 0.9)
+        finally:
+            await oai.close()
+            await ant.close()
 
 
 async def test_models_list_has_no_sampling_defaults_for_a_model_without_any(
