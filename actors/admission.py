@@ -87,6 +87,7 @@ from actors.messages import (
     OutputSpec,
     RequestEvent,
     RequestFinished,
+    SamplingDefaults,
     SamplingParams,
     ToolChoice,
 )
@@ -512,7 +513,7 @@ class Admission(Actor):
             prepared = await self._large_turn(_prepare_chat, entry, prepared, *args)
         tokens, output, constraint = prepared
         return await self._admit(entry, msg.request_id, tokens, msg.sampling, "messages",
-                                 output=output, constraint=constraint,
+                                 unset=msg.unset, output=output, constraint=constraint,
                                  namespace=msg.cache_namespace)
 
     async def _admit_text(self, entry: ModelEntry, msg: AdmitCompletion,
@@ -525,7 +526,8 @@ class Admission(Actor):
             tokens, constraint = await self._large_turn(_prepare_text, entry, prompt,
                                                         msg.response_format)
         return await self._admit(entry, msg.request_id, tokens, msg.sampling, "prompt",
-                                 constraint=constraint, namespace=msg.cache_namespace)
+                                 unset=msg.unset, constraint=constraint,
+                                 namespace=msg.cache_namespace)
 
     async def _admit_ids(self, entry: ModelEntry, msg: AdmitCompletion,
                          tokens: list[int]) -> AdmissionTicket:
@@ -533,7 +535,8 @@ class Admission(Actor):
         if msg.response_format is not None and msg.response_format.type != "text":
             constraint = await self._work(_format_constraint, entry, msg.response_format)
         return await self._admit(entry, msg.request_id, tokens, msg.sampling, "prompt",
-                                 constraint=constraint, namespace=msg.cache_namespace)
+                                 unset=msg.unset, constraint=constraint,
+                                 namespace=msg.cache_namespace)
 
     async def _count_tokens(self, entry: ModelEntry, msg: CountTokens,
                             tools: list[dict] | None) -> int:
@@ -614,6 +617,7 @@ class Admission(Actor):
         sampling: SamplingParams,
         prompt_param: str,
         *,
+        unset: tuple[str, ...] = (),
         output: OutputSpec | None = None,
         constraint: Constraint | None = None,
         namespace: str = "",
@@ -621,6 +625,7 @@ class Admission(Actor):
         if not tokens:
             raise _refusal("invalid", "the prompt is empty", param=prompt_param)
         _check_context(entry, len(tokens), prompt_param, exact=True)
+        sampling = with_model_defaults(sampling, unset, entry.card.sampling_defaults)
         sampling, output = _fit_answer(entry, len(tokens), sampling, output, request_id,
                                        self.max_tokens_limit)
         self._check_memory(entry, len(tokens), prompt_param)
@@ -640,7 +645,7 @@ class Admission(Actor):
         self.admitted += 1
         entry.drain.started()
         admitted = Admitted(request_id=request_id, model=entry.card.id,
-                            prompt_tokens=len(tokens))
+                            prompt_tokens=len(tokens), sampling=sampling)
         # Duck-typed as the ReplyStream it wraps: the HTTP layer only iterates and closes it.
         return AdmissionTicket(admitted=admitted,
                                events=TrackedEvents(events, entry.drain))
@@ -751,6 +756,15 @@ def _check_context(entry: ModelEntry, n_tokens: int, prompt_param: str, *,
             f"leaves no room for an answer: shorten it",
             param=prompt_param, code="context_length_exceeded",
         )
+
+
+def with_model_defaults(sampling: SamplingParams, unset: tuple[str, ...],
+                        defaults: SamplingDefaults) -> SamplingParams:
+    """``sampling`` with the model's ``defaults`` in the fields its request left ``unset``
+    (a field the model sets no default for keeps ``SamplingParams``' own)."""
+    filled = {name: value for name in unset
+              if (value := getattr(defaults, name)) is not None}
+    return msgspec.structs.replace(sampling, **filled) if filled else sampling
 
 
 def _fit_answer(entry: ModelEntry, n_tokens: int, sampling: SamplingParams,

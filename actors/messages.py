@@ -10,7 +10,7 @@ Commands are named in the imperative (``AddRequest``), events in the past tense
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -34,6 +34,27 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: bool = False
     top_logprobs: int = 0
     ignore_eos: bool = False
+
+
+class SamplingDefaults(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A model's own sampling settings (its generation_config.json). Each one set is the value
+    of a request that does not set that field; None leaves ``SamplingParams``' default."""
+
+    temperature: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
+
+
+# The ``SamplingParams`` fields a model's defaults may fill.
+DEFAULTABLE = SamplingDefaults.__struct_fields__
+
+
+def unset_sampling(sent: dict[str, Any]) -> tuple[str, ...]:
+    """The ``DEFAULTABLE`` fields a request left unset, from what it ``sent`` (a field's
+    value, None when not sent; a field its API lacks counts as unset)."""
+    return tuple(name for name in DEFAULTABLE if sent.get(name) is None)
 
 
 # --- agents: tools, constrained output, reasoning ---------------------------------------------
@@ -102,6 +123,8 @@ class AdmitChat(Message, frozen=True, kw_only=True):
     model: str
     messages: list[dict]
     sampling: SamplingParams
+    # The ``DEFAULTABLE`` fields the request did not set: the model's defaults fill them.
+    unset: tuple[str, ...] = ()
     tools: list[dict] | None = None
     chat_template_kwargs: dict | None = None
     tool_choice: ToolChoice = ToolChoice()
@@ -119,6 +142,8 @@ class AdmitCompletion(Message, frozen=True, kw_only=True):
     model: str
     prompt: str | list[int]
     sampling: SamplingParams
+    # The ``DEFAULTABLE`` fields the request did not set: the model's defaults fill them.
+    unset: tuple[str, ...] = ()
     response_format: OutputFormat | None = None
     # Whose prefix-cache blocks it may read and write ("": the shared namespace).
     cache_namespace: str = ""
@@ -145,7 +170,8 @@ class DescribeModel(Message, frozen=True, kw_only=True):
 
 class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
     """A served model. ``alias_of``: on the card admission lists for an alias (``--alias``),
-    the id of the model the alias names (the rest is that model's)."""
+    the id of the model the alias names (the rest is that model's). ``sampling_defaults``:
+    the model's own, read from its directory when it is resolved."""
 
     id: str
     context_length: int
@@ -153,6 +179,7 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
     path: str
     fingerprint: str = ""
     alias_of: str | None = None
+    sampling_defaults: SamplingDefaults = SamplingDefaults()
 
 
 class Admitted(msgspec.Struct, frozen=True, kw_only=True):
@@ -161,6 +188,8 @@ class Admitted(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str
     model: str
     prompt_tokens: int
+    # How it samples: the request's own settings, the model's defaults where it set none.
+    sampling: SamplingParams | None = None
 
 
 # What went wrong, in the core's words: a request that is malformed or cannot be served as

@@ -41,6 +41,7 @@ from actors.memory_messages import (
     UnloadIdle,
 )
 from actors.messages import AdmissionError, ListModels, ModelCard
+from actors.models.generation_config import sampling_defaults
 from actors.models.store import resolve_model
 from actors.scheduler import MLX_THREAD, Scheduler, context_length
 from actors.ssd_writer import SsdWriter
@@ -157,6 +158,7 @@ class EnginePool(Actor):
                 source=resolved.source,
                 path=str(resolved.path),
                 fingerprint=model_fingerprint(resolved.path),
+                sampling_defaults=sampling_defaults(resolved.path),
             )
             names = engine_names(position, card.id)
             # A model is pinned by its id or by the spec it was given as.

@@ -80,6 +80,7 @@ from actors.messages import (
     Step,
     Usage,
 )
+from actors.models.generation_config import sampling_defaults
 from actors.models.store import DEFAULT_MODEL, resolve_model
 from actors.retry import FinishPace
 from runtime import Actor, ActorDead, ActorRef, AskTimeout, MailboxFull, Message, Reply
@@ -254,6 +255,7 @@ class Scheduler(Actor):
             source=resolved.source,
             path=str(resolved.path),
             fingerprint=fingerprint,
+            sampling_defaults=sampling_defaults(resolved.path),
         )
         if self.config.distributed:
             self._lead(fingerprint)

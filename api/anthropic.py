@@ -31,10 +31,11 @@ from actors.messages import (
     TokensGenerated,
     ToolCall,
     ToolChoice,
+    unset_sampling,
 )
 from api.cache_namespace import CacheSalt
 from api.decode import decode_body
-from api.errors import ApiError, ask_admission
+from api.errors import ApiError, ask_admission, why_unsupported
 from api.generation import Renderer
 from api.generation_route import generate
 from api.shutdown import generation
@@ -279,8 +280,8 @@ def _text(block: ContentBlock, param: str) -> str:
 def _unsupported(kind: str, param: str) -> ApiError:
     return ApiError(
         400,
-        f"Content blocks of type '{kind}' are not supported: this server accepts text, "
-        "tool_use and tool_result blocks.",
+        f"Content blocks of type '{kind}' are not supported: "
+        f"{why_unsupported(kind, 'text, tool_use and tool_result blocks')}.",
         param=param,
     )
 
@@ -441,6 +442,7 @@ def admit_message(req: MessagesRequest, request_id: str) -> AdmitChat:
         model=req.model,
         messages=messages,
         sampling=sampling,
+        unset=unset_sampling(sent),
         tools=tools,
         chat_template_kwargs=template_kwargs,
         tool_choice=choice,

@@ -27,15 +27,17 @@ from actors.messages import (
     OutputFormat,
     RequestEvent,
     RequestFinished,
+    SamplingDefaults,
     SamplingParams,
     TokenLogprob,
     TokensGenerated,
     ToolCall,
     ToolChoice,
     Usage,
+    unset_sampling,
 )
 from api.cache_namespace import CacheSalt
-from api.errors import ApiError, ask_admission
+from api.errors import ApiError, ask_admission, why_unsupported
 from api.generation import Renderer
 from api.generation_route import generate
 from api.shutdown import generation
@@ -248,7 +250,7 @@ class Completion(OpenAIObject, kw_only=True, omit_defaults=True):
     usage: UsageOut | None = None
 
 
-class ModelObject(msgspec.Struct, kw_only=True):
+class ModelObject(msgspec.Struct, kw_only=True, omit_defaults=True):
     id: str
     object: str
     created: int
@@ -256,6 +258,8 @@ class ModelObject(msgspec.Struct, kw_only=True):
     root: str  # the served model that answers to this id (itself, or an alias's model)
     # The model's context in tokens, as vLLM names it: agents size their history by it.
     max_model_len: int
+    # The model's own sampling defaults (generation_config.json), when it sets any.
+    sampling_defaults: SamplingDefaults | None = None
 
 
 class ModelList(msgspec.Struct, kw_only=True):
@@ -302,7 +306,7 @@ def _message_text(message: ChatMessage, index: int) -> str:
             raise ApiError(
                 400,
                 f"Content parts of type '{part.type}' are not supported: "
-                "this server accepts text parts only.",
+                f"{why_unsupported(part.type, 'text parts only')}.",
                 param=param,
             )
         if part.text is None:
@@ -353,6 +357,11 @@ def _sampling(
         top_logprobs=top_logprobs,
         **{name: value for name, value in fields.items() if value is not None},
     )
+
+
+def _unset(req: SamplingRequest) -> tuple[str, ...]:
+    """The sampling fields the request left to the model's defaults."""
+    return unset_sampling({name: getattr(req, name) for name in _SAMPLING_FIELDS})
 
 
 def output_format(fmt: ResponseFormat | None) -> OutputFormat | None:
@@ -412,6 +421,7 @@ def admit_chat(req: ChatCompletionRequest, request_id: str, default_max_tokens: 
         model=req.model,
         messages=[_template_message(m, i) for i, m in enumerate(req.messages)],
         sampling=sampling,
+        unset=_unset(req),
         tools=req.tools,
         chat_template_kwargs=req.chat_template_kwargs,
         tool_choice=choice,
@@ -460,6 +470,7 @@ def admit_completion(
         model=req.model,
         prompt=_prompt(req.prompt),
         sampling=sampling,
+        unset=_unset(req),
         response_format=output_format(req.response_format),
     )
 
@@ -728,7 +739,9 @@ class OpenAIRoutes:
     def _model(self, card: ModelCard) -> ModelObject:
         return ModelObject(id=card.id, object="model", created=self.created,
                            owned_by="mlx-troupe", root=card.alias_of or card.id,
-                           max_model_len=card.context_length)
+                           max_model_len=card.context_length,
+                           sampling_defaults=card.sampling_defaults
+                           if card.sampling_defaults != SamplingDefaults() else None)
 
     def _anthropic_model(self, card: ModelCard) -> AnthropicModel:
         created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created))

@@ -48,9 +48,10 @@ from actors.messages import (
     ToolCall,
     ToolChoice,
     Usage,
+    unset_sampling,
 )
 from api.cache_namespace import CacheSalt
-from api.errors import ApiError
+from api.errors import ApiError, why_unsupported
 from api.generation import Renderer
 from api.generation_route import generate
 from api.responses_store import ResponseStore, StoredResponse
@@ -286,8 +287,8 @@ def _texts(content: str | list[InputPart] | None, param: str) -> str:
         if part.type not in _TEXT_PARTS:
             raise ApiError(
                 400,
-                f"Content parts of type '{part.type}' are not supported: this server accepts "
-                "input_text and output_text parts only.",
+                f"Content parts of type '{part.type}' are not supported: "
+                f"{why_unsupported(part.type, 'input_text and output_text parts only')}.",
                 param=f"{where}.type",
             )
         if part.text is None:
@@ -517,6 +518,7 @@ def prepare_turn(
         model=req.model,
         messages=_messages(req.instructions, items, own=len(items) - len(own)),
         sampling=sampling,
+        unset=unset_sampling(sent),
         # Sent even with tool_choice "none", as chat sends them: admission hides them then.
         tools=tools.chat or None,
         tool_choice=choice,
@@ -575,6 +577,8 @@ class _ResponsesRenderer(Renderer):
         self.open: MessageItem | ReasoningItem | None = None
         self.sequence = 0
         fmt = req.text.format if req.text and req.text.format else TextFormat(type="text")
+        # The sampling it runs with: the model's defaults fill what the request left unset.
+        sampling = admitted.sampling or msg.sampling
         # What the response echoes of the request, as OpenAI's does.
         self.echo: dict[str, Any] = {
             "instructions": req.instructions,
@@ -583,11 +587,11 @@ class _ResponsesRenderer(Renderer):
             "previous_response_id": req.previous_response_id,
             "reasoning": req.reasoning,
             "store": turn.store,
-            "temperature": msg.sampling.temperature,
+            "temperature": sampling.temperature,
             "text": {"format": msgspec.to_builtins(fmt)},
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
             "tools": turn.tools.echo,
-            "top_p": msg.sampling.top_p,
+            "top_p": sampling.top_p,
             "metadata": req.metadata or {},
         }
 

@@ -192,7 +192,9 @@ def model_memory_of(model_dir: str | Path) -> ModelMemory:
     config = json.loads((model_dir / "config.json").read_text())
     totals: dict[str, int] = {}
     weights = 0
-    for f in sorted(model_dir.glob("*.safetensors")):
+    # The files mlx-lm loads (its load_model's glob): a repo cloned whole may also hold its
+    # weights again in another file (Mistral's consolidated.safetensors), never loaded.
+    for f in sorted(model_dir.glob("model*.safetensors")):
         weights += f.stat().st_size
         try:
             for k, v in safetensors_dtypes(f).items():
