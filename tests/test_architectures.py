@@ -34,6 +34,10 @@ BLOCK = 16
 LONG = ("The quick brown fox jumps over the lazy dog. " * 6
         + "What is the capital of France? The capital of France is Paris. " * 2)
 CHUNK = 16  # prefill_step_size of the long-prompt test
+# Two prompts that end alike and differ before: a model whose greedy answer followed only its
+# last token (a random model's residual stream echoing it) would answer both the same.
+SAME_END = ("The quick brown fox jumps over the lazy dog. What is the capital of France?",
+            "Numbers like 12345 and 67890 are split into digits. What is the capital of France?")
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,14 @@ ARCHS = [
     Arch("gpt_oss", 2, True, False, "attention sinks, sliding window, experts"),
     Arch("lfm2", 4, True, False, "hybrid: convolution and attention layers"),
     Arch("qwen3_next", 4, True, False, "hybrid: gated delta-net and attention layers, experts"),
+    Arch("qwen3_5", 4, True, False, "hybrid: gated delta-net and attention layers, dense"),
+    Arch("qwen3_5_moe", 4, True, False, "hybrid as qwen3_5, routed and shared experts"),
+    Arch("gemma4_text", 4, True, False,
+         "sliding and global layers of two head sizes, per-layer inputs, a shared KV layer"),
+    Arch("deepseek_v3", 2, True, False, "multi-head latent attention (MLA), experts"),
+    Arch("glm4_moe", 2, True, False, "partial rotary, q/k norms, a dense layer then experts"),
+    Arch("nemotron_h", 4, True, False, "hybrid: Mamba-2, attention, MLP and expert layers"),
+    Arch("minimax", 2, True, False, "sigmoid-routed experts, q/k norms across heads"),
 ]
 
 
@@ -114,6 +126,13 @@ def ram_hit(engine: Engine, prompt: list[int]) -> list[KVBlock]:
 
 
 # -- generation ------------------------------------------------------------------------------
+
+
+def test_greedy_output_depends_on_the_context_before_the_last_tokens(tiny: Tiny) -> None:
+    """Else the equalities below could hold for an engine that lost the context."""
+    a, b = (tiny.tok.encode(t) for t in SAME_END)
+    assert a[-6:] == b[-6:] and a != b
+    assert tiny.reference(a, 8) != tiny.reference(b, 8)
 
 
 def test_one_request_gives_mlx_lm_greedy_tokens(tiny: Tiny) -> None:

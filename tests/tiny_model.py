@@ -189,7 +189,121 @@ ARCH_CONFIGS: dict[str, Callable[[int, int], dict[str, Any]]] = {
         "partial_rotary_factor": 0.25,
         "full_attention_interval": 2,
     },
+    # Qwen3.5: gated delta-net (ArraysCache) and gated attention (KVCache) layers, dense MLP.
+    "qwen3_5": lambda hidden, layers: _qwen3_5(hidden),
+    # The same with routed experts and a shared expert.
+    "qwen3_5_moe": lambda hidden, layers: {
+        **_qwen3_5(hidden),
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "shared_expert_intermediate_size": hidden,
+        "moe_intermediate_size": hidden,
+        "norm_topk_prob": True,
+    },
+    # Gemma 4: sliding and global layers (the global ones with their own head size and
+    # partial rotary), a per-layer input embedding, the last layer reading an earlier layer's
+    # cache (KV sharing), logit soft-capping.
+    "gemma4_text": lambda hidden, layers: {
+        "head_dim": 16,
+        "global_head_dim": 32,
+        "num_key_value_heads": 1,
+        "sliding_window": 8,
+        "layer_types": _sliding_and_full(layers),
+        "hidden_size_per_layer_input": 16,
+        "vocab_size_per_layer_input": None,  # the tokenizer's size
+        "num_kv_shared_layers": 1,
+        "use_double_wide_mlp": True,
+        # Tied, the scaled-up embedding dominates the residual stream and each step repeats
+        # its input token; an untied (random) head lets the layers' context decide.
+        "tie_word_embeddings": False,
+    },
+    # Multi-head latent attention (a KVCache of the compressed latent and the rope keys), a
+    # dense first layer, then routed experts with a shared expert.
+    "deepseek_v3": lambda hidden, layers: {
+        "num_key_value_heads": 4,
+        "kv_lora_rank": 32,
+        "q_lora_rank": 32,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 16,
+        "v_head_dim": 16,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": hidden,
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 1.0,
+    },
+    # Partial rotary with q/k norms, a dense first layer, then experts with a shared one.
+    "glm4_moe": lambda hidden, layers: {
+        "head_dim": 16,
+        "moe_intermediate_size": hidden,
+        "norm_topk_prob": True,
+        "n_group": 1,
+        "topk_group": 1,
+        "n_shared_experts": 1,
+        "n_routed_experts": 4,
+        "routed_scaling_factor": 1.0,
+        "num_experts_per_tok": 2,
+        "first_k_dense_replace": 1,
+        "rope_scaling": None,
+        "use_qk_norm": True,
+        "attention_bias": True,
+        "partial_rotary_factor": 0.5,
+    },
+    # Mamba-2 (ArraysCache), attention (KVCache), MLP and expert layers in one stack.
+    "nemotron_h": lambda hidden, layers: {
+        "hybrid_override_pattern": ["M", "*", "-", "E"][:layers],
+        "head_dim": 16,
+        "attention_bias": False,
+        "mamba_num_heads": 4,
+        "mamba_head_dim": 16,
+        "mamba_proj_bias": False,
+        "ssm_state_size": 16,
+        "conv_kernel": 4,
+        "n_groups": 2,
+        "mlp_bias": False,
+        "layer_norm_epsilon": 1e-5,
+        "use_bias": False,
+        "use_conv_bias": True,
+        "moe_intermediate_size": hidden,
+        "moe_shared_expert_intermediate_size": hidden,
+        "n_group": 1,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "topk_group": 1,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.0,
+    },
+    # Experts with sigmoid routing, partial rotary, q/k norms over all heads.
+    "minimax": lambda hidden, layers: {
+        "head_dim": 16,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "shared_intermediate_size": 0,
+        "rotary_dim": 8,
+        "use_qk_norm": True,
+    },
 }
+
+
+def _qwen3_5(hidden: int) -> dict[str, Any]:
+    """Qwen3.5's text settings (its config may be flat: mlx-lm reads it as the text config)."""
+    return {
+        "head_dim": 16,
+        "linear_num_value_heads": 4,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "full_attention_interval": 2,
+        "rope_parameters": {"type": "default", "rope_theta": 10000.0,
+                            "partial_rotary_factor": 0.25},
+    }
 
 
 def make_tiny_model(
@@ -254,6 +368,8 @@ def make_tiny_model(
         )
     if arch in ARCH_CONFIGS:
         config.update(ARCH_CONFIGS[arch](hidden, layers))
+        if "vocab_size_per_layer_input" in config:
+            config["vocab_size_per_layer_input"] = vocab
     model_cls, args_cls = _get_classes(config)
     mx.random.seed(seed)
     model = model_cls(args_cls.from_dict(config))
