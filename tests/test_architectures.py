@@ -9,11 +9,16 @@ serves it: one forward pass a step (actors/engine/forward.py) or mlx-lm's own mo
 An architecture whose caches cannot be cut into blocks (a cache kind actors/engine/kv_blocks.py
 does not know) runs without a prefix cache: for it the cache tests check that caching is off
 and that repeats are still right.
+
+The 2026 families and gpt_oss also run quantized by mlx-lm's own code (4-bit in groups of 32
+and 64, one 8-bit, one mixed-precision), checked against mlx-lm on the same quantized weights.
+Every variant first shows that its greedy answer follows the context, not just the last token:
+random weights otherwise tend to echo it, and equal outputs would prove little.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +55,18 @@ class Arch:
     # the prefill chunk together), not mlx-lm's own model call.
     mixed: bool
     why: str  # what the architecture adds to the matrix
+    # Quantized by mlx-lm to this many bits in groups of group_size (0: float32 weights); with
+    # high_bits, mixed precision: some layers at high_bits (tests/tiny_model.py).
+    bits: int = 0
+    group_size: int = 64
+    high_bits: int = 0
+
+    @property
+    def id(self) -> str:
+        if not self.bits:
+            return self.name
+        mixed = f"-mixed{self.high_bits}" if self.high_bits else ""
+        return f"{self.name}-{self.bits}bit-g{self.group_size}{mixed}"
 
 
 ARCHS = [
@@ -72,6 +89,14 @@ ARCHS = [
     Arch("nemotron_h", 4, True, False, "hybrid: Mamba-2, attention, MLP and expert layers"),
     Arch("minimax", 2, True, False, "sigmoid-routed experts, q/k norms across heads"),
 ]
+# As users download them: the 2026 families and gpt_oss 4-bit in groups of 32 and of 64,
+# qwen3_5 8-bit, glm4_moe mixed (v_proj, down_proj, embedding and head 8-bit, the rest 4-bit).
+QUANTIZED = ["qwen3_5", "qwen3_5_moe", "gemma4_text", "gpt_oss", "deepseek_v3", "glm4_moe",
+             "nemotron_h", "minimax"]
+_BY_NAME = {a.name: a for a in ARCHS}
+ARCHS += [replace(_BY_NAME[n], bits=4, group_size=g) for n in QUANTIZED for g in (32, 64)]
+ARCHS += [replace(_BY_NAME["qwen3_5"], bits=8),
+          replace(_BY_NAME["glm4_moe"], bits=4, high_bits=8)]
 
 
 @dataclass
@@ -98,11 +123,12 @@ class Tiny:
                       fingerprint=model_fingerprint(self.model_dir))
 
 
-@pytest.fixture(scope="module", params=ARCHS, ids=[a.name for a in ARCHS])
+@pytest.fixture(scope="module", params=ARCHS, ids=[a.id for a in ARCHS])
 def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Tiny:
     arch: Arch = request.param
-    model_dir = make_tiny_model(tmp_path_factory.mktemp(arch.name) / arch.name,
-                                arch=arch.name, layers=arch.layers)
+    model_dir = make_tiny_model(tmp_path_factory.mktemp(arch.id) / arch.name,
+                                arch=arch.name, layers=arch.layers, bits=arch.bits,
+                                group_size=arch.group_size, high_bits=arch.high_bits)
     model, tok = load(str(model_dir))
     return Tiny(arch, model_dir, model, tok)
 
@@ -126,6 +152,21 @@ def ram_hit(engine: Engine, prompt: list[int]) -> list[KVBlock]:
 
 
 # -- generation ------------------------------------------------------------------------------
+
+
+def test_quantized_weights_load_as_the_config_records_them(tiny: Tiny) -> None:
+    """mlx-lm's loader rebuilt quantized layers at the variant's bits and group size (mixed:
+    the v_proj and down_proj layers at the high bits), so the checks below run on them."""
+    quantized = {name: m for name, m in tiny.model.named_modules() if hasattr(m, "scales")}
+    assert bool(quantized) is bool(tiny.arch.bits)
+    if not tiny.arch.bits:
+        return
+    assert (tiny.arch.bits, tiny.arch.group_size) in {(m.bits, m.group_size)
+                                                      for m in quantized.values()}
+    if tiny.arch.high_bits:
+        high = [m.bits for n, m in quantized.items() if "v_proj" in n or "down_proj" in n]
+        assert high and set(high) == {tiny.arch.high_bits}
+        assert tiny.arch.bits in {m.bits for m in quantized.values()}
 
 
 def test_greedy_output_depends_on_the_context_before_the_last_tokens(tiny: Tiny) -> None:

@@ -291,6 +291,12 @@ ARCH_CONFIGS: dict[str, Callable[[int, int], dict[str, Any]]] = {
 }
 
 
+# Embeddings scaled down (the head is tied to them): at full size, the last token's embedding
+# outweighs what qwen3_5's layers add, and its 4-bit (group 64) weights answered two prompts
+# that end alike the same; at a quarter every precision's answer follows the context.
+EMBED_SCALE: dict[str, float] = {"qwen3_5": 0.25}
+
+
 def _qwen3_5(hidden: int) -> dict[str, Any]:
     """Qwen3.5's text settings (its config may be flat: mlx-lm reads it as the text config)."""
     return {
@@ -317,6 +323,9 @@ def make_tiny_model(
     template: str = "chatml",
     context: int = 2048,
     eos_head: float | None = None,
+    bits: int = 0,
+    group_size: int = 64,
+    high_bits: int = 0,
 ) -> Path:
     """Write a random-weight mlx-lm model directory (config, weights, tokenizer) to ``out``.
 
@@ -328,6 +337,13 @@ def make_tiny_model(
     that answers end by themselves (a random model otherwise writes until ``max_tokens``):
     on the tiny qwen3 at 6, fifteen prompts' greedy answers took 0 to 318 tokens, sampled at
     temperature 1, 1 to 54.
+
+    ``bits``: with a number, the weights are quantized to it in groups of ``group_size`` by
+    mlx-lm's own ``quantize_model`` (layers whose input size the group does not divide, and
+    those the model's ``quant_predicate`` keeps, stay as they are), and the config says so as
+    mlx-lm writes it. ``high_bits``: mixed precision as mlx-lm's recipes choose, the
+    ``v_proj`` and ``down_proj`` layers (and the embedding and head) at this many bits,
+    recorded per layer in the config.
     """
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -390,6 +406,9 @@ def make_tiny_model(
                 else mx.random.normal(v.shape) if k.endswith("sinks") else v)
             for k, v in weights.items()
         }
+    if arch in EMBED_SCALE:
+        for k in [k for k in weights if k.endswith("embed_tokens.weight")]:
+            weights[k] = weights[k] * EMBED_SCALE[arch]
     if eos_head is not None:
         # End-of-sequence wins where the final hidden state leans along this direction.
         direction = mx.random.normal((hidden,))
@@ -398,7 +417,29 @@ def make_tiny_model(
         weights["lm_head.weight"] = head
         config["tie_word_embeddings"] = False
     weights = {k: v.astype(getattr(mx, dtype)) for k, v in weights.items()}
+    if bits:
+        weights, config = _quantize(model, weights, config, bits, group_size, high_bits)
     mx.save_safetensors(str(out / "model.safetensors"), weights)
     config["torch_dtype"] = dtype
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
+
+
+def _quantize(model: Any, weights: dict[str, Any], config: dict[str, Any], bits: int,
+              group_size: int, high_bits: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The weights quantized by mlx-lm's ``quantize_model``, and the config it writes."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import quantize_model
+
+    model.load_weights(list(weights.items()))
+    own = getattr(model, "quant_predicate", None)
+
+    def predicate(path: str, module: Any) -> bool | dict[str, Any]:
+        chosen = own(path, module) if own else True
+        if (chosen is True and high_bits
+                and any(k in path for k in ("v_proj", "down_proj", "embed", "lm_head"))):
+            return {"group_size": group_size, "bits": high_bits, "mode": "affine"}
+        return chosen
+
+    model, config = quantize_model(model, config, group_size, bits, quant_predicate=predicate)
+    return dict(tree_flatten(model.parameters())), config
