@@ -88,11 +88,12 @@ ARCHS = [
     Arch("glm4_moe", 2, True, False, "partial rotary, q/k norms, a dense layer then experts"),
     Arch("nemotron_h", 4, True, False, "hybrid: Mamba-2, attention, MLP and expert layers"),
     Arch("minimax", 2, True, False, "sigmoid-routed experts, q/k norms across heads"),
+    Arch("kimi_linear", 4, True, False, "hybrid: Kimi delta attention and MLA layers, experts"),
 ]
 # As users download them: the 2026 families and gpt_oss 4-bit in groups of 32 and of 64,
 # qwen3_5 8-bit, glm4_moe mixed (v_proj, down_proj, embedding and head 8-bit, the rest 4-bit).
 QUANTIZED = ["qwen3_5", "qwen3_5_moe", "gemma4_text", "gpt_oss", "deepseek_v3", "glm4_moe",
-             "nemotron_h", "minimax"]
+             "nemotron_h", "minimax", "kimi_linear"]
 _BY_NAME = {a.name: a for a in ARCHS}
 ARCHS += [replace(_BY_NAME[n], bits=4, group_size=g) for n in QUANTIZED for g in (32, 64)]
 ARCHS += [replace(_BY_NAME["qwen3_5"], bits=8),

@@ -288,6 +288,26 @@ ARCH_CONFIGS: dict[str, Callable[[int, int], dict[str, Any]]] = {
         "rotary_dim": 8,
         "use_qk_norm": True,
     },
+    # Kimi delta attention (ArraysCache) layers and MLA layers (KVCache), experts.
+    "kimi_linear": lambda hidden, layers: {
+        "head_dim": 16,
+        "linear_attn_config": {"num_heads": 4, "head_dim": 16, "short_conv_kernel_size": 4,
+                               "kda_layers": [i + 1 for i in range(layers) if i % 2 == 0]},
+        "model_max_length": 2048,
+        "num_experts": 4,
+        "num_experts_per_token": 2,
+        "num_shared_experts": 1,
+        "moe_intermediate_size": hidden,
+        "first_k_dense_replace": 1,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "mla_use_nope": True,
+        # transformers' KimiLinear config defaults name ids past the tiny vocabulary.
+        "bos_token_id": 1,
+        "pad_token_id": 0,
+    },
 }
 
 
