@@ -33,6 +33,40 @@ ATTRIBUTES: tuple[tuple[str, str, str], ...] = (
 )
 
 
+# Private methods troupe replaces, fixed: (module, class, method, why).
+PATCHED: tuple[tuple[str, str, str, str], ...] = (
+    ("mlx_lm.models.nemotron_h", "NemotronHMamba2Mixer", "_ssm",
+     "it drops the cache's lengths when it calls ssm_update (as granitemoehybrid's does, "
+     "ml-explore/mlx-lm#1908; mamba2's passes them), so a shorter prompt right-padded in a "
+     "batched prefill takes its state from the padding (actors/engine/runner.py)"),
+)
+
+
+def patch_models() -> None:
+    """Replace the methods in ``PATCHED`` with fixed ones (idempotent): called before a model
+    is batched."""
+    from mlx_lm.models import nemotron_h
+
+    nemotron_h.NemotronHMamba2Mixer._ssm = _nemotron_h_ssm
+
+
+def _nemotron_h_ssm(self: Any, hidden_states: Any, B: Any, C: Any, dt: Any, cache: Any,
+                    mask: Any) -> Any:
+    """mlx-lm 0.32.2's ``NemotronHMamba2Mixer._ssm``, passing the cache's lengths on."""
+    from mlx_lm.models.ssm import ssm_update
+
+    batch_size, seq_len, _ = hidden_states.shape
+    hidden_states = hidden_states.reshape(batch_size, seq_len, self.num_heads, self.head_dim)
+    B = B.reshape(batch_size, seq_len, self.n_groups, self.ssm_state_size)
+    C = C.reshape(batch_size, seq_len, self.n_groups, self.ssm_state_size)
+    state, lengths = (cache[1], cache.lengths) if cache else (None, None)
+    y, state = ssm_update(hidden_states, self.A_log, B, C, self.D.astype(hidden_states.dtype),
+                          dt, self.dt_bias, state, self.time_step_limit, mask, lengths)
+    if cache:
+        cache[1] = state
+    return y.reshape(batch_size, seq_len, self.intermediate_size)
+
+
 class UntestedMlxLm(RuntimeError):
     """The installed mlx-lm is not one troupe was tested on."""
 

@@ -9,11 +9,16 @@ serves it: one forward pass a step (actors/engine/forward.py) or mlx-lm's own mo
 An architecture whose caches cannot be cut into blocks (a cache kind actors/engine/kv_blocks.py
 does not know) runs without a prefix cache: for it the cache tests check that caching is off
 and that repeats are still right.
+
+The 2026 families and gpt_oss also run quantized by mlx-lm's own code (4-bit in groups of 32
+and 64, one 8-bit, one mixed-precision), checked against mlx-lm on the same quantized weights.
+Every variant first shows that its greedy answer follows the context, not just the last token:
+random weights otherwise tend to echo it, and equal outputs would prove little.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +39,10 @@ BLOCK = 16
 LONG = ("The quick brown fox jumps over the lazy dog. " * 6
         + "What is the capital of France? The capital of France is Paris. " * 2)
 CHUNK = 16  # prefill_step_size of the long-prompt test
+# Two prompts that end alike and differ before: a model whose greedy answer followed only its
+# last token (a random model's residual stream echoing it) would answer both the same.
+SAME_END = ("The quick brown fox jumps over the lazy dog. What is the capital of France?",
+            "Numbers like 12345 and 67890 are split into digits. What is the capital of France?")
 
 
 @dataclass(frozen=True)
@@ -46,6 +55,18 @@ class Arch:
     # the prefill chunk together), not mlx-lm's own model call.
     mixed: bool
     why: str  # what the architecture adds to the matrix
+    # Quantized by mlx-lm to this many bits in groups of group_size (0: float32 weights); with
+    # high_bits, mixed precision: some layers at high_bits (tests/tiny_model.py).
+    bits: int = 0
+    group_size: int = 64
+    high_bits: int = 0
+
+    @property
+    def id(self) -> str:
+        if not self.bits:
+            return self.name
+        mixed = f"-mixed{self.high_bits}" if self.high_bits else ""
+        return f"{self.name}-{self.bits}bit-g{self.group_size}{mixed}"
 
 
 ARCHS = [
@@ -59,7 +80,24 @@ ARCHS = [
     Arch("gpt_oss", 2, True, False, "attention sinks, sliding window, experts"),
     Arch("lfm2", 4, True, False, "hybrid: convolution and attention layers"),
     Arch("qwen3_next", 4, True, False, "hybrid: gated delta-net and attention layers, experts"),
+    Arch("qwen3_5", 4, True, False, "hybrid: gated delta-net and attention layers, dense"),
+    Arch("qwen3_5_moe", 4, True, False, "hybrid as qwen3_5, routed and shared experts"),
+    Arch("gemma4_text", 4, True, False,
+         "sliding and global layers of two head sizes, per-layer inputs, a shared KV layer"),
+    Arch("deepseek_v3", 2, True, False, "multi-head latent attention (MLA), experts"),
+    Arch("glm4_moe", 2, True, False, "partial rotary, q/k norms, a dense layer then experts"),
+    Arch("nemotron_h", 4, True, False, "hybrid: Mamba-2, attention, MLP and expert layers"),
+    Arch("minimax", 2, True, False, "sigmoid-routed experts, q/k norms across heads"),
+    Arch("kimi_linear", 4, True, False, "hybrid: Kimi delta attention and MLA layers, experts"),
 ]
+# As users download them: the 2026 families and gpt_oss 4-bit in groups of 32 and of 64,
+# qwen3_5 8-bit, glm4_moe mixed (v_proj, down_proj, embedding and head 8-bit, the rest 4-bit).
+QUANTIZED = ["qwen3_5", "qwen3_5_moe", "gemma4_text", "gpt_oss", "deepseek_v3", "glm4_moe",
+             "nemotron_h", "minimax", "kimi_linear"]
+_BY_NAME = {a.name: a for a in ARCHS}
+ARCHS += [replace(_BY_NAME[n], bits=4, group_size=g) for n in QUANTIZED for g in (32, 64)]
+ARCHS += [replace(_BY_NAME["qwen3_5"], bits=8),
+          replace(_BY_NAME["glm4_moe"], bits=4, high_bits=8)]
 
 
 @dataclass
@@ -86,11 +124,12 @@ class Tiny:
                       fingerprint=model_fingerprint(self.model_dir))
 
 
-@pytest.fixture(scope="module", params=ARCHS, ids=[a.name for a in ARCHS])
+@pytest.fixture(scope="module", params=ARCHS, ids=[a.id for a in ARCHS])
 def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Tiny:
     arch: Arch = request.param
-    model_dir = make_tiny_model(tmp_path_factory.mktemp(arch.name) / arch.name,
-                                arch=arch.name, layers=arch.layers)
+    model_dir = make_tiny_model(tmp_path_factory.mktemp(arch.id) / arch.name,
+                                arch=arch.name, layers=arch.layers, bits=arch.bits,
+                                group_size=arch.group_size, high_bits=arch.high_bits)
     model, tok = load(str(model_dir))
     return Tiny(arch, model_dir, model, tok)
 
@@ -114,6 +153,28 @@ def ram_hit(engine: Engine, prompt: list[int]) -> list[KVBlock]:
 
 
 # -- generation ------------------------------------------------------------------------------
+
+
+def test_quantized_weights_load_as_the_config_records_them(tiny: Tiny) -> None:
+    """mlx-lm's loader rebuilt quantized layers at the variant's bits and group size (mixed:
+    the v_proj and down_proj layers at the high bits), so the checks below run on them."""
+    quantized = {name: m for name, m in tiny.model.named_modules() if hasattr(m, "scales")}
+    assert bool(quantized) is bool(tiny.arch.bits)
+    if not tiny.arch.bits:
+        return
+    assert (tiny.arch.bits, tiny.arch.group_size) in {(m.bits, m.group_size)
+                                                      for m in quantized.values()}
+    if tiny.arch.high_bits:
+        high = [m.bits for n, m in quantized.items() if "v_proj" in n or "down_proj" in n]
+        assert high and set(high) == {tiny.arch.high_bits}
+        assert tiny.arch.bits in {m.bits for m in quantized.values()}
+
+
+def test_greedy_output_depends_on_the_context_before_the_last_tokens(tiny: Tiny) -> None:
+    """Else the equalities below could hold for an engine that lost the context."""
+    a, b = (tiny.tok.encode(t) for t in SAME_END)
+    assert a[-6:] == b[-6:] and a != b
+    assert tiny.reference(a, 8) != tiny.reference(b, 8)
 
 
 def test_one_request_gives_mlx_lm_greedy_tokens(tiny: Tiny) -> None:

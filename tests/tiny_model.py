@@ -189,7 +189,147 @@ ARCH_CONFIGS: dict[str, Callable[[int, int], dict[str, Any]]] = {
         "partial_rotary_factor": 0.25,
         "full_attention_interval": 2,
     },
+    # Qwen3.5: gated delta-net (ArraysCache) and gated attention (KVCache) layers, dense MLP.
+    "qwen3_5": lambda hidden, layers: _qwen3_5(hidden),
+    # The same with routed experts and a shared expert.
+    "qwen3_5_moe": lambda hidden, layers: {
+        **_qwen3_5(hidden),
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "shared_expert_intermediate_size": hidden,
+        "moe_intermediate_size": hidden,
+        "norm_topk_prob": True,
+    },
+    # Gemma 4: sliding and global layers (the global ones with their own head size and
+    # partial rotary), a per-layer input embedding, the last layer reading an earlier layer's
+    # cache (KV sharing), logit soft-capping.
+    "gemma4_text": lambda hidden, layers: {
+        "head_dim": 16,
+        "global_head_dim": 32,
+        "num_key_value_heads": 1,
+        "sliding_window": 8,
+        "layer_types": _sliding_and_full(layers),
+        "hidden_size_per_layer_input": 16,
+        "vocab_size_per_layer_input": None,  # the tokenizer's size
+        "num_kv_shared_layers": 1,
+        "use_double_wide_mlp": True,
+        # Tied, the scaled-up embedding dominates the residual stream and each step repeats
+        # its input token; an untied (random) head lets the layers' context decide.
+        "tie_word_embeddings": False,
+    },
+    # Multi-head latent attention (a KVCache of the compressed latent and the rope keys), a
+    # dense first layer, then routed experts with a shared expert.
+    "deepseek_v3": lambda hidden, layers: {
+        "num_key_value_heads": 4,
+        "kv_lora_rank": 32,
+        "q_lora_rank": 32,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 16,
+        "v_head_dim": 16,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": hidden,
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 1.0,
+    },
+    # Partial rotary with q/k norms, a dense first layer, then experts with a shared one.
+    "glm4_moe": lambda hidden, layers: {
+        "head_dim": 16,
+        "moe_intermediate_size": hidden,
+        "norm_topk_prob": True,
+        "n_group": 1,
+        "topk_group": 1,
+        "n_shared_experts": 1,
+        "n_routed_experts": 4,
+        "routed_scaling_factor": 1.0,
+        "num_experts_per_tok": 2,
+        "first_k_dense_replace": 1,
+        "rope_scaling": None,
+        "use_qk_norm": True,
+        "attention_bias": True,
+        "partial_rotary_factor": 0.5,
+    },
+    # Mamba-2 (ArraysCache), attention (KVCache), MLP and expert layers in one stack.
+    "nemotron_h": lambda hidden, layers: {
+        "hybrid_override_pattern": ["M", "*", "-", "E"][:layers],
+        "head_dim": 16,
+        "attention_bias": False,
+        "mamba_num_heads": 4,
+        "mamba_head_dim": 16,
+        "mamba_proj_bias": False,
+        "ssm_state_size": 16,
+        "conv_kernel": 4,
+        "n_groups": 2,
+        "mlp_bias": False,
+        "layer_norm_epsilon": 1e-5,
+        "use_bias": False,
+        "use_conv_bias": True,
+        "moe_intermediate_size": hidden,
+        "moe_shared_expert_intermediate_size": hidden,
+        "n_group": 1,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "topk_group": 1,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.0,
+    },
+    # Experts with sigmoid routing, partial rotary, q/k norms over all heads.
+    "minimax": lambda hidden, layers: {
+        "head_dim": 16,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "shared_intermediate_size": 0,
+        "rotary_dim": 8,
+        "use_qk_norm": True,
+    },
+    # Kimi delta attention (ArraysCache) layers and MLA layers (KVCache), experts.
+    "kimi_linear": lambda hidden, layers: {
+        "head_dim": 16,
+        "linear_attn_config": {"num_heads": 4, "head_dim": 16, "short_conv_kernel_size": 4,
+                               "kda_layers": [i + 1 for i in range(layers) if i % 2 == 0]},
+        "model_max_length": 2048,
+        "num_experts": 4,
+        "num_experts_per_token": 2,
+        "num_shared_experts": 1,
+        "moe_intermediate_size": hidden,
+        "first_k_dense_replace": 1,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "mla_use_nope": True,
+        # transformers' KimiLinear config defaults name ids past the tiny vocabulary.
+        "bos_token_id": 1,
+        "pad_token_id": 0,
+    },
 }
+
+
+# Embeddings scaled down (the head is tied to them): at full size, the last token's embedding
+# outweighs what qwen3_5's layers add, and its 4-bit (group 64) weights answered two prompts
+# that end alike the same; at a quarter every precision's answer follows the context.
+EMBED_SCALE: dict[str, float] = {"qwen3_5": 0.25}
+
+
+def _qwen3_5(hidden: int) -> dict[str, Any]:
+    """Qwen3.5's text settings (its config may be flat: mlx-lm reads it as the text config)."""
+    return {
+        "head_dim": 16,
+        "linear_num_value_heads": 4,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "full_attention_interval": 2,
+        "rope_parameters": {"type": "default", "rope_theta": 10000.0,
+                            "partial_rotary_factor": 0.25},
+    }
 
 
 def make_tiny_model(
@@ -203,6 +343,9 @@ def make_tiny_model(
     template: str = "chatml",
     context: int = 2048,
     eos_head: float | None = None,
+    bits: int = 0,
+    group_size: int = 64,
+    high_bits: int = 0,
 ) -> Path:
     """Write a random-weight mlx-lm model directory (config, weights, tokenizer) to ``out``.
 
@@ -214,6 +357,13 @@ def make_tiny_model(
     that answers end by themselves (a random model otherwise writes until ``max_tokens``):
     on the tiny qwen3 at 6, fifteen prompts' greedy answers took 0 to 318 tokens, sampled at
     temperature 1, 1 to 54.
+
+    ``bits``: with a number, the weights are quantized to it in groups of ``group_size`` by
+    mlx-lm's own ``quantize_model`` (layers whose input size the group does not divide, and
+    those the model's ``quant_predicate`` keeps, stay as they are), and the config says so as
+    mlx-lm writes it. ``high_bits``: mixed precision as mlx-lm's recipes choose, the
+    ``v_proj`` and ``down_proj`` layers (and the embedding and head) at this many bits,
+    recorded per layer in the config.
     """
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -254,6 +404,8 @@ def make_tiny_model(
         )
     if arch in ARCH_CONFIGS:
         config.update(ARCH_CONFIGS[arch](hidden, layers))
+        if "vocab_size_per_layer_input" in config:
+            config["vocab_size_per_layer_input"] = vocab
     model_cls, args_cls = _get_classes(config)
     mx.random.seed(seed)
     model = model_cls(args_cls.from_dict(config))
@@ -274,6 +426,9 @@ def make_tiny_model(
                 else mx.random.normal(v.shape) if k.endswith("sinks") else v)
             for k, v in weights.items()
         }
+    if arch in EMBED_SCALE:
+        for k in [k for k in weights if k.endswith("embed_tokens.weight")]:
+            weights[k] = weights[k] * EMBED_SCALE[arch]
     if eos_head is not None:
         # End-of-sequence wins where the final hidden state leans along this direction.
         direction = mx.random.normal((hidden,))
@@ -282,7 +437,29 @@ def make_tiny_model(
         weights["lm_head.weight"] = head
         config["tie_word_embeddings"] = False
     weights = {k: v.astype(getattr(mx, dtype)) for k, v in weights.items()}
+    if bits:
+        weights, config = _quantize(model, weights, config, bits, group_size, high_bits)
     mx.save_safetensors(str(out / "model.safetensors"), weights)
     config["torch_dtype"] = dtype
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
+
+
+def _quantize(model: Any, weights: dict[str, Any], config: dict[str, Any], bits: int,
+              group_size: int, high_bits: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The weights quantized by mlx-lm's ``quantize_model``, and the config it writes."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import quantize_model
+
+    model.load_weights(list(weights.items()))
+    own = getattr(model, "quant_predicate", None)
+
+    def predicate(path: str, module: Any) -> bool | dict[str, Any]:
+        chosen = own(path, module) if own else True
+        if (chosen is True and high_bits
+                and any(k in path for k in ("v_proj", "down_proj", "embed", "lm_head"))):
+            return {"group_size": group_size, "bits": high_bits, "mode": "affine"}
+        return chosen
+
+    model, config = quantize_model(model, config, group_size, bits, quant_predicate=predicate)
+    return dict(tree_flatten(model.parameters())), config

@@ -40,6 +40,7 @@ from actors.engine.schedule import (
     max_decoding,
     name_tokens,
 )
+from actors.mlx_lm_private import patch_models
 
 # Every this many decode steps MLX's allocator cache is given back (as mlx-lm's generator).
 CLEAR_CACHE_STEPS = 512
@@ -110,6 +111,7 @@ class Runner:
     first_token_in_chunk = True
 
     def __init__(self, model: Any, config: EngineConfig, stream: Any = None) -> None:
+        patch_models()  # mlx-lm's batching bugs troupe fixes (actors/mlx_lm_private.py)
         self.model = model
         self.config = config
         self.stream = stream or generation_stream
