@@ -859,6 +859,13 @@ class Scheduler(Actor):
             "prefill_tokens": stats["prefill_tokens"],
             "partial_hit_tokens": stats["partial_hit_tokens"],
             "gate_failures": stats["gate_failures"],
+            # Speculative decoding: drafts verified, their tokens, those kept, and the tokens
+            # a draft gave on average.
+            "drafts": stats["drafts"],
+            "draft_tokens": stats["draft_tokens"],
+            "draft_accepted_tokens": stats["draft_accepted_tokens"],
+            "draft_mean_accepted": round(stats["draft_accepted_tokens"] / stats["drafts"], 2)
+            if stats["drafts"] else 0.0,
             "memory_limit_bytes": self.limits.limit if self.limits else 0,
             "retired": self.retired,
             "tokens_per_s": round(tps, 2),

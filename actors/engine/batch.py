@@ -18,6 +18,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, TokenBuffer, dynamic_roll
 
 from actors.engine.ragged_cache import RaggedKVCache
+from actors.engine.speculate import Drafter
 
 
 class Status(enum.Enum):
@@ -51,6 +52,8 @@ class Sequence:
     status: Status = Status.WAITING
     # The tokens its logits processors see (made when it first samples, if it has any).
     context: TokenBuffer | None = field(default=None, repr=False)
+    # Its n-gram drafts (speculative decoding; made when it first decodes with them on).
+    drafter: Drafter | None = field(default=None, repr=False)
 
     @property
     def remaining(self) -> int:

@@ -83,6 +83,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         "while sequences decode, run the prefill chunk and the last prompt token of joining "
         "sequences in the decode step's forward pass (one model call a step; llama-shaped "
         "models)")] = True
+    speculative: Annotated[Literal["off", "ngram"], setting(
+        "draft a decoding sequence's next tokens from its own prompt and answer (the tokens "
+        "that followed its last few before) and verify them in the step's forward pass: "
+        "greedy answers unchanged, several tokens a step where an answer repeats what it was "
+        "shown")] = "ngram"
     max_queue: Annotated[int, setting(
         "requests waiting for a batch slot before 429 with Retry-After", metavar="N")] = 256
     block_size: Annotated[int, setting(

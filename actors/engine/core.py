@@ -787,6 +787,9 @@ class Engine:
             "partial_hit_tokens": self.partial_hit_tokens,
             "prefill_budget": self.last_prefill_budget,
             "gate_failures": self.gate_failures,
+            "drafts": self.runner.drafts,
+            "draft_tokens": self.runner.drafted,
+            "draft_accepted_tokens": self.runner.accepted,
         }
 
     def warm_up(self) -> float:

@@ -33,6 +33,7 @@ from actors.engine.batch import (
 from actors.engine.config import EngineConfig
 from actors.engine.forward import forward, supports_mixed
 from actors.engine.memory_estimate import Member
+from actors.engine.ragged_cache import RaggedKVCache
 from actors.engine.schedule import (
     Pending,
     SchedulerOutput,
@@ -40,10 +41,14 @@ from actors.engine.schedule import (
     max_decoding,
     name_tokens,
 )
+from actors.engine.speculate import Drafter
 from actors.mlx_lm_private import patch_models
 
 # Every this many decode steps MLX's allocator cache is given back (as mlx-lm's generator).
 CLEAR_CACHE_STEPS = 512
+# Most decoding rows a step verifies drafts for: every row then runs as many positions as the
+# longest draft, which a batch of many rows pays in compute for little gain.
+SPECULATE_ROWS = 4
 
 
 class Prefilled(NamedTuple):
@@ -116,6 +121,10 @@ class Runner:
         self.config = config
         self.stream = stream or generation_stream
         self.mixed = config.mixed_step and supports_mixed(model)
+        self.speculative = config.speculative != "off"
+        self.drafts = 0  # rows' drafts verified
+        self.drafted = 0  # their tokens
+        self.accepted = 0  # of them, kept
         self._old_wired_limit = maybe_set_recommended_wired_limit()
         self.batch = Batch(self.mixed)
 
@@ -404,6 +413,9 @@ class Runner:
         finished rows leave. Also returns the logits of the chunk's rows that end a prompt
         (None: none do)."""
         dec = batch.decode
+        drafts = self._drafts(dec) if self.speculative else None
+        if drafts is not None:
+            return self._decode_drafts(batch, ride, drafts)
         inputs = mx.array([s.next_input for s in dec.seqs], dtype=mx.uint32)
         ended = None
         if self.mixed:
@@ -419,6 +431,107 @@ class Runner:
         if batch.decode_steps % CLEAR_CACHE_STEPS == 0:
             mx.clear_cache()
         return responses, ended
+
+    def _drafts(self, dec: Rows) -> list[list[int]] | None:
+        """Each decoding row's draft this step (``speculate.Drafter``: greedy rows without
+        logits processors draft; the others take no draft), or None when no row drafts or
+        the step cannot verify drafts: more rows than ``SPECULATE_ROWS``, or a cache that
+        cannot take back a rejected draft's positions (anything but batched plain KV)."""
+        seqs = dec.seqs
+        if not seqs or len(seqs) > SPECULATE_ROWS or not _rewindable(dec.cache):
+            return None
+        drafts = []
+        for s in seqs:
+            if s.sampler is not greedy_sampler or s.processors:
+                drafts.append([])
+                continue
+            if s.drafter is None:
+                s.drafter = Drafter()
+            s.drafter.sync(s.tokens)
+            # The last token it may still sample is never drafted: it is sampled.
+            drafts.append(s.drafter.draft(s.next_input, s.max_tokens - s.generated - 1))
+        return drafts if any(drafts) else None
+
+    def _decode_drafts(self, batch: Batch, ride: _Chunk | None, drafts: list[list[int]]
+                       ) -> tuple[list[Sampled], mx.array | None]:
+        """The decode step with drafts: each row runs its next input and then its draft (padded
+        to the longest draft), all in one forward pass. A drafting row keeps its own next
+        token at every position its draft agrees with so far (greedy: what one token a step
+        gives), so it answers the agreeing draft tokens and one more; the others sample their
+        first position's logits as a plain decode step does. The positions past what a row
+        keeps leave its cache before anything reads it (``_rewind``)."""
+        dec = batch.decode
+        seqs = dec.seqs
+        width = 1 + max(len(d) for d in drafts)
+        rows = [[s.next_input, *d] + [s.next_input] * (width - 1 - len(d))
+                for s, d in zip(seqs, drafts, strict=True)]
+        inputs = mx.array(rows, dtype=mx.uint32)
+        ended = None
+        if self.mixed:
+            chunk = (ride.tokens, batch.prefill.cache, ride.ends) if ride else (None, None, ())
+            logits, ended = forward(self.model, inputs, dec.cache, *chunk)
+        else:
+            logits = self.model(inputs, cache=dec.cache)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        best = mx.argmax(logprobs, axis=-1)
+        others = [i for i, s in enumerate(seqs)
+                  if s.sampler is not greedy_sampler or s.processors]
+        sampled: dict[int, tuple[int, mx.array]] = {}
+        if others:
+            picked, processed = self._sample([seqs[i] for i in others],
+                                             inputs[mx.array(others), 0],
+                                             logits[mx.array(others), 0, :])
+            sampled = {i: (t, processed[e]) for e, (i, t) in enumerate(zip(others, picked,
+                                                                         strict=True))}
+        mx.eval(best, logprobs)
+        best = best.tolist()
+        emitted: list[list[int]] = []
+        for i, (s, d) in enumerate(zip(seqs, drafts, strict=True)):
+            if i in sampled:
+                tokens = [sampled[i][0]]
+            else:
+                agree = 0
+                while agree < len(d) and d[agree] == best[i][agree]:
+                    agree += 1
+                tokens = best[i][:agree + 1]
+                if d:
+                    s.drafter.verified(len(d), agree)
+                    self.drafts += 1
+                    self.drafted += len(d)
+                    self.accepted += agree
+            # Cut at the first token that ends it (a stop token, its token limit).
+            for n, t in enumerate(tokens, 1):
+                if t in s.stop_ids or s.generated + n >= s.max_tokens:
+                    tokens = tokens[:n]
+                    break
+            emitted.append(tokens)
+        _rewind(dec.cache, [width - len(t) for t in emitted])
+        for s, row, tokens in zip(seqs, rows, emitted, strict=True):
+            s.tokens.extend(row[:len(tokens)])
+        keep, out = [], []
+        for i, (s, tokens) in enumerate(zip(seqs, emitted, strict=True)):
+            for j, token in enumerate(tokens):
+                s.generated += 1
+                lp = sampled[i][1] if i in sampled else logprobs[i, j]
+                finish = None
+                if j == len(tokens) - 1:
+                    finish = "length" if s.generated >= s.max_tokens else None
+                    if token in s.stop_ids:
+                        finish = "stop"
+                if finish is None:
+                    out.append(Sampled(s.uid, token, lp, None, None, None))
+                else:
+                    s.status = Status.FINISHED
+                    out.append(Sampled(s.uid, token, lp, finish, dec.extract(i), s.tokens))
+            if out[-1].finish_reason is None:
+                keep.append(i)
+                s.next_input = tokens[-1]
+        if len(keep) < len(dec):
+            dec.filter(keep)
+        batch.decode_steps += 1
+        if batch.decode_steps % CLEAR_CACHE_STEPS == 0:
+            mx.clear_cache()
+        return out, ended
 
     def _first_tokens(self, batch: Batch, rows: list[int], logits: mx.array) -> list[Sampled]:
         """The first tokens of the prefill ``rows`` whose prompts ended in this step's chunk,
@@ -517,6 +630,30 @@ def _take_chunk(pre: Rows, prompts: list[list[int]], *, prepare_plain: bool
 
 def _right_pad(prompts: list[list[int]], longest: int) -> mx.array:
     return mx.array([p + [0] * (longest - len(p)) for p in prompts])
+
+
+def _rewindable(cache: list[Any]) -> bool:
+    """Whether every layer is batched plain KV (``BatchKVCache``, or ``RaggedKVCache``
+    groups of them): positions written past what a row keeps can be taken back."""
+    return all(type(g) is BatchKVCache for c in cache
+               for g in (c.groups if isinstance(c, RaggedKVCache) else [c]))
+
+
+def _rewind(cache: list[Any], drop: list[int]) -> None:
+    """Take back each row's last ``drop[row]`` positions from every layer: the positions all
+    rows of a group drop are trimmed (no copy); the rest become left padding of their rows
+    (``roll_right_padding``, a copy of the group's positions in use)."""
+    if not any(drop):
+        return
+    for c in cache:
+        spans = c.spans() if isinstance(c, RaggedKVCache) else [(0, len(drop), c)]
+        for first, end, g in spans:
+            part = drop[first:end]
+            common = min(part)
+            if common:
+                g.trim(common)
+            if any(n > common for n in part):
+                roll_right_padding(g, [n - common for n in part])
 
 
 def _finish(rows: Rows, tokens: list[int], logprobs: mx.array) -> list[Sampled]:

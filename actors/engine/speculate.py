@@ -1,0 +1,79 @@
+"""Prompt-lookup (n-gram) drafts for speculative decoding, per decoding sequence.
+
+An agent's answer repeats much of what it was shown: a file echoed back with an edit, a patch
+quoting its context, JSON restating a schema. For each decoding sequence the drafter finds the
+last few tokens earlier in its prompt and answer (the longest of ``NGRAM_SIZES`` first, the
+latest occurrence) and proposes the tokens that followed them; the step verifies them in the
+same forward pass as its decode token (``Runner._decode``), and a greedy row keeps the longest
+prefix its own argmax agrees with, so the output is what decoding without drafts gives.
+
+No model, no MLX: an index per sequence from each n-gram to where it last ended, grown by the
+tokens each step appends (a dict update per token and size).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+# The n-gram lengths looked up, longest first: a match of 3 tokens predicts better than one of
+# 2, and one token alone predicts too little to be worth a verification.
+NGRAM_SIZES = (4, 3, 2)
+# Most tokens one row drafts a step, and where its draft length starts: the step verifies
+# every position of the longest row's draft for every row.
+MAX_DRAFT = 6
+
+
+class Drafter:
+    """One sequence's n-gram index over the tokens it holds (prompt, answer so far)."""
+
+    def __init__(self) -> None:
+        self._index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in NGRAM_SIZES}
+        self._tokens: list[int] = []
+        # Draft length, adapted to how much of the last drafts was accepted.
+        self.length = MAX_DRAFT
+        self.drafted = 0
+        self.accepted = 0
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Append tokens (the sequence's next ones): each n-gram that now has a follower is
+        indexed at the position after it."""
+        own = self._tokens
+        for t in tokens:
+            own.append(t)
+            end = len(own) - 1  # the n-grams ending here are followed by ``t``
+            for n in NGRAM_SIZES:
+                if end >= n:
+                    self._index[n][tuple(own[end - n:end])] = end
+
+    def sync(self, tokens: Sequence[int]) -> None:
+        """Catch up with ``tokens``, the sequence's tokens (a prefix of which it has seen)."""
+        if len(tokens) > len(self._tokens):
+            self.extend(tokens[len(self._tokens):])
+
+    def draft(self, last: int, most: int) -> list[int]:
+        """Up to ``min(most, self.length)`` tokens expected after the indexed tokens and then
+        ``last`` (the row's next input): what followed the latest earlier occurrence of the
+        longest n-gram ending in ``last``."""
+        most = min(most, self.length)
+        if most <= 0:
+            return []
+        own = self._tokens
+        for n in NGRAM_SIZES:
+            if len(own) < n - 1:
+                continue
+            key = (*own[len(own) - n + 1:], last) if n > 1 else (last,)
+            at = self._index[n].get(key)
+            if at is not None:
+                return own[at:at + most]
+        return []
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        """How many of a draft's tokens the step accepted: a row whose drafts keep failing
+        drafts less (down to one token, which costs little to verify), one whose drafts are
+        taken whole drafts more."""
+        self.drafted += drafted
+        self.accepted += accepted
+        if accepted == drafted:
+            self.length = min(MAX_DRAFT, self.length + 1)
+        else:
+            self.length = max(1, accepted + 1)

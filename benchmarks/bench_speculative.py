@@ -1,0 +1,144 @@
+"""Speculative decoding (``--speculative ngram``) against one token a step, one stream.
+
+Through troupe's ``Engine`` with ``troupe serve``'s defaults on the default model (troupe's CPU
+kernels, OpenBLAS preloaded as ``troupe serve`` does), greedy, three workloads:
+
+- ``edit``: a 150-line Python file in the prompt, asked back whole with one function renamed;
+- ``json``: a record of 40 fields, asked back with two of them changed;
+- ``prose``: a story (little to look up).
+
+For each, decode tokens/s (from the first token to the last) with drafts and without,
+alternating which runs first, the drafts' figures, and whether the two answers are the same
+tokens (they must be).
+
+    .venv/bin/python benchmarks/bench_speculative.py
+    .venv/bin/python benchmarks/bench_speculative.py --max-tokens 600 --reps 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine_bench import served_engine  # noqa: E402
+from harness import (  # noqa: E402
+    blas_name,
+    chat_tokens,
+    load_ceiling,
+    resolve_default_model,
+    same_blas_as_troupe_serve,
+)
+
+
+def python_file(lines: int = 150) -> str:
+    """A plausible module: small functions over orders and customers."""
+    out = ['"""Orders and their totals."""', "", "from dataclasses import dataclass", ""]
+    i = 0
+    while len(out) < lines:
+        out += [f"def compute_total_{i}(order, rate={i % 7 + 1}):",
+                f'    """The total of order {i}, taxed at its rate."""',
+                "    subtotal = sum(item.price * item.quantity for item in order.items)",
+                f"    discount = subtotal * 0.0{i % 9 + 1} if order.customer.loyal else 0",
+                "    return round((subtotal - discount) * (1 + rate / 100), 2)", ""]
+        i += 1
+    return "\n".join(out[:lines])
+
+
+def record(fields: int = 40) -> str:
+    return json.dumps({f"field_{i}": (f"value {i}" if i % 3 else i * 17) for i in range(fields)}
+                      | {"status": "pending", "quantity": 1}, indent=1)
+
+
+WORKLOADS = {
+    "edit": lambda: ("Here is a Python file:\n\n" + python_file() + "\n\nRename the function "
+                     "compute_total_3 to order_total_3 and return the whole file, unchanged "
+                     "otherwise."),
+    "json": lambda: ("Here is a JSON record:\n\n" + record() + "\n\nReturn the same record "
+                     'with "status" set to "shipped" and "quantity" set to 3. Output only '
+                     "the JSON."),
+    "prose": lambda: "Write a long story about a lighthouse keeper and a storm at sea.",
+}
+
+
+def run_once(engine: Any, prompt: list[int], max_tokens: int, drafts: bool) -> dict[str, Any]:
+    from actors.messages import SamplingParams, TokensGenerated
+
+    engine.runner.speculative = drafts
+    before = (engine.runner.drafts, engine.runner.drafted, engine.runner.accepted)
+    engine.add("r", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                           ignore_eos=True))
+    tokens: list[int] = []
+    times: list[float] = []
+    while engine.has_work:
+        for ev in engine.step():
+            if isinstance(ev, TokensGenerated):
+                tokens += ev.token_ids
+                times.append(time.perf_counter())
+    after = (engine.runner.drafts, engine.runner.drafted, engine.runner.accepted)
+    n_drafts, drafted, accepted = (b - a for a, b in zip(before, after, strict=True))
+    return {"tokens": tokens, "decode_tok_s": (len(tokens) - 1) / (times[-1] - times[0]),
+            "drafts": n_drafts, "drafted": drafted, "accepted": accepted}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="an mlx-lm model directory (default: troupe pull's)")
+    p.add_argument("--max-tokens", type=int, default=600)
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--reps", type=int, default=1)
+    p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    args = p.parse_args()
+    same_blas_as_troupe_serve()
+
+    from actors.messages import SamplingParams
+
+    model, tok = load_ceiling(args.model or resolve_default_model())
+    engine = served_engine(model, tok, SamplingParams(max_tokens=1, temperature=0.0))
+    out: dict[str, Any] = {"blas": blas_name(), "args": vars(args), "runs": []}
+    print(f"BLAS: {out['blas']}", flush=True)
+    for r in range(args.reps):
+        for name in args.workloads.split(","):
+            prompt = chat_tokens(tok, [{"role": "user", "content": WORKLOADS[name]()}])
+            # A cold prompt each time would time its prefill too: the first run warms the
+            # prefix cache, and each answer is timed from its first token.
+            answers = {}
+            for drafts in (False, True) if r % 2 == 0 else (True, False):
+                got = run_once(engine, prompt, args.max_tokens, drafts)
+                answers[drafts] = got.pop("tokens")
+                out["runs"].append({"rep": r, "workload": name, "drafts": drafts, **got})
+                print(f"rep {r} {name:>5} drafts {'on ' if drafts else 'off'}: "
+                      + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
+                                  for k, v in got.items()), flush=True)
+            out["runs"][-1]["same_tokens"] = answers[True] == answers[False]
+            print(f"  same tokens: {answers[True] == answers[False]} "
+                  f"({len(answers[True])} tokens)", flush=True)
+    engine.close()
+    print("\n| workload | decode tok/s, off | decode tok/s, ngram | speed-up | drafts | "
+          "accepted / drafted tokens | accepted per draft | same tokens |\n"
+          "|---|---|---|---|---|---|---|---|")
+    for name in args.workloads.split(","):
+        runs = [x for x in out["runs"] if x["workload"] == name]
+        off = statistics.median(x["decode_tok_s"] for x in runs if not x["drafts"])
+        on_runs = [x for x in runs if x["drafts"]]
+        on = statistics.median(x["decode_tok_s"] for x in on_runs)
+        drafts = sum(x["drafts"] for x in on_runs)
+        drafted = sum(x["drafted"] for x in on_runs)
+        accepted = sum(x["accepted"] for x in on_runs)
+        same = all(x.get("same_tokens", True) for x in runs)
+        print(f"| {name} | {off:.1f} | {on:.1f} | {on / off:.2f}x | {drafts} | "
+              f"{accepted} / {drafted} | {accepted / drafts if drafts else 0:.2f} | "
+              f"{'yes' if same else 'NO'} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,222 @@
+"""Speculative decoding with prompt-lookup drafts (actors/engine/speculate.py, the runner's
+``_decode_drafts``): greedy answers are the tokens decoding without drafts gives, whatever the
+batch holds, and the drafts are really taken (fewer steps, accepted tokens counted).
+
+Tiny random-weight models (tests/tiny_model.py): their greedy answers fall into loops after a
+while, which the drafts then predict, as an agent's answer repeats what it was shown.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from engine_helpers import engine_config, greedy, run
+from mlx_lm import load
+from reference import reference_tokens
+from tiny_model import make_tiny_model
+
+from actors.engine.core import Engine
+from actors.engine.speculate import MAX_DRAFT, Drafter
+from actors.messages import SamplingParams, TokensGenerated
+
+TEXTS = ["The quick brown fox jumps over the lazy dog. " * 5, "Numbers like 12345 and 12345 and",
+         "def add(a, b): return a + b\n" * 3, "Paris"]
+
+
+# -- the drafter -----------------------------------------------------------------------------
+
+
+def test_a_draft_is_what_followed_the_latest_earlier_occurrence_of_the_longest_match() -> None:
+    d = Drafter()
+    d.extend([1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 1, 2])
+    # "2 3" then 3: the 3-gram (1, 2, 3) occurred at the start, followed by 4 5 9 ...
+    assert d.draft(3, 4) == [4, 5, 9, 2]
+    # (9, 2, 3) matches nothing longer; (2, 3) last ended before 7.
+    d2 = Drafter()
+    d2.extend([1, 2, 3, 4, 9, 2])
+    assert d2.draft(3, 2) == [4, 9]
+    assert d.draft(42, 4) == []  # nothing ends in 42
+    assert d.draft(3, 0) == []
+
+
+def test_the_draft_length_follows_what_was_accepted() -> None:
+    d = Drafter()
+    assert d.length == MAX_DRAFT
+    d.verified(6, 1)
+    assert d.length == 2
+    d.verified(2, 2)
+    assert d.length == 3
+    d.verified(3, 0)
+    assert d.length == 1 and (d.drafted, d.accepted) == (11, 3)
+
+
+# -- in the engine ---------------------------------------------------------------------------
+
+# The one-pass step and mlx-lm's own call. (The tiny llama's answers do not fall into loops
+# within a hundred tokens: its drafts are rarely right, and the test could not tell.)
+ARCHS = [("qwen3", 2), ("qwen3_moe", 2)]
+
+
+@pytest.fixture(scope="module", params=ARCHS, ids=[a for a, _ in ARCHS])
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    arch, layers = request.param
+    model_dir = make_tiny_model(tmp_path_factory.mktemp(arch) / arch, arch=arch, layers=layers)
+    return load(str(model_dir))
+
+
+def serve_all(tiny: Any, spec: str, requests: dict[str, tuple[list[int], SamplingParams]],
+              **settings: Any) -> tuple[dict[str, dict], Engine]:
+    model, tok = tiny
+    e = Engine(model, tok, engine_config(speculative=spec, **settings))
+    for rid, (prompt, sampling) in requests.items():
+        e.add(rid, prompt, sampling)
+    return run(e), e
+
+
+def test_greedy_answers_with_drafts_are_those_without_in_a_batch(tiny: Any) -> None:
+    model, tok = tiny
+    requests = {f"r{i}": (tok.encode(t), greedy(100 + 7 * i, ignore_eos=True))
+                for i, t in enumerate(TEXTS)}
+    off, e_off = serve_all(tiny, "off", requests)
+    on, e_on = serve_all(tiny, "ngram", requests)
+    for rid in requests:
+        assert on[rid]["tokens"] == off[rid]["tokens"]
+        assert on[rid]["text"] == off[rid]["text"]
+        assert on[rid]["finish"].usage.completion_tokens == len(off[rid]["tokens"])
+    want = reference_tokens(model, tok, requests["r0"][0], 100)
+    assert off["r0"]["tokens"][: len(want)] == want
+    assert e_off.runner.drafted == 0
+    assert e_on.runner.accepted > 0 and e_on.steps < e_off.steps
+
+
+def test_a_stop_token_and_the_token_limit_inside_an_accepted_draft(tiny: Any) -> None:
+    _, tok = tiny
+    prompt = tok.encode(TEXTS[0])
+    off, _ = serve_all(tiny, "off", {"a": (prompt, greedy(120, ignore_eos=True))})
+    answer = off["a"]["tokens"]
+    # The token that comes first the latest in the answer (drafts were taken before it).
+    late = max(set(answer), key=answer.index)
+    assert answer.index(late) > 8
+    stop = SamplingParams(max_tokens=120, temperature=0.0, stop_token_ids=[late],
+                          ignore_eos=True)
+    for limit in (61, 77, 93):
+        got, e = serve_all(tiny, "ngram", {"stop": (prompt, stop),
+                                            "limit": (prompt, greedy(limit, ignore_eos=True))})
+        assert got["stop"]["tokens"] == answer[: answer.index(late)]
+        assert got["stop"]["finish"].finish_reason == "stop"
+        assert got["limit"]["tokens"] == answer[:limit]
+        assert got["limit"]["finish"].finish_reason == "length"
+        assert e.runner.accepted > 0
+
+
+def test_a_sampled_row_beside_drafting_rows_and_a_prefill_riding_the_step(tiny: Any) -> None:
+    """Rows that sample (temperature, penalties) take no draft and sample their first
+    position as a plain step does; a prompt prefilled in chunks rides the same passes."""
+    _, tok = tiny
+    long = tok.encode(TEXTS[2] * 6)
+    requests = {
+        "g": (tok.encode(TEXTS[0]), greedy(90, ignore_eos=True)),
+        "s": (tok.encode(TEXTS[1]), SamplingParams(max_tokens=40, temperature=0.8, seed=7,
+                                                   ignore_eos=True)),
+        "p": (tok.encode(TEXTS[3]), SamplingParams(max_tokens=40, temperature=0.0,
+                                                   repetition_penalty=1.3, ignore_eos=True)),
+    }
+    model, _ = tiny
+    results = {}
+    for spec in ("off", "ngram"):
+        e = Engine(model, tok, engine_config(speculative=spec, prefill_step_size=16))
+        for rid, (prompt, sampling) in requests.items():
+            e.add(rid, prompt, sampling)
+        got: dict[str, list[int]] = {rid: [] for rid in [*requests, "long"]}
+        steps = 0
+        while e.has_work:
+            if steps == 30:
+                e.add("long", long, greedy(20, ignore_eos=True))
+            for ev in e.step():
+                if isinstance(ev, TokensGenerated):
+                    got[ev.request_id] += ev.token_ids
+            steps += 1
+        results[spec] = (got, e)
+    (off, _), (on, e_on) = results["off"], results["ngram"]
+    assert on["g"] == off["g"] and on["p"] == off["p"] and on["long"] == off["long"]
+    assert len(on["s"]) == 40
+    assert e_on.runner.accepted > 0
+
+
+def test_an_abort_between_drafting_steps_leaves_the_others_answers(tiny: Any) -> None:
+    _, tok = tiny
+    requests = {f"r{i}": (tok.encode(t), greedy(80, ignore_eos=True))
+                for i, t in enumerate(TEXTS)}
+    off, _ = serve_all(tiny, "off", requests)
+    model, _ = tiny
+    e = Engine(model, tok, engine_config(speculative="ngram"))
+    for rid, (prompt, sampling) in requests.items():
+        e.add(rid, prompt, sampling)
+    got: dict[str, list[int]] = {rid: [] for rid in requests}
+    while e.has_work:
+        if len(got["r1"]) >= 40 and "r1" in e.requests:
+            e.abort("r1")
+        for ev in e.step():
+            if isinstance(ev, TokensGenerated):
+                got[ev.request_id] += ev.token_ids
+    for rid in ("r0", "r2", "r3"):
+        assert got[rid] == off[rid]["tokens"]
+    assert got["r1"] == off["r1"]["tokens"][: len(got["r1"])]
+
+
+def test_a_model_whose_cache_cannot_take_back_positions_decodes_without_drafts(
+        tmp_path: Path) -> None:
+    """Sliding-window layers (a rotating cache) cannot drop a rejected draft's positions:
+    such a model decodes one token a step, with the same answers."""
+    model, tok = load(str(make_tiny_model(tmp_path / "g", arch="gemma3_text", layers=4)))
+    prompt = tok.encode(TEXTS[0])
+    e = Engine(model, tok, engine_config(speculative="ngram"))
+    e.add("a", prompt, greedy(60, ignore_eos=True))
+    got = run(e)["a"]["tokens"]
+    assert e.runner.drafted == 0
+    assert got[:20] == reference_tokens(model, tok, prompt, 20)[:20]
+
+
+async def test_a_stream_with_drafts_carries_every_token_once_and_the_report_counts_them(
+        aiohttp_client: Any, tmp_path: Path) -> None:
+    """Through the serving stack: the streamed text is the whole answer's, each token once,
+    in order (several tokens of a step arrive as deltas in order), the usage counts them,
+    and the scheduler's report (and /metrics) counts the drafts."""
+    import json
+
+    from test_prefix_serving import report, serve
+
+    model_dir = make_tiny_model(tmp_path / "q", arch="qwen3")
+    body = {"prompt": TEXTS[0], "max_tokens": 90, "temperature": 0, "ignore_eos": True}
+    texts = {}
+    for spec in ("off", "ngram"):
+        client, system, model = await serve(aiohttp_client, model_dir, tmp_path / spec,
+                                            speculative=spec)
+        whole = await (await client.post("/v1/completions", json={**body, "model": model})).json()
+        resp = await client.post("/v1/completions",
+                                 json={**body, "model": model, "stream": True,
+                                       "stream_options": {"include_usage": True}})
+        streamed, usage = "", None
+        async for line in resp.content:
+            line = line.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"]:
+                streamed += chunk["choices"][0]["text"]
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+        assert streamed == whole["choices"][0]["text"]
+        assert usage["completion_tokens"] == whole["usage"]["completion_tokens"] == 90
+        texts[spec] = streamed
+        sched = report(system, "scheduler")
+        if spec == "ngram":
+            assert sched["draft_accepted_tokens"] > 0 and sched["draft_mean_accepted"] > 0
+            metrics = await (await client.get("/metrics")).text()
+            assert "draft_accepted_tokens" in metrics
+        else:
+            assert sched["drafts"] == 0
+        await system.__aexit__(None, None, None)
+    assert texts["ngram"] == texts["off"]
