@@ -220,3 +220,66 @@ async def test_a_stream_with_drafts_carries_every_token_once_and_the_report_coun
             assert sched["drafts"] == 0
         await system.__aexit__(None, None, None)
     assert texts["ngram"] == texts["off"]
+
+
+# -- sampling rows ---------------------------------------------------------------------------
+
+# Chi-squared critical values at alpha 0.001, by degrees of freedom.
+CHI2_999 = {5: 20.52, 7: 24.32}
+
+
+def chi2(counts: list[int], probs: list[float]) -> float:
+    n = sum(counts)
+    return sum((c - n * p) ** 2 / (n * p) for c, p in zip(counts, probs, strict=True) if p > 0)
+
+
+@pytest.mark.parametrize("settings", [
+    {"temperature": 1.0}, {"temperature": 0.7, "top_k": 6}, {"temperature": 1.3, "top_p": 0.9},
+], ids=["t1", "t0.7-topk6", "t1.3-topp0.9"])
+def test_verified_drafts_are_distributed_as_tokens_drawn_one_a_step(settings: dict) -> None:
+    """Over 3,000 seeds (a fixed set), the first token a two-token draft leaves, and the second
+    where the first was the draft's, follow the row's distribution at each position, whether
+    the draft is likely or not."""
+    import mlx.core as mx
+
+    from actors.engine.request import RowSampler
+
+    logits = mx.array([[2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -9.0],
+                       [0.0, 1.0, 2.0, 0.3, -1.0, 0.8, 1.2, -9.0]])
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    probe = RowSampler(SamplingParams(max_tokens=2, **settings))
+    want = mx.softmax(probe._scaled(logprobs), axis=-1).tolist()
+    for draft in ([0, 2], [4, 1]):  # likely, then unlikely, first tokens
+        first, second = [0] * 8, [0] * 8
+        for seed in range(3000):
+            got = RowSampler(SamplingParams(max_tokens=2, seed=seed, **settings)).verify(
+                logprobs, draft)
+            first[got[0]] += 1
+            if got[0] == draft[0]:
+                second[got[1]] += 1
+        support = [i for i in range(8) if want[0][i] > 1e-4]
+        df = len(support) - 1
+        assert chi2([first[i] for i in support], [want[0][i] for i in support]) \
+            < CHI2_999.get(df, 24.32), (first, want[0])
+        support = [i for i in range(8) if want[1][i] > 1e-4]
+        assert chi2([second[i] for i in support], [want[1][i] for i in support]) \
+            < CHI2_999.get(len(support) - 1, 24.32), (second, want[1])
+        assert sum(1 for i in range(8) if want[0][i] <= 1e-4 and first[i]) == 0
+
+
+def test_sampling_rows_draft_and_a_seeded_one_draws_as_it_would_alone(tiny: Any) -> None:
+    """Rows that sample take drafts (verified as ``RowSampler.verify`` does); a seeded one
+    takes none, so its answer is its seed's whatever the batch (drafts are verified only in
+    small batches)."""
+    _, tok = tiny
+    sampled = SamplingParams(max_tokens=80, temperature=0.3, ignore_eos=True)
+    got, e = serve_all(tiny, "ngram", {f"r{i}": (tok.encode(t), sampled)
+                                       for i, t in enumerate(TEXTS[:2])})
+    assert e.runner.accepted > 0 and all(len(r["tokens"]) == 80 for r in got.values())
+    seeded = SamplingParams(max_tokens=60, temperature=0.8, seed=5, ignore_eos=True)
+    alone, e = serve_all(tiny, "ngram", {"s": (tok.encode(TEXTS[0]), seeded)})
+    assert e.runner.drafted == 0
+    crowd, _ = serve_all(tiny, "ngram", {"s": (tok.encode(TEXTS[0]), seeded),
+                                         **{f"g{i}": (tok.encode(t), greedy(60))
+                                            for i, t in enumerate(TEXTS * 2)}})
+    assert crowd["s"]["tokens"] == alone["s"]["tokens"]

@@ -22,48 +22,84 @@ SEED_SPACE = 1 << 64
 def make_request_sampler(sampling: SamplingParams) -> Callable[[mx.array], mx.array]:
     """The sampler for one request. Greedy requests share one function so the batch samples
     in one call; a seeded request carries its own PRNG key so its draws do not depend on the
-    other requests in the batch.
+    other requests in the batch. A sampling request's sampler also verifies drafts
+    (``RowSampler.verify``)."""
+    if sampling.temperature == 0:
+        return greedy_sampler
+    return RowSampler(sampling)
+
+
+class RowSampler:
+    """One sampling request's draws: temperature, top_p, min_p and top_k as mlx-lm's
+    ``make_sampler`` applies them (with its own PRNG key when the request is seeded).
 
     A ``top_k`` at or past the vocabulary keeps every token, as no ``top_k`` does. mlx-lm
     raises on it instead, inside a function compiled over MLX's global random state, which
     that leaves unusable: every later sampled request of the process failed. The vocabulary
-    is known from the first logits, so the sampler is made then."""
-    if sampling.temperature == 0:
-        return greedy_sampler
-    made: list[Callable[[mx.array], mx.array]] = []
+    is known from the first logits, so the top_k is settled then."""
 
-    def sampler(logprobs: mx.array) -> mx.array:
-        if not made:
-            top_k = sampling.top_k if sampling.top_k < logprobs.shape[-1] else 0
-            made.append(_sampler(sampling, top_k))
-        return made[0](logprobs)
+    def __init__(self, sampling: SamplingParams) -> None:
+        self.sampling = sampling
+        self.inv_temp = 1.0 / sampling.temperature
+        self.key = None if sampling.seed is None else mx.random.key(sampling.seed % SEED_SPACE)
+        self._plain: Callable[[mx.array], mx.array] | None = None
+        self._top_k: int | None = None
 
-    return sampler
+    def _settle(self, vocab: int) -> int:
+        if self._top_k is None:
+            self._top_k = self.sampling.top_k if self.sampling.top_k < vocab else 0
+            if self.key is None:
+                s = self.sampling
+                self._plain = make_sampler(temp=s.temperature, top_p=s.top_p, min_p=s.min_p,
+                                           top_k=self._top_k)
+        return self._top_k
 
-
-def _sampler(sampling: SamplingParams, top_k: int) -> Callable[[mx.array], mx.array]:
-    if sampling.seed is None:
-        return make_sampler(
-            temp=sampling.temperature,
-            top_p=sampling.top_p,
-            min_p=sampling.min_p,
-            top_k=top_k,
-        )
-    key = mx.random.key(sampling.seed % SEED_SPACE)
-    inv_temp = 1.0 / sampling.temperature
-
-    def seeded(logprobs: mx.array) -> mx.array:
-        nonlocal key
-        if 0.0 < sampling.top_p < 1.0:
-            logprobs = apply_top_p(logprobs, sampling.top_p)
-        if sampling.min_p > 0.0:
-            logprobs = apply_min_p(logprobs, sampling.min_p)
+    def _scaled(self, logprobs: mx.array) -> mx.array:
+        """The logits the draw is made from: filtered, then divided by the temperature."""
+        s, top_k = self.sampling, self._settle(logprobs.shape[-1])
+        if 0.0 < s.top_p < 1.0:
+            logprobs = apply_top_p(logprobs, s.top_p)
+        if s.min_p > 0.0:
+            logprobs = apply_min_p(logprobs, s.min_p)
         if top_k > 0:
             logprobs = apply_top_k(logprobs, top_k)
-        key, sub = mx.random.split(key)
-        return mx.random.categorical(logprobs * inv_temp, key=sub)
+        return logprobs * self.inv_temp
 
-    return seeded
+    def _subkey(self) -> mx.array | None:
+        if self.key is None:
+            return None
+        self.key, sub = mx.random.split(self.key)
+        return sub
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        self._settle(logprobs.shape[-1])
+        if self._plain is not None:
+            return self._plain(logprobs)
+        return mx.random.categorical(self._scaled(logprobs), key=self._subkey())
+
+    def verify(self, logprobs: mx.array, draft: list[int]) -> list[int]:
+        """The tokens this request takes from a draft: ``logprobs`` [len(draft) + 1, vocab]
+        are the model's at the row's input and after each draft token. Speculative sampling
+        with a draft that proposes one token for sure: draft token j is kept with its
+        probability under the row's distribution at j; the first one not kept is replaced by
+        a draw from that distribution without it; all kept, one more is drawn after them. The
+        tokens are then distributed exactly as drawing one a step would give."""
+        scaled = self._scaled(logprobs)
+        n = len(draft)
+        kept = n
+        if n:
+            probs = mx.softmax(scaled[:n], axis=-1, precise=True)
+            chance = probs[mx.arange(n), mx.array(draft)]
+            u = mx.random.uniform(shape=(n,), key=self._subkey())
+            mx.eval(chance, u)
+            kept = next((j for j, (p, x) in enumerate(zip(chance.tolist(), u.tolist(),
+                                                          strict=True)) if x >= p), n)
+        row = scaled[kept]
+        if kept < n:  # the residual: the distribution without the refused token
+            row = mx.where(mx.arange(row.shape[-1]) == draft[kept],
+                           mx.array(-float("inf"), row.dtype), row)
+        token = mx.random.categorical(row, key=self._subkey())
+        return [*draft[:kept], token.item()]
 
 
 @dataclass

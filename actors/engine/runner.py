@@ -433,8 +433,8 @@ class Runner:
         return responses, ended
 
     def _drafts(self, dec: Rows) -> list[list[int]] | None:
-        """Each decoding row's draft this step (``speculate.Drafter``: greedy rows without
-        logits processors draft; the others take no draft), or None when no row drafts or
+        """Each decoding row's draft this step (``speculate.Drafter``: rows without logits
+        processors draft; the others take no draft), or None when no row drafts or
         the step cannot verify drafts: more rows than ``SPECULATE_ROWS``, or a cache that
         cannot take back a rejected draft's positions (anything but batched plain KV)."""
         seqs = dec.seqs
@@ -442,7 +442,7 @@ class Runner:
             return None
         drafts = []
         for s in seqs:
-            if s.sampler is not greedy_sampler or s.processors:
+            if not _verifies(s):
                 drafts.append([])
                 continue
             if s.drafter is None:
@@ -455,11 +455,13 @@ class Runner:
     def _decode_drafts(self, batch: Batch, ride: _Chunk | None, drafts: list[list[int]]
                        ) -> tuple[list[Sampled], mx.array | None]:
         """The decode step with drafts: each row runs its next input and then its draft (padded
-        to the longest draft), all in one forward pass. A drafting row keeps its own next
-        token at every position its draft agrees with so far (greedy: what one token a step
-        gives), so it answers the agreeing draft tokens and one more; the others sample their
-        first position's logits as a plain decode step does. The positions past what a row
-        keeps leave its cache before anything reads it (``_rewind``)."""
+        to the longest draft), all in one forward pass. A greedy row keeps its draft while it
+        agrees with its own next token at each position (what one token a step gives), a
+        sampling row as its sampler's ``verify`` decides (speculative sampling: the tokens
+        distributed as one a step gives), and each answers the tokens kept and one more;
+        rows with logits processors sample their first position's logits as a plain decode
+        step does. The positions past what a row keeps leave its cache before anything reads
+        it (``_rewind``)."""
         dec = batch.decode
         seqs = dec.seqs
         width = 1 + max(len(d) for d in drafts)
@@ -474,8 +476,7 @@ class Runner:
             logits = self.model(inputs, cache=dec.cache)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         best = mx.argmax(logprobs, axis=-1)
-        others = [i for i, s in enumerate(seqs)
-                  if s.sampler is not greedy_sampler or s.processors]
+        others = [i for i, s in enumerate(seqs) if not _verifies(s)]
         sampled: dict[int, tuple[int, mx.array]] = {}
         if others:
             picked, processed = self._sample([seqs[i] for i in others],
@@ -490,10 +491,14 @@ class Runner:
             if i in sampled:
                 tokens = [sampled[i][0]]
             else:
-                agree = 0
-                while agree < len(d) and d[agree] == best[i][agree]:
-                    agree += 1
-                tokens = best[i][:agree + 1]
+                if s.sampler is greedy_sampler:
+                    agree = 0
+                    while agree < len(d) and d[agree] == best[i][agree]:
+                        agree += 1
+                    tokens = best[i][:agree + 1]
+                else:
+                    tokens = s.sampler.verify(logprobs[i, :len(d) + 1], d)
+                    agree = len(tokens) - 1
                 if d:
                     s.drafter.verified(len(d), agree)
                     self.drafts += 1
@@ -630,6 +635,15 @@ def _take_chunk(pre: Rows, prompts: list[list[int]], *, prepare_plain: bool
 
 def _right_pad(prompts: list[list[int]], longest: int) -> mx.array:
     return mx.array([p + [0] * (longest - len(p)) for p in prompts])
+
+
+def _verifies(s: Sequence) -> bool:
+    """Whether a row's draft can be verified: greedy, or a sampler that verifies drafts, and
+    no logits processors (penalties and grammars see one token at a time). A seeded request
+    takes no drafts: its draws then depend on its seed alone, not on whether the batch was
+    small enough to verify drafts in."""
+    return not s.processors and (s.sampler is greedy_sampler
+                                 or getattr(s.sampler, "key", True) is None)
 
 
 def _rewindable(cache: list[Any]) -> bool:
