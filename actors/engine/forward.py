@@ -13,7 +13,9 @@ and only attention, which needs each sequence's own cache and mask, runs per gro
 - decoder layers of the llama shape (llama, mistral without a sliding window, qwen2: one
   ``self_attn`` with q/k/v/o projections and a rope, one ``mlp``, two RMS norms, plain KV
   caches), and qwen3's, which is that shape with a norm of each head's queries and keys
-  before the rope;
+  before the rope; qwen3_moe's and glm4_moe's are those shapes with a mixture of experts as
+  the MLP (the token-wise MoE takes the rows like any MLP; glm4_moe ropes part of each head
+  and norms queries and keys when its config says so);
 - gemma3_text's: embeddings scaled by sqrt(hidden size), per-head q/k norms, four norms a
   layer (after attention, and before and after the MLP), and local layers that attend over a
   sliding window (their own rope base, a ``RotatingKVCache``) between global ones every
@@ -37,9 +39,10 @@ from actors.engine.ragged_cache import RaggedKVCache
 
 # Model types whose decoder layer is exactly: x + attn(norm(x)), then h + mlp(norm(h)), or
 # (SANDWICH_MODEL_TYPES) gemma3's x + norm(attn(norm(x))), then h + norm(mlp(norm(h))).
-MIXED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma3_text"})
+MIXED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe",
+                               "gemma3_text"})
 # Those whose attention norms each head's queries and keys (q_norm, k_norm) before the rope.
-QK_NORM_MODEL_TYPES = frozenset({"qwen3", "gemma3_text"})
+QK_NORM_MODEL_TYPES = frozenset({"qwen3", "qwen3_moe", "gemma3_text"})
 # Gemma 3's layer: four norms, embeddings scaled by sqrt(hidden size), sliding-window layers.
 SANDWICH_MODEL_TYPES = frozenset({"gemma3_text"})
 
@@ -61,7 +64,8 @@ def supports_mixed(model: Any) -> bool:
     if sandwich:
         needed += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
     attn = ("q_proj", "k_proj", "v_proj", "o_proj", "rope", "n_heads", "n_kv_heads", "scale")
-    qk_norm = args.model_type in QK_NORM_MODEL_TYPES
+    # glm4_moe norms them when its config says so.
+    qk_norm = args.model_type in QK_NORM_MODEL_TYPES or bool(getattr(args, "use_qk_norm", False))
     return all(
         all(hasattr(layer, n) for n in needed) and all(hasattr(layer.self_attn, n) for n in attn)
         and hasattr(layer.self_attn, "q_norm") == qk_norm
@@ -250,9 +254,11 @@ def forward(model: Any, decode_inputs: mx.array | None, decode_cache: list[Any] 
             else:
                 x = x + layer.mlp(layer.post_attention_layernorm(x))
     x = inner.norm(x)
-    if getattr(model.args, "tie_word_embeddings", False) or not hasattr(model, "lm_head"):
-        logits = inner.embed_tokens.as_linear(x)
-    else:
+    # A model has its own head exactly when it computes logits with it (glm4_moe always does;
+    # the others make one, or keep it, only for untied embeddings).
+    if hasattr(model, "lm_head"):
         logits = model.lm_head(x)
+    else:
+        logits = inner.embed_tokens.as_linear(x)
     decode = logits[:nd].reshape(B, Ld, -1) if nd else None
     return decode, (logits[nd:] if ends else None)
