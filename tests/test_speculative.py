@@ -52,6 +52,23 @@ def test_the_draft_length_follows_what_was_accepted() -> None:
     assert d.length == 1 and (d.drafted, d.accepted) == (11, 3)
 
 
+def test_drafts_of_which_nothing_is_kept_pause_drafting_longer_each_time() -> None:
+    d = Drafter()
+    d.extend([1, 2, 3, 4, 1, 2])
+    assert d.draft(3, 4) == [4, 1, 2]
+    paused = []
+    for _ in range(3):
+        d.verified(1, 0)
+        n = 0
+        while not d.draft(3, 4):
+            n += 1
+        paused.append(n)
+    assert paused == [2, 4, 8]
+    d.verified(1, 1)  # kept: the next miss pauses 2 steps again
+    d.verified(1, 0)
+    assert [d.draft(3, 4) for _ in range(3)] == [[], [], [4]]
+
+
 # -- in the engine ---------------------------------------------------------------------------
 
 # The one-pass step and mlx-lm's own call. (The tiny llama's answers do not fall into loops

@@ -21,6 +21,8 @@ NGRAM_SIZES = (4, 3, 2)
 # Most tokens one row drafts a step, and where its draft length starts: the step verifies
 # every position of the longest row's draft for every row.
 MAX_DRAFT = 6
+# Most steps a sequence drafts nothing after drafts it kept nothing of.
+MAX_PAUSE = 32
 
 
 class Drafter:
@@ -33,6 +35,11 @@ class Drafter:
         self.length = MAX_DRAFT
         self.drafted = 0
         self.accepted = 0
+        # After drafts of which nothing was kept, the next few steps draft nothing (twice as
+        # many after each such draft, up to ``MAX_PAUSE``): where the text does not repeat
+        # (prose), a draft is a position the step computes for nothing.
+        self._misses = 0
+        self._pause = 0
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Append tokens (the sequence's next ones): each n-gram that now has a follower is
@@ -55,6 +62,9 @@ class Drafter:
         ``last`` (the row's next input): what followed the latest earlier occurrence of the
         longest n-gram ending in ``last``."""
         most = min(most, self.length)
+        if self._pause > 0:
+            self._pause -= 1
+            return []
         if most <= 0:
             return []
         own = self._tokens
@@ -69,10 +79,16 @@ class Drafter:
 
     def verified(self, drafted: int, accepted: int) -> None:
         """How many of a draft's tokens the step accepted: a row whose drafts keep failing
-        drafts less (down to one token, which costs little to verify), one whose drafts are
-        taken whole drafts more."""
+        drafts less (down to one token) and, after drafts of which nothing was kept, not at
+        all for 2, 4, ... up to ``MAX_PAUSE`` steps; one whose drafts are taken whole drafts
+        more."""
         self.drafted += drafted
         self.accepted += accepted
+        if accepted == 0:
+            self._misses += 1
+            self._pause = min(2 ** self._misses, MAX_PAUSE)
+        else:
+            self._misses = 0
         if accepted == drafted:
             self.length = min(MAX_DRAFT, self.length + 1)
         else:
