@@ -34,6 +34,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: bool = False
     top_logprobs: int = 0
     ignore_eos: bool = False
+    # Speculative decoding for this request (when the server has it on): an extension field.
+    speculative: bool = True
 
 
 class SamplingDefaults(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

@@ -124,6 +124,8 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
     temperature: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Meta(ge=0)] | None = None
+    # An extension: false turns speculative decoding off for this request.
+    speculative: bool | None = None
     stream: bool | None = None
     thinking: ThinkingParam | None = None
     # Structured outputs: ``output_config.format`` today, top-level ``output_format`` in beta.
@@ -436,6 +438,7 @@ def admit_message(req: MessagesRequest, request_id: str) -> AdmitChat:
         max_tokens=req.max_tokens,
         stop=stops,
         **{name: value for name, value in sent.items() if value is not None},
+        **({} if req.speculative is None else {"speculative": req.speculative}),
     )
     return AdmitChat(
         request_id=request_id,

@@ -99,6 +99,7 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     ignore_eos: bool | None = None
+    speculative: bool | None = None
     n: int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -339,6 +340,7 @@ _SAMPLING_FIELDS = (
     "presence_penalty",
     "frequency_penalty",
     "ignore_eos",
+    "speculative",
 )
 
 

@@ -125,6 +125,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     max_output_tokens: Annotated[int, Meta(ge=1)] | None = None
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    # An extension: false turns speculative decoding off for this request.
+    speculative: bool | None = None
     stream: bool | None = None
     metadata: dict[str, str] | None = None
     reasoning: dict[str, Any] | None = None
@@ -512,6 +514,7 @@ def prepare_turn(
     sampling = SamplingParams(
         max_tokens=req.max_output_tokens or default_max_tokens,
         **{name: value for name, value in sent.items() if value is not None},
+        **({} if req.speculative is None else {"speculative": req.speculative}),
     )
     msg = AdmitChat(
         request_id=request_id,

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import http_stack
 import pytest
 from engine_helpers import engine_config, greedy, run
 from mlx_lm import load
@@ -19,7 +20,9 @@ from tiny_model import make_tiny_model
 
 from actors.engine.core import Engine
 from actors.engine.speculate import MAX_DRAFT, Drafter
-from actors.messages import SamplingParams, TokensGenerated
+from actors.messages import AdmitChat, AdmitCompletion, SamplingParams, TokensGenerated
+
+scripted, client = http_stack.scripted, http_stack.client
 
 TEXTS = ["The quick brown fox jumps over the lazy dog. " * 5, "Numbers like 12345 and 12345 and",
          "def add(a, b): return a + b\n" * 3, "Paris"]
@@ -300,3 +303,32 @@ def test_sampling_rows_draft_and_a_seeded_one_draws_as_it_would_alone(tiny: Any)
                                          **{f"g{i}": (tok.encode(t), greedy(60))
                                             for i, t in enumerate(TEXTS * 2)}})
     assert crowd["s"]["tokens"] == alone["s"]["tokens"]
+
+
+def test_a_request_may_turn_its_drafts_off(tiny: Any) -> None:
+    _, tok = tiny
+    prompt = tok.encode(TEXTS[0])
+    off = SamplingParams(max_tokens=90, temperature=0.0, ignore_eos=True, speculative=False)
+    got, e = serve_all(tiny, "ngram", {"off": (prompt, off)})
+    assert e.runner.drafted == 0
+    both, e = serve_all(tiny, "ngram", {"off": (prompt, off),
+                                        "on": (prompt, greedy(90, ignore_eos=True))})
+    assert e.runner.drafts > 0 and both["off"]["tokens"] == both["on"]["tokens"]
+    assert both["off"]["tokens"] == got["off"]["tokens"]
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/completions", {"prompt": "hi"}),
+    ("/v1/messages", {"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/responses", {"input": "hi"}),
+], ids=["chat", "completions", "anthropic", "responses"])
+async def test_every_route_takes_the_speculative_extension_field(
+        client: Any, scripted: Any, path: str, body: dict[str, Any]) -> None:
+    for sent, want in ((None, True), (False, False), (True, True)):
+        extra = {} if sent is None else {"speculative": sent}
+        resp = await client.post(path, json={"model": http_stack.MODEL, **body, **extra})
+        assert resp.status == 200, await resp.text()
+        msg = scripted.seen[-1]
+        assert isinstance(msg, AdmitChat | AdmitCompletion)
+        assert msg.sampling.speculative is want

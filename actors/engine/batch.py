@@ -54,6 +54,7 @@ class Sequence:
     context: TokenBuffer | None = field(default=None, repr=False)
     # Its n-gram drafts (speculative decoding; made when it first decodes with them on).
     drafter: Drafter | None = field(default=None, repr=False)
+    speculative: bool = True  # False: the request turned drafts off
 
     @property
     def remaining(self) -> int:

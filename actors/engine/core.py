@@ -240,6 +240,7 @@ class Engine:
             sampler=make_request_sampler(sampling),
             processors=processors,
             stop_ids=stop_ids,
+            speculative=sampling.speculative,
         )
         req = Request(
             request_id=request_id,

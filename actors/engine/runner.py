@@ -132,22 +132,24 @@ class Runner:
 
     def insert(self, segments: list[list[int]], *, max_tokens: int, cache: Any,
                done: list[int], sampler: Any, processors: list[Any],
-               stop_ids: frozenset[int]) -> int:
+               stop_ids: frozenset[int], speculative: bool = True) -> int:
         """Queue one sequence: its prompt still to run, in ``segments`` (split where blocks
-        must be cut), after ``done`` tokens already in ``cache``. Returns its uid."""
+        must be cut), after ``done`` tokens already in ``cache``; ``speculative``: whether
+        it may take drafts. Returns its uid."""
         return self._insert(self.batch, segments, max_tokens=max_tokens, cache=cache,
                             done=done, sampler=sampler, processors=processors,
-                            stop_ids=stop_ids)
+                            stop_ids=stop_ids, speculative=speculative)
 
     def _insert(self, batch: Batch, segments: list[list[int]], *, max_tokens: int, cache: Any,
                 done: list[int], sampler: Callable[[mx.array], mx.array],
-                processors: list[Any], stop_ids: frozenset[int]) -> int:
+                processors: list[Any], stop_ids: frozenset[int],
+                speculative: bool = True) -> int:
         segments = split_last(segments)
         seq = Sequence(uid=batch.next_uid, segments=segments,
                        total=sum(len(s) for s in segments), tokens=list(done),
                        cache=cache if cache is not None else make_prompt_cache(self.model),
                        sampler=sampler, processors=tuple(processors), stop_ids=stop_ids,
-                       max_tokens=max_tokens)
+                       max_tokens=max_tokens, speculative=speculative)
         batch.next_uid += 1
         batch.waiting.append(seq)
         return seq.uid
@@ -639,10 +641,11 @@ def _right_pad(prompts: list[list[int]], longest: int) -> mx.array:
 
 def _verifies(s: Sequence) -> bool:
     """Whether a row's draft can be verified: greedy, or a sampler that verifies drafts, and
-    no logits processors (penalties and grammars see one token at a time). A seeded request
+    no logits processors (penalties and grammars see one token at a time), and the request
+    did not turn drafts off. A seeded request
     takes no drafts: its draws then depend on its seed alone, not on whether the batch was
     small enough to verify drafts in."""
-    return not s.processors and (s.sampler is greedy_sampler
+    return s.speculative and not s.processors and (s.sampler is greedy_sampler
                                  or getattr(s.sampler, "key", True) is None)
 
 
