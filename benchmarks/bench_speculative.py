@@ -7,12 +7,16 @@ kernels, OpenBLAS preloaded as ``troupe serve`` does), greedy, three workloads:
 - ``json``: a record of 40 fields, asked back with two of them changed;
 - ``prose``: a story (little to look up).
 
+``--streams N`` runs N such requests at once (the edit of each renames another function),
+the decode tokens/s then being all of theirs.
+
 For each, decode tokens/s (from the first token to the last) with drafts and without,
 alternating which runs first, the drafts' figures, and whether the two answers are the same
 tokens (they must be).
 
     .venv/bin/python benchmarks/bench_speculative.py
     .venv/bin/python benchmarks/bench_speculative.py --max-tokens 600 --reps 2
+    .venv/bin/python benchmarks/bench_speculative.py --streams 4 --workloads edit,prose
 """
 
 from __future__ import annotations
@@ -68,23 +72,28 @@ WORKLOADS = {
 }
 
 
-def run_once(engine: Any, prompt: list[int], max_tokens: int, drafts: bool) -> dict[str, Any]:
+def run_once(engine: Any, prompts: list[list[int]], max_tokens: int,
+             drafts: bool) -> dict[str, Any]:
+    """The prompts at once, greedy, to ``max_tokens`` each: their tokens, and the decode
+    tokens/s of them all (from the first token of any to the last)."""
     from actors.messages import SamplingParams, TokensGenerated
 
     engine.runner.speculative = drafts
     before = (engine.runner.drafts, engine.runner.drafted, engine.runner.accepted)
-    engine.add("r", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                           ignore_eos=True))
-    tokens: list[int] = []
+    for i, prompt in enumerate(prompts):
+        engine.add(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                   ignore_eos=True))
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
     times: list[float] = []
     while engine.has_work:
         for ev in engine.step():
             if isinstance(ev, TokensGenerated):
-                tokens += ev.token_ids
+                tokens[ev.request_id] += ev.token_ids
                 times.append(time.perf_counter())
     after = (engine.runner.drafts, engine.runner.drafted, engine.runner.accepted)
     n_drafts, drafted, accepted = (b - a for a, b in zip(before, after, strict=True))
-    return {"tokens": tokens, "decode_tok_s": (len(tokens) - 1) / (times[-1] - times[0]),
+    total = sum(len(t) for t in tokens.values())
+    return {"tokens": tokens, "decode_tok_s": (total - len(prompts)) / (times[-1] - times[0]),
             "drafts": n_drafts, "drafted": drafted, "accepted": accepted}
 
 
@@ -93,6 +102,8 @@ def main() -> None:
     p.add_argument("--model", help="an mlx-lm model directory (default: troupe pull's)")
     p.add_argument("--max-tokens", type=int, default=600)
     p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--streams", type=int, default=1,
+                   help="requests of the workload at once (each renames another function)")
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = p.parse_args()
@@ -106,12 +117,14 @@ def main() -> None:
     print(f"BLAS: {out['blas']}", flush=True)
     for r in range(args.reps):
         for name in args.workloads.split(","):
-            prompt = chat_tokens(tok, [{"role": "user", "content": WORKLOADS[name]()}])
+            prompts = [chat_tokens(tok, [{"role": "user", "content": WORKLOADS[name]().replace(
+                "compute_total_3 to order_total_3", f"compute_total_{3 + i} to order_total_{i}")}])
+                for i in range(args.streams)]
             # A cold prompt each time would time its prefill too: the first run warms the
             # prefix cache, and each answer is timed from its first token.
             answers = {}
             for drafts in (False, True) if r % 2 == 0 else (True, False):
-                got = run_once(engine, prompt, args.max_tokens, drafts)
+                got = run_once(engine, prompts, args.max_tokens, drafts)
                 answers[drafts] = got.pop("tokens")
                 out["runs"].append({"rep": r, "workload": name, "drafts": drafts, **got})
                 print(f"rep {r} {name:>5} drafts {'on ' if drafts else 'off'}: "
@@ -119,7 +132,7 @@ def main() -> None:
                                   for k, v in got.items()), flush=True)
             out["runs"][-1]["same_tokens"] = answers[True] == answers[False]
             print(f"  same tokens: {answers[True] == answers[False]} "
-                  f"({len(answers[True])} tokens)", flush=True)
+                  f"({sum(len(t) for t in answers[True].values())} tokens)", flush=True)
     engine.close()
     print("\n| workload | decode tok/s, off | decode tok/s, ngram | speed-up | drafts | "
           "accepted / drafted tokens | accepted per draft | same tokens |\n"
