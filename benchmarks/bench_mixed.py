@@ -67,6 +67,9 @@ def main() -> None:
     if not supports_mixed(model):
         sys.exit(f"{model_dir}: not a model mixed steps take")
     rng = random.Random(0)
+    # Token ids within the vocabulary (MLX does not check an embedding's index).
+    vocab = model.args.vocab_size
+    lo, hi = min(1000, vocab // 2), min(20000, vocab)
     attn0 = model.model.layers[0].self_attn
     n_heads, n_kv = attn0.n_heads, attn0.n_kv_heads
     head_dim = model.model.layers[0].self_attn.o_proj.weight.shape[1] // n_heads
@@ -93,7 +96,7 @@ def main() -> None:
         return (time.perf_counter() - began) * 1e3
 
     decode_kv = kv(args.batch, args.decode_context)
-    decode_in = mx.array([[rng.randrange(1000, 20000)] for _ in range(args.batch)])
+    decode_in = mx.array([[rng.randrange(lo, hi)] for _ in range(args.batch)])
     print(f"model {model_dir}, BLAS {blas_name()}, kernels {cpu_kernels.describe()}, "
           f"{args.batch} sequences decoding at {args.decode_context} tokens, "
           f"median of {args.reps}")
@@ -104,7 +107,7 @@ def main() -> None:
     for ctx in args.contexts:
         prompt_kv = kv(1, ctx)
         for chunk in args.chunks:
-            chunk_in = mx.array([[rng.randrange(1000, 20000) for _ in range(chunk)]])
+            chunk_in = mx.array([[rng.randrange(lo, hi) for _ in range(chunk)]])
             alone, two, one, sdpa, stacked = [], [], [], [], []
             for _ in range(args.reps):
                 dc = caches(decode_kv, args.batch)
