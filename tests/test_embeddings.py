@@ -14,13 +14,14 @@ from embed_models import QUERY_PROMPT, make_embedding_model, make_reranker_model
 from mlx_lm import load
 
 from actors.engine.embed import (
+    RERANK_SUFFIX,
     Embedder,
     EmbedJob,
     EmbedSpec,
     answer_token,
     detect_task,
     read_embed_spec,
-    rerank_text,
+    rerank_tokens,
 )
 
 TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog",
@@ -119,7 +120,7 @@ def test_rerank_scores_are_the_yes_probability_of_the_models_own_logits(
     yes, no = answer_token(tok, "yes"), answer_token(tok, "no")
     assert yes != no
     docs = ["the fox is quick", "numbers add up", "hello there", "a lazy dog sleeps"]
-    inputs = [tok.encode(rerank_text("what does the fox do?", d)) for d in docs]
+    inputs = [rerank_tokens(tok, "what does the fox do?", d) for d in docs]
     scores = _run(Embedder(model, EmbedSpec(), yes_id=yes, no_id=no), "rerank", inputs)
     refs = []
     for ids in inputs:
@@ -139,3 +140,13 @@ def test_an_aborted_job_never_answers(embedding: tuple[Any, Any]) -> None:
                           lambda r, e: answered.append(r)))
     embedder.abort("gone")
     assert not embedder.has_work and answered == []
+
+
+def test_a_cut_rerank_input_keeps_the_prompt_formats_ends(reranker_dir: Path) -> None:
+    _, tok = load(str(reranker_dir))
+    whole = rerank_tokens(tok, "what does the fox do?", "the fox " * 200)
+    limit = len(whole) - 50
+    cut = rerank_tokens(tok, "what does the fox do?", "the fox " * 200, limit=limit)
+    assert len(cut) == limit
+    closing = len(tok.encode(RERANK_SUFFIX, add_special_tokens=False))
+    assert cut[:50] == whole[:50] and cut[-closing:] == whole[-closing:]

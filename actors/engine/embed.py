@@ -25,6 +25,8 @@ from typing import Any, Literal
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from actors.engine.config import EngineConfig
+
 Task = Literal["generate", "embed", "rerank"]
 Pooling = Literal["last", "mean"]
 JobKind = Literal["embed", "rerank"]
@@ -98,10 +100,25 @@ def detect_task(path: str | Path) -> Task:
     return "generate"
 
 
-def rerank_text(query: str, document: str, instruction: str = RERANK_INSTRUCTION) -> str:
-    """One query and document in the reranker's prompt format."""
-    return (f"{RERANK_PREFIX}<Instruct>: {instruction}\n<Query>: {query}\n"
-            f"<Document>: {document}{RERANK_SUFFIX}")
+def model_task(config: EngineConfig, path: str | Path) -> Task:
+    """What a model serves: ``--task`` when given, else what its files say."""
+    return config.task or detect_task(path)
+
+
+def rerank_tokens(tokenizer: Any, query: str, document: str, *,
+                  instruction: str | None = None, limit: int | None = None) -> list[int]:
+    """A query and document in the reranker's prompt format, as token ids. With ``limit``,
+    the query and document are cut so that the whole fits in ``limit`` tokens (the format's
+    opening and closing stay whole, as the model card's own code does)."""
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    body = encode(f"<Instruct>: {instruction or RERANK_INSTRUCTION}\n<Query>: {query}\n"
+                  f"<Document>: {document}")
+    prefix, suffix = encode(RERANK_PREFIX), encode(RERANK_SUFFIX)
+    if limit is not None:
+        body = body[:max(0, limit - len(prefix) - len(suffix))]
+    return prefix + body + suffix
 
 
 def answer_token(tokenizer: Any, word: str) -> int:

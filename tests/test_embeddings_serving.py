@@ -1,0 +1,174 @@
+"""/v1/embeddings and /v1/rerank served in-process over HTTP by tiny random-weight models
+(issue 33): the official openai client's embeddings.create, the request shapes, and the
+refusals in the API's shape."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from embed_models import QUERY_PROMPT, make_embedding_model, make_reranker_model
+from http_stack import RealStack, real_stack
+from mlx_lm import load
+
+from actors.engine.embed import Embedder, EmbedJob, read_embed_spec
+
+TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog",
+         "def add(a, b): return a + b"]
+
+
+@pytest.fixture(scope="module")
+def embedding_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_embedding_model(tmp_path_factory.mktemp("emb") / "tiny-qwen3-embedding",
+                                context=256)
+
+
+@pytest.fixture(scope="module")
+def reranker_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_reranker_model(tmp_path_factory.mktemp("rerank"))
+
+
+@pytest.fixture
+async def embed_stack(embedding_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                      ) -> AsyncIterator[RealStack]:
+    monkeypatch.setenv("TROUPE_HOME", str(tmp_path))
+    async with real_stack(embedding_dir) as stack:
+        yield stack
+
+
+def _alone(model_dir: Path, texts: list[str]) -> list[list[float]]:
+    """Each text's vector, embedded alone by the engine's embedder outside any server."""
+    model, tok = load(str(model_dir))
+    embedder = Embedder(model, read_embed_spec(model_dir))
+    out: list[Any] = []
+    for text in texts:
+        embedder.add(EmbedJob("one", "embed", [tok.encode(text)], lambda r, e: out.extend(r)))
+        while embedder.has_work:
+            embedder.step(512)
+    return out
+
+
+async def test_the_official_openai_client_embeds(embed_stack: RealStack,
+                                                 embedding_dir: Path) -> None:
+    oai = openai.AsyncOpenAI(base_url=f"{embed_stack.server.url}/v1", api_key="x",
+                             max_retries=0)
+    try:
+        got = await oai.embeddings.create(model=embed_stack.model, input=TEXTS)
+        one = await oai.embeddings.create(model=embed_stack.model, input=TEXTS[1])
+        b64 = await oai.embeddings.create(model=embed_stack.model, input=TEXTS,
+                                          encoding_format="base64")
+        short = await oai.embeddings.create(model=embed_stack.model, input=TEXTS,
+                                            dimensions=16)
+    finally:
+        await oai.close()
+    vectors = [d.embedding for d in got.data]
+    assert [d.index for d in got.data] == [0, 1, 2] and len(vectors[0]) == 64
+    assert not np.allclose(vectors[0], vectors[1], atol=1e-3)
+    np.testing.assert_allclose(vectors, _alone(embedding_dir, TEXTS), atol=1e-5)
+    np.testing.assert_allclose(one.data[0].embedding, vectors[1], atol=1e-5)
+    # Silent on the format, the client asks for base64 and decodes it itself; asked for
+    # base64, it hands the strings over as they came.
+    decoded = [np.frombuffer(base64.b64decode(d.embedding), dtype="<f4") for d in b64.data]
+    np.testing.assert_allclose(decoded, vectors, atol=0)
+    for v, s in zip(vectors, short.data, strict=True):
+        head = np.array(v[:16])
+        np.testing.assert_allclose(s.embedding, head / np.linalg.norm(head), atol=1e-6)
+    assert got.usage.prompt_tokens == got.usage.total_tokens > 0
+
+
+async def test_token_ids_base64_and_query_prompt_over_plain_http(
+    embed_stack: RealStack, embedding_dir: Path
+) -> None:
+    _, tok = load(str(embedding_dir))
+    ids = [tok.encode(t) for t in TEXTS]
+    async with httpx.AsyncClient(base_url=embed_stack.server.url) as http:
+        as_text = (await http.post("/v1/embeddings", json={"input": TEXTS[:2]})).json()
+        as_ids = (await http.post("/v1/embeddings", json={"input": ids[:2],
+                                                          "encoding_format": "base64"})).json()
+        single = (await http.post("/v1/embeddings", json={"input": ids[0]})).json()
+        query = (await http.post("/v1/embeddings", json={"input": TEXTS[0],
+                                                         "input_type": "query"})).json()
+    decoded = [np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4").tolist()
+               for d in as_ids["data"]]
+    np.testing.assert_allclose(decoded, [d["embedding"] for d in as_text["data"]], atol=0)
+    assert single["data"][0]["embedding"] == as_text["data"][0]["embedding"]
+    prompted = _alone(embedding_dir, [QUERY_PROMPT + TEXTS[0]])[0]
+    np.testing.assert_allclose(query["data"][0]["embedding"], prompted, atol=1e-5)
+    assert not np.allclose(prompted, as_text["data"][0]["embedding"], atol=1e-3)
+
+
+async def test_an_input_over_the_context_is_a_400_naming_it_or_cut_with_truncate(
+    embed_stack: RealStack, embedding_dir: Path
+) -> None:
+    _, tok = load(str(embedding_dir))
+    long = tok.decode(list(range(300, 400)) * 4)
+    assert len(tok.encode(long)) > 256
+    async with httpx.AsyncClient(base_url=embed_stack.server.url) as http:
+        refused = await http.post("/v1/embeddings", json={"input": ["hi", long]})
+        cut = await http.post("/v1/embeddings", json={"input": ["hi", long], "truncate": True})
+        over = await http.post("/v1/embeddings", json={"input": "hi", "dimensions": 65})
+        empty = await http.post("/v1/embeddings", json={"input": []})
+        chat = await http.post("/v1/chat/completions", json={
+            "model": embed_stack.model, "messages": [{"role": "user", "content": "hi"}]})
+    error = refused.json()["error"]
+    assert refused.status_code == 400 and error["param"] == "input[1]"
+    assert error["code"] == "context_length_exceeded" and "truncate" in error["message"]
+    assert cut.status_code == 200 and cut.json()["usage"]["prompt_tokens"] <= 256 + 2
+    expected = _alone(embedding_dir, [tok.decode(tok.encode(long)[:256])])[0]
+    assert len(cut.json()["data"][1]["embedding"]) == len(expected)
+    assert over.status_code == 400 and over.json()["error"]["param"] == "dimensions"
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "input"
+    assert chat.status_code == 400 and "/v1/embeddings" in chat.json()["error"]["message"]
+
+
+async def test_embeddings_on_a_chat_model_are_a_400_naming_the_flag(
+    tiny_qwen3_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TROUPE_HOME", str(tmp_path))
+    async with real_stack(tiny_qwen3_dir) as stack, \
+            httpx.AsyncClient(base_url=stack.server.url) as http:
+        resp = await http.post("/v1/embeddings", json={"input": "hi"})
+        rerank = await http.post("/v1/rerank", json={"query": "q", "documents": ["d"]})
+    assert resp.status_code == 400 and "--task embed" in resp.json()["error"]["message"]
+    assert rerank.status_code == 400 and "--task rerank" in rerank.json()["error"]["message"]
+
+
+async def test_task_embed_serves_a_chat_model_as_an_embedder(
+    tiny_qwen3_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TROUPE_HOME", str(tmp_path))
+    async with real_stack(tiny_qwen3_dir, task="embed") as stack, \
+            httpx.AsyncClient(base_url=stack.server.url) as http:
+        resp = await http.post("/v1/embeddings", json={"input": TEXTS})
+    assert resp.status_code == 200
+    np.testing.assert_allclose([d["embedding"] for d in resp.json()["data"]],
+                               _alone(tiny_qwen3_dir, TEXTS), atol=1e-5)
+
+
+async def test_rerank_sorts_documents_by_the_models_scores(
+    reranker_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TROUPE_HOME", str(tmp_path))
+    docs = ["the fox is quick", "numbers add up", "hello there", "a lazy dog sleeps"]
+    async with real_stack(reranker_dir) as stack, \
+            httpx.AsyncClient(base_url=stack.server.url) as http:
+        full = (await http.post("/v1/rerank", json={
+            "model": stack.model, "query": "what does the fox do?", "documents": docs})).json()
+        top = await http.post("/v2/rerank", json={
+            "query": "what does the fox do?", "top_n": 2, "return_documents": False,
+            "documents": [{"text": d} for d in docs]})
+        plain = await http.post("/rerank", json={"query": "what does the fox do?",
+                                                 "documents": docs})
+    scores = [r["relevance_score"] for r in full["results"]]
+    assert scores == sorted(scores, reverse=True) and len(set(scores)) == len(docs)
+    assert sorted(r["index"] for r in full["results"]) == [0, 1, 2, 3]
+    assert all(r["document"]["text"] == docs[r["index"]] for r in full["results"])
+    assert top.json()["results"] == [{k: v for k, v in r.items() if k != "document"}
+                                     for r in full["results"][:2]]
+    assert plain.json()["results"] == full["results"]
