@@ -121,7 +121,8 @@ def test_rerank_scores_are_the_yes_probability_of_the_models_own_logits(
     assert yes != no
     docs = ["the fox is quick", "numbers add up", "hello there", "a lazy dog sleeps"]
     inputs = [rerank_tokens(tok, "what does the fox do?", d) for d in docs]
-    scores = _run(Embedder(model, EmbedSpec(), yes_id=yes, no_id=no), "rerank", inputs)
+    embedder = Embedder(model, EmbedSpec(), yes_id=yes, no_id=no)
+    scores = _run(embedder, "rerank", inputs)
     refs = []
     for ids in inputs:
         logits = np.array(model(mx.array([ids]))[0, -1].astype(mx.float32))
@@ -150,3 +151,18 @@ def test_a_cut_rerank_input_keeps_the_prompt_formats_ends(reranker_dir: Path) ->
     assert len(cut) == limit
     closing = len(tok.encode(RERANK_SUFFIX, add_special_tokens=False))
     assert cut[:50] == whole[:50] and cut[-closing:] == whole[-closing:]
+
+
+def test_a_rerank_querys_shared_prefix_runs_once_for_all_documents(reranker_dir: Path) -> None:
+    model, tok = load(str(reranker_dir))
+    yes, no = answer_token(tok, "yes"), answer_token(tok, "no")
+    docs = [f"document number {i} says {w}" for i, w in enumerate(["yes", "no", "maybe"] * 4)]
+    inputs = [rerank_tokens(tok, "which documents say yes?", d) for d in docs]
+    shared = next(n for n in range(len(inputs[0])) if len({ids[n] for ids in inputs}) > 1)
+    embedder = Embedder(model, EmbedSpec(), yes_id=yes, no_id=no)
+    scores = _run(embedder, "rerank", inputs, budget=64)
+    assert embedder.tokens_run == shared + sum(len(ids) - shared for ids in inputs)
+    alone = Embedder(model, EmbedSpec(), yes_id=yes, no_id=no)
+    np.testing.assert_allclose(scores, [_run(alone, "rerank", [ids])[0] for ids in inputs],
+                               atol=1e-5)
+    assert len(set(np.round(scores, 6))) > 1

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from actors.engine.config import EngineConfig
 
@@ -40,6 +40,9 @@ RERANK_PREFIX = (
 )
 RERANK_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 RERANK_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
+# A rerank job's inputs share the prompt format's opening and the query: a shared prefix of at
+# least this many tokens runs once, and each document runs from a copy of its KV.
+MIN_SHARED_PREFIX = 8
 
 
 @dataclass(frozen=True)
@@ -176,6 +179,10 @@ class EmbedJob:
     on_done: Callable[[list[Any] | None, Exception | None], None]
     results: list[Any] = field(default_factory=list)
     left: int = 0
+    # Tokens every input starts with that run once for all (rerank: the format and query),
+    # and their KV per layer once run.
+    shared: int = 0
+    prefix_kv: list[tuple[mx.array, mx.array]] | None = None
 
     def __post_init__(self) -> None:
         self.results = [None] * len(self.inputs)
@@ -198,6 +205,10 @@ class Embedder:
         self._long: tuple[EmbedJob, int, _Long] | None = None
         self.jobs: dict[str, EmbedJob] = {}
         self.inputs_done = 0
+        self.tokens_run = 0  # input tokens through the model (a shared prefix counts once)
+        # A shared prefix's KV is copied into a plain KV cache: models with other cache
+        # layers (sliding windows, recurrent state) run each input whole.
+        self._plain_kv = all(type(c) is KVCache for c in make_prompt_cache(model))
 
     @property
     def has_work(self) -> bool:
@@ -208,6 +219,9 @@ class Embedder:
         if not job.inputs:
             job.on_done([], None)
             return
+        if job.kind == "rerank" and len(job.inputs) > 1 and self._plain_kv:
+            shared = _common_prefix(job.inputs)
+            job.shared = shared if shared >= MIN_SHARED_PREFIX else 0
         self.jobs[job.request_id] = job
         self._queue.extend((job, i) for i in range(len(job.inputs)))
 
@@ -229,7 +243,7 @@ class Embedder:
                 self._chunk(budget)
                 return
             job, i = self._queue[0]
-            if len(job.inputs[i]) > budget:
+            if len(job.inputs[i]) - job.shared > budget:
                 self._queue.popleft()
                 self._long = (job, i, _Long(make_prompt_cache(self.model)))
                 self._chunk(budget)
@@ -238,8 +252,11 @@ class Embedder:
             longest = 0
             while self._queue:
                 job, i = self._queue[0]
-                n = len(job.inputs[i])
-                if batch and (n > budget or job.kind != batch[0][0].kind
+                n = len(job.inputs[i]) - job.shared
+                first = batch[0][0] if batch else job
+                # A batch runs from one shared prefix, or from none.
+                apart = job is not first and (job.shared or first.shared)
+                if batch and (n > budget or job.kind != first.kind or apart
                               or max(longest, n) * (len(batch) + 1) > budget):
                     break
                 batch.append(self._queue.popleft())
@@ -249,10 +266,12 @@ class Embedder:
             self._fail_running(exc)
 
     def _run_batch(self, batch: list[tuple[EmbedJob, int]], longest: int) -> None:
-        prompts = [job.inputs[i] for job, i in batch]
+        job = batch[0][0]
+        prompts = [job.inputs[i][job.shared:] for job, i in batch]
         inputs = mx.array([p + [0] * (longest - len(p)) for p in prompts])
         lengths = mx.array([len(p) for p in prompts])
-        h = hidden_states(self.model, inputs)
+        self.tokens_run += sum(len(p) for p in prompts)
+        h = hidden_states(self.model, inputs, cache=self._from_prefix(job, len(prompts)))
         last = h[mx.arange(len(prompts)), lengths - 1]
         if self.spec.pooling == "mean":
             mask = (mx.arange(longest)[None, :] < lengths[:, None]).astype(h.dtype)
@@ -263,12 +282,31 @@ class Embedder:
         for (job, i), out in zip(batch, outs, strict=True):
             self._done(job, i, out)
 
+    def _from_prefix(self, job: EmbedJob, rows: int) -> list[Any] | None:
+        """A cache of ``rows`` rows each holding the job's shared prefix (run on first use),
+        or None when it has none."""
+        if not job.shared:
+            return None
+        if job.prefix_kv is None:
+            cache = make_prompt_cache(self.model)
+            hidden_states(self.model, mx.array([job.inputs[0][:job.shared]]), cache=cache)
+            job.prefix_kv = [c.keys_and_values() for c in cache]
+            mx.eval(job.prefix_kv)
+            self.tokens_run += job.shared
+        caches = []
+        for keys, values in job.prefix_kv:
+            c = KVCache()
+            c.update_and_fetch(mx.repeat(keys, rows, axis=0), mx.repeat(values, rows, axis=0))
+            caches.append(c)
+        return caches
+
     def _chunk(self, budget: int) -> None:
         assert self._long is not None
         job, i, state = self._long
         prompt = job.inputs[i]
         chunk = prompt[state.done:state.done + budget]
         h = hidden_states(self.model, mx.array([chunk]), cache=state.cache)[0]
+        self.tokens_run += len(chunk)
         total = h.astype(mx.float32).sum(axis=0)
         state.total = total if state.total is None else state.total + total
         state.last = h[-1]
@@ -303,3 +341,13 @@ class Embedder:
         for job in list(self.jobs.values()):
             self.abort(job.request_id)
             job.on_done(None, exc)
+
+
+def _common_prefix(inputs: list[list[int]]) -> int:
+    """How many leading tokens all ``inputs`` share, leaving each at least one of its own (its
+    last position is the one read)."""
+    first, most = inputs[0], min(len(ids) for ids in inputs) - 1
+    n = 0
+    while n < most and all(ids[n] == first[n] for ids in inputs):
+        n += 1
+    return n
