@@ -717,18 +717,15 @@ class Scheduler(Actor):
             self._arm_release(IDLE_RELEASE_S)
 
     def _embed_step(self) -> None:
-        """One step of embedding work: a prefill chunk's tokens while chat requests step too,
-        a whole prefill batch's otherwise."""
+        """One step of embedding work: a prefill chunk's tokens (padding included), the most
+        admission's memory estimate counts a step to take."""
         embedder = self.embedder
         for rid in [rid for rid, a in self._embed_answers.items() if a.consumer_gone]:
             embedder.abort(rid)
             self._embed_answers.pop(rid).close()
         if not embedder.has_work:
             return
-        budget = self.config.prefill_step_size
-        if not self.engine.has_work:
-            budget *= self.config.prefill_batch_size
-        embedder.step(budget)
+        embedder.step(self.config.prefill_step_size)
         self._last_active = time.monotonic()
 
     def _tell_ranks_memory(self) -> None:

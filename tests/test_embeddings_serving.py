@@ -4,20 +4,27 @@ refusals in the API's shape."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import gc
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import mlx.core as mx
 import numpy as np
 import openai
 import pytest
 from embed_models import QUERY_PROMPT, make_embedding_model, make_reranker_model
-from http_stack import RealStack, real_stack
+from http_stack import RealStack, real_client, real_stack
 from mlx_lm import load
 
+from actors.config import ServeConfig
 from actors.engine.embed import Embedder, EmbedJob, read_embed_spec
+from actors.memory_messages import SetMemoryLimit
+
+MB = 1 << 20
 
 TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog",
          "def add(a, b): return a + b"]
@@ -172,3 +179,44 @@ async def test_rerank_sorts_documents_by_the_models_scores(
     assert top.json()["results"] == [{k: v for k, v in r.items() if k != "document"}
                                      for r in full["results"][:2]]
     assert plain.json()["results"] == full["results"]
+
+
+async def test_concurrent_requests_and_64_inputs_get_each_inputs_own_vector(
+    embed_stack: RealStack, embedding_dir: Path
+) -> None:
+    texts = [f"note {i}: " + TEXTS[i % 3] for i in range(64)]
+    oai = openai.AsyncOpenAI(base_url=f"{embed_stack.server.url}/v1", api_key="x",
+                             max_retries=0)
+    try:
+        many = await oai.embeddings.create(model=embed_stack.model, input=texts)
+        apart = await asyncio.gather(*(
+            oai.embeddings.create(model=embed_stack.model, input=texts[i::8])
+            for i in range(8)))
+    finally:
+        await oai.close()
+    alone = _alone(embedding_dir, texts)
+    np.testing.assert_allclose([d.embedding for d in many.data], alone, atol=1e-5)
+    for i, resp in enumerate(apart):
+        np.testing.assert_allclose([d.embedding for d in resp.data], alone[i::8], atol=1e-5)
+
+
+async def test_an_input_over_the_memory_limit_is_a_413_before_any_header(
+    aiohttp_client: Any, tmp_path: Path
+) -> None:
+    # One 2000-token chunk: ~80 MB of attention scores on the tiny model (tests/test_memory.py).
+    model_dir = make_embedding_model(tmp_path / "tiny-qwen3-embedding", context=4096)
+    gc.collect()
+    mx.clear_cache()
+    config = ServeConfig.of(model=str(model_dir), cache_dir=str(tmp_path / "cache"),
+                            prefill_step_size=2048)
+    client, system, handles = await real_client(aiohttp_client, config)
+    usage = next(s for s in system.snapshot() if s.name == "memory_monitor").report
+    await handles.monitor.ask(SetMemoryLimit(limit=usage["usage_bytes"] + 30 * MB),
+                              timeout=5.0)
+    _, tok = load(str(model_dir))
+    long = (tok.encode(" ".join(TEXTS)) * 200)[:2000]
+    refused = await client.post("/v1/embeddings", json={"input": [[1, 2, 3]] * 2 + [long]})
+    error = (await refused.json())["error"]
+    assert refused.status == 413 and error["code"] == "memory_limit_exceeded"
+    served = await client.post("/v1/embeddings", json={"input": [[1, 2, 3]]})
+    assert served.status == 200
