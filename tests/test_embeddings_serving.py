@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import gc
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -220,3 +221,37 @@ async def test_an_input_over_the_memory_limit_is_a_413_before_any_header(
     assert refused.status == 413 and error["code"] == "memory_limit_exceeded"
     served = await client.post("/v1/embeddings", json={"input": [[1, 2, 3]]})
     assert served.status == 200
+
+
+async def test_one_pool_serves_chat_streams_beside_embedding_requests(
+    aiohttp_client: Any, tiny_qwen3_dir: Path, embedding_dir: Path, tmp_path: Path
+) -> None:
+    config = ServeConfig.of(model=[str(tiny_qwen3_dir), str(embedding_dir)],
+                            cache_dir=str(tmp_path / "cache"))
+    client, _, handles = await real_client(aiohttp_client, config)
+    chat_model, embed_model = (card.id for card in handles.models)
+    prompts = [f"tell me about {w}" for w in ("foxes", "dogs", "cats", "owls")]
+
+    async def chat(prompt: str) -> str:
+        resp = await client.post("/v1/chat/completions", json={
+            "model": chat_model, "max_tokens": 24, "temperature": 0, "stream": True,
+            "messages": [{"role": "user", "content": prompt}]})
+        assert resp.status == 200
+        chunks = [json.loads(line[6:]) for line in (await resp.text()).splitlines()
+                  if line.startswith("data: {")]
+        return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks
+                       if c["choices"])
+
+    async def embed(i: int) -> list[list[float]]:
+        resp = await client.post("/v1/embeddings", json={"model": embed_model,
+                                                         "input": TEXTS[i % 3:]})
+        assert resp.status == 200
+        return [d["embedding"] for d in (await resp.json())["data"]]
+
+    alone = [await chat(p) for p in prompts]
+    results = await asyncio.gather(*(chat(p) for p in prompts), *(embed(i) for i in range(8)))
+    assert len(set(alone)) > 1
+    assert list(results[:4]) == alone  # greedy answers, unchanged by the embedding work
+    vectors = _alone(embedding_dir, TEXTS)
+    for i, got in enumerate(results[4:]):
+        np.testing.assert_allclose(got, vectors[i % 3:], atol=1e-5)
