@@ -267,6 +267,9 @@ class Scheduler(Actor):
             task=model_task(self.config, resolved.path),
         )
         if self.card.task != "generate":
+            if self.config.distributed:
+                raise ValueError("embedding and reranker models are served by one process, "
+                                 "not sharded with --distributed")
             yes_no = ((answer_token(tokenizer, "yes"), answer_token(tokenizer, "no"))
                       if self.card.task == "rerank" else (0, 0))
             self.embedder = Embedder(model, read_embed_spec(resolved.path),

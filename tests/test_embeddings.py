@@ -166,3 +166,12 @@ def test_a_rerank_querys_shared_prefix_runs_once_for_all_documents(reranker_dir:
     np.testing.assert_allclose(scores, [_run(alone, "rerank", [ids])[0] for ids in inputs],
                                atol=1e-5)
     assert len(set(np.round(scores, 6))) > 1
+
+
+def test_a_model_without_a_decoder_body_is_refused_at_load(embedding: tuple[Any, Any]) -> None:
+    class Headless:
+        pass
+
+    with pytest.raises(ValueError, match="cannot embed"):
+        Embedder(Headless(), EmbedSpec())
+    Embedder(embedding[0], EmbedSpec())  # a qwen3 has one

@@ -198,6 +198,9 @@ class Embedder:
     made for it and dropped when it ends."""
 
     def __init__(self, model: Any, spec: EmbedSpec, *, yes_id: int = 0, no_id: int = 0) -> None:
+        if not callable(getattr(model, "model", None)):
+            raise ValueError(f"{type(model).__module__} keeps no decoder body at `model.model`: "
+                             "it cannot embed or rerank")
         self.model = model
         self.spec = spec
         self.yes_id, self.no_id = yes_id, no_id
