@@ -57,10 +57,18 @@ from actors.distributed.protocol import read_secret
 from actors.distributed.shards import load_shard, shard_memory
 from actors.engine.config import DEFAULTS, EngineConfig
 from actors.engine.core import Engine, RequestError
-from actors.engine.embed import Embedder, EmbedJob, answer_token, model_task, read_embed_spec
+from actors.engine.embed import (
+    Embedder,
+    EmbedJob,
+    answer_token,
+    model_task,
+    read_embed_spec,
+    step_tokens,
+)
 from actors.engine.kv_blocks import KVBlock, from_numpy, to_numpy
 from actors.engine.memory_estimate import OK, model_memory
 from actors.engine.prefix import model_fingerprint
+from actors.engine.schedule import MIN_PREFILL_CHUNK
 from actors.memory_messages import (
     DescribeLoad,
     EngineLoad,
@@ -720,15 +728,16 @@ class Scheduler(Actor):
             self._arm_release(IDLE_RELEASE_S)
 
     def _embed_step(self) -> None:
-        """One step of embedding work: a prefill chunk's tokens (padding included), the most
-        admission's memory estimate counts a step to take."""
+        """One step of embedding work: at most a prefill chunk's tokens (padding included),
+        the most admission's memory estimate counts a step to take, and about
+        ``step_budget_ms`` of work (``step_tokens``)."""
         embedder = self.embedder
         for rid in [rid for rid, a in self._embed_answers.items() if a.consumer_gone]:
             embedder.abort(rid)
             self._embed_answers.pop(rid).close()
         if not embedder.has_work:
             return
-        embedder.step(self.config.prefill_step_size)
+        embedder.step(step_tokens(self.config, embedder.token_s, MIN_PREFILL_CHUNK))
         self._last_active = time.monotonic()
 
     def _tell_ranks_memory(self) -> None:

@@ -13,6 +13,7 @@ import pytest
 from embed_models import QUERY_PROMPT, make_embedding_model, make_reranker_model
 from mlx_lm import load
 
+from actors.engine.config import EngineConfig
 from actors.engine.embed import (
     RERANK_SUFFIX,
     Embedder,
@@ -22,6 +23,7 @@ from actors.engine.embed import (
     detect_task,
     read_embed_spec,
     rerank_tokens,
+    step_tokens,
 )
 
 TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog",
@@ -175,3 +177,20 @@ def test_a_model_without_a_decoder_body_is_refused_at_load(embedding: tuple[Any,
     with pytest.raises(ValueError, match="cannot embed"):
         Embedder(Headless(), EmbedSpec())
     Embedder(embedding[0], EmbedSpec())  # a qwen3 has one
+
+
+def test_a_steps_embedding_budget_keeps_to_the_step_time_and_the_prefill_chunk() -> None:
+    config = EngineConfig(prefill_step_size=512, step_budget_ms=200)
+    assert step_tokens(config, None, 32) == 32  # nothing measured yet: the least
+    assert step_tokens(config, 0.001, 32) == 200  # 1 ms a token: 200 in 200 ms
+    assert step_tokens(config, 0.0001, 32) == 512  # never past the chunk
+    assert step_tokens(config, 1.0, 32) == 32  # never under the least
+    assert step_tokens(EngineConfig(step_budget_ms=0), 1.0, 32) == 512  # 0: no time bound
+
+
+def test_the_embedder_measures_the_time_a_token_takes(embedding: tuple[Any, Any]) -> None:
+    model, tok = embedding
+    embedder = Embedder(model, EmbedSpec())
+    assert embedder.token_s is None
+    _run(embedder, "embed", [tok.encode(t) for t in TEXTS])
+    assert embedder.token_s is not None and embedder.token_s > 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -157,6 +158,21 @@ def rerank_score(yes: float, no: float) -> float:
     return 1.0 / (1.0 + math.exp(no - yes))
 
 
+def step_tokens(config: EngineConfig, token_s: float | None, least: int) -> int:
+    """A step's budget of embedding tokens (padding included): a prefill chunk at most, and
+    no more than the measured time a token takes lets run in ``step_budget_ms``, so the
+    streams of the other models on the MLX thread wait no longer for it than for a chat
+    prompt's chunk; ``least`` at least, and ``least`` while nothing is measured yet (the
+    first step after a load)."""
+    budget = config.prefill_step_size
+    if config.step_budget_ms > 0:
+        if token_s is None or token_s <= 0:
+            budget = least
+        else:
+            budget = min(budget, int(config.step_budget_ms / 1000 / token_s))
+    return max(budget, min(least, config.prefill_step_size))
+
+
 @dataclass
 class _Long:
     """An input run in chunks over its own cache: its tokens done, its running sum of hidden
@@ -209,6 +225,7 @@ class Embedder:
         self.jobs: dict[str, EmbedJob] = {}
         self.inputs_done = 0
         self.tokens_run = 0  # input tokens through the model (a shared prefix counts once)
+        self.token_s: float | None = None  # seconds a token takes, padding included (EMA)
         # A shared prefix's KV is copied into a plain KV cache: models with other cache
         # layers (sliding windows, recurrent state) run each input whole.
         self._plain_kv = all(type(c) is KVCache for c in make_prompt_cache(model))
@@ -241,6 +258,7 @@ class Embedder:
         """Run about ``budget`` tokens of queued work: the long input in progress a chunk
         further, or the next inputs that fit together (at least one)."""
         budget = max(1, budget)
+        started, ran = time.perf_counter(), self.tokens_run
         try:
             if self._long is not None:
                 self._chunk(budget)
@@ -267,6 +285,12 @@ class Embedder:
             self._run_batch(batch, longest)
         except Exception as exc:  # noqa: BLE001 - the jobs in the step get the error, not the actor
             self._fail_running(exc)
+            return
+        # Every step ends in an evaluation (its results read back): its time is its work.
+        if self.tokens_run > ran:
+            per_token = (time.perf_counter() - started) / (self.tokens_run - ran)
+            self.token_s = per_token if self.token_s is None else (
+                0.7 * self.token_s + 0.3 * per_token)
 
     def _run_batch(self, batch: list[tuple[EmbedJob, int]], longest: int) -> None:
         job = batch[0][0]
