@@ -942,6 +942,10 @@ class Scheduler(Actor):
             **({"followers": self.followers.report(), "probes": self.probes,
                 "probe_timeouts": self.followers.probe_timeouts}
                if self.followers is not None else {}),
+            **({"task": self.card.task, "embed_jobs": len(self._embed_answers),
+                "embedded_inputs": self.embedder.inputs_done,
+                "embedded_tokens": self.embedder.tokens_run}
+               if self.embedder is not None else {}),
         }
 
 

@@ -228,7 +228,7 @@ async def test_one_pool_serves_chat_streams_beside_embedding_requests(
 ) -> None:
     config = ServeConfig.of(model=[str(tiny_qwen3_dir), str(embedding_dir)],
                             cache_dir=str(tmp_path / "cache"))
-    client, _, handles = await real_client(aiohttp_client, config)
+    client, system, handles = await real_client(aiohttp_client, config)
     chat_model, embed_model = (card.id for card in handles.models)
     prompts = [f"tell me about {w}" for w in ("foxes", "dogs", "cats", "owls")]
 
@@ -255,3 +255,8 @@ async def test_one_pool_serves_chat_streams_beside_embedding_requests(
     vectors = _alone(embedding_dir, TEXTS)
     for i, got in enumerate(results[4:]):
         np.testing.assert_allclose(got, vectors[i % 3:], atol=1e-5)
+    reports = {s.report.get("model"): s.report for s in system.snapshot()
+               if s.report.get("model") in (chat_model, embed_model)}
+    inputs = sum(len(TEXTS[i % 3:]) for i in range(8))
+    assert reports[embed_model]["embedded_inputs"] == inputs
+    assert reports[embed_model]["embed_jobs"] == 0 and "embedded_inputs" not in reports[chat_model]
