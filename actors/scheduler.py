@@ -281,7 +281,8 @@ class Scheduler(Actor):
             yes_no = ((answer_token(tokenizer, "yes"), answer_token(tokenizer, "no"))
                       if self.card.task == "rerank" else (0, 0))
             self.embedder = Embedder(model, read_embed_spec(resolved.path),
-                                     yes_id=yes_no[0], no_id=yes_no[1])
+                                     yes_id=yes_no[0], no_id=yes_no[1],
+                                     max_shared=self.config.prefill_step_size)
         if self.config.distributed:
             self._lead(fingerprint)
         # The run-time compiled kernels are built now, not in the first request's time.

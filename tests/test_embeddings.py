@@ -168,6 +168,10 @@ def test_a_rerank_querys_shared_prefix_runs_once_for_all_documents(reranker_dir:
     np.testing.assert_allclose(scores, [_run(alone, "rerank", [ids])[0] for ids in inputs],
                                atol=1e-5)
     assert len(set(np.round(scores, 6))) > 1
+    # At most a prefill chunk of it is shared (it runs in one forward pass).
+    capped = Embedder(model, EmbedSpec(), yes_id=yes, no_id=no, max_shared=shared // 2)
+    np.testing.assert_allclose(_run(capped, "rerank", inputs, budget=512), scores, atol=1e-5)
+    assert capped.tokens_run == shared // 2 + sum(len(ids) - shared // 2 for ids in inputs)
 
 
 def test_a_model_without_a_decoder_body_is_refused_at_load(embedding: tuple[Any, Any]) -> None:

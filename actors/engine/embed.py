@@ -213,19 +213,23 @@ class Embedder:
     its states); an input longer than the budget runs alone, a chunk a step, over a KV cache
     made for it and dropped when it ends."""
 
-    def __init__(self, model: Any, spec: EmbedSpec, *, yes_id: int = 0, no_id: int = 0) -> None:
+    def __init__(self, model: Any, spec: EmbedSpec, *, yes_id: int = 0, no_id: int = 0,
+                 max_shared: int = 512) -> None:
         if not callable(getattr(model, "model", None)):
             raise ValueError(f"{type(model).__module__} keeps no decoder body at `model.model`: "
                              "it cannot embed or rerank")
         self.model = model
         self.spec = spec
         self.yes_id, self.no_id = yes_id, no_id
+        # A shared prefix runs in one forward pass: at most a prefill chunk of it is shared.
+        self.max_shared = max_shared
         self._queue: deque[tuple[EmbedJob, int]] = deque()
         self._long: tuple[EmbedJob, int, _Long] | None = None
         self.jobs: dict[str, EmbedJob] = {}
         self.inputs_done = 0
         self.tokens_run = 0  # input tokens through the model (a shared prefix counts once)
         self.token_s: float | None = None  # seconds a token takes, padding included (EMA)
+        self._padded = 0  # tokens through the model, padding included
         # A shared prefix's KV is copied into a plain KV cache: models with other cache
         # layers (sliding windows, recurrent state) run each input whole.
         self._plain_kv = all(type(c) is KVCache for c in make_prompt_cache(model))
@@ -240,7 +244,7 @@ class Embedder:
             job.on_done([], None)
             return
         if job.kind == "rerank" and len(job.inputs) > 1 and self._plain_kv:
-            shared = _common_prefix(job.inputs)
+            shared = min(_common_prefix(job.inputs), self.max_shared)
             job.shared = shared if shared >= MIN_SHARED_PREFIX else 0
         self.jobs[job.request_id] = job
         self._queue.extend((job, i) for i in range(len(job.inputs)))
@@ -258,7 +262,7 @@ class Embedder:
         """Run about ``budget`` tokens of queued work: the long input in progress a chunk
         further, or the next inputs that fit together (at least one)."""
         budget = max(1, budget)
-        started, ran = time.perf_counter(), self.tokens_run
+        started, ran = time.perf_counter(), self._padded
         try:
             if self._long is not None:
                 self._chunk(budget)
@@ -287,8 +291,8 @@ class Embedder:
             self._fail_running(exc)
             return
         # Every step ends in an evaluation (its results read back): its time is its work.
-        if self.tokens_run > ran:
-            per_token = (time.perf_counter() - started) / (self.tokens_run - ran)
+        if self._padded > ran:
+            per_token = (time.perf_counter() - started) / (self._padded - ran)
             self.token_s = per_token if self.token_s is None else (
                 0.7 * self.token_s + 0.3 * per_token)
 
@@ -298,6 +302,7 @@ class Embedder:
         inputs = mx.array([p + [0] * (longest - len(p)) for p in prompts])
         lengths = mx.array([len(p) for p in prompts])
         self.tokens_run += sum(len(p) for p in prompts)
+        self._padded += len(prompts) * longest
         h = hidden_states(self.model, inputs, cache=self._from_prefix(job, len(prompts)))
         last = h[mx.arange(len(prompts)), lengths - 1]
         if self.spec.pooling == "mean":
@@ -320,6 +325,7 @@ class Embedder:
             job.prefix_kv = [c.keys_and_values() for c in cache]
             mx.eval(job.prefix_kv)
             self.tokens_run += job.shared
+            self._padded += job.shared
         caches = []
         for keys, values in job.prefix_kv:
             c = KVCache()
@@ -334,6 +340,7 @@ class Embedder:
         chunk = prompt[state.done:state.done + budget]
         h = hidden_states(self.model, mx.array([chunk]), cache=state.cache)[0]
         self.tokens_run += len(chunk)
+        self._padded += len(chunk)
         total = h.astype(mx.float32).sum(axis=0)
         state.total = total if state.total is None else state.total + total
         state.last = h[-1]
