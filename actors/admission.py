@@ -575,10 +575,11 @@ class Admission(Actor):
         inputs = await self._work(_rerank_inputs, entry, msg.query, msg.documents,
                                   msg.instruction, limit)
         return await self._embed(entry, msg.request_id, "rerank", inputs, "documents",
-                                 truncate=msg.truncate)
+                                 truncate=msg.truncate, namespace=msg.cache_namespace)
 
     async def _embed(self, entry: ModelEntry, request_id: str, task: str,
-                     inputs: list[list[int]], param: str, *, truncate: bool) -> EmbedAnswer:
+                     inputs: list[list[int]], param: str, *, truncate: bool,
+                     namespace: str = "") -> EmbedAnswer:
         """Check each input against the context (cut it with ``truncate``) and the memory
         limit, then have the model's scheduler run them all."""
         limit = entry.card.context_length
@@ -594,7 +595,8 @@ class Admission(Actor):
                 inputs[i] = ids[:limit]
         # Inputs run one prefill chunk at a time at most: the longest is what must fit.
         self._check_memory(entry, max(len(ids) for ids in inputs), param)
-        msg = EmbedInputs(request_id=request_id, task=task, inputs=inputs)
+        msg = EmbedInputs(request_id=request_id, task=task, inputs=inputs,
+                          cache_namespace=namespace)
         try:
             answer = await (await self._scheduler(entry)).ask(msg)
         except ActorDead:

@@ -171,6 +171,8 @@ class AdmitRerank(Message, frozen=True, kw_only=True):
     documents: list[str]
     instruction: str | None = None
     truncate: bool = False
+    # Whose prefix-cache blocks the query's prefix may read and write ("": the shared one).
+    cache_namespace: str = ""
 
 
 class EmbedAnswer(msgspec.Struct, frozen=True, kw_only=True):
@@ -297,6 +299,8 @@ class EmbedInputs(Message, frozen=True, kw_only=True):
     request_id: str
     task: Literal["embed", "rerank"]
     inputs: list[list[int]]
+    # The prefix-cache namespace a shared prefix's blocks are read from and cut into.
+    cache_namespace: str = ""
 
 
 class Embedded(msgspec.Struct, frozen=True, kw_only=True):

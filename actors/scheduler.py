@@ -282,7 +282,8 @@ class Scheduler(Actor):
                       if self.card.task == "rerank" else (0, 0))
             self.embedder = Embedder(model, read_embed_spec(resolved.path),
                                      yes_id=yes_no[0], no_id=yes_no[1],
-                                     max_shared=self.config.prefill_step_size)
+                                     max_shared=self.config.prefill_step_size,
+                                     engine=self.engine)
         if self.config.distributed:
             self._lead(fingerprint)
         # The run-time compiled kernels are built now, not in the first request's time.
@@ -432,7 +433,8 @@ class Scheduler(Actor):
                 reply.send(Embedded(results=results))
 
         self._embed_answers[msg.request_id] = answer
-        embedder.add(EmbedJob(msg.request_id, msg.task, msg.inputs, done))
+        embedder.add(EmbedJob(msg.request_id, msg.task, msg.inputs, done,
+                              namespace=msg.cache_namespace))
 
     def _idle_s(self) -> float:
         return 0.0 if self._in_flight() else time.monotonic() - self._last_active
@@ -945,7 +947,8 @@ class Scheduler(Actor):
                if self.followers is not None else {}),
             **({"task": self.card.task, "embed_jobs": len(self._embed_answers),
                 "embedded_inputs": self.embedder.inputs_done,
-                "embedded_tokens": self.embedder.tokens_run}
+                "embedded_tokens": self.embedder.tokens_run,
+                "embed_cached_tokens": self.embedder.cached_tokens}
                if self.embedder is not None else {}),
         }
 

@@ -13,6 +13,7 @@ import numpy as np
 from aiohttp import web
 
 from actors.messages import AdmitEmbed, AdmitRerank, EmbedAnswer
+from api.cache_namespace import request_namespace
 from api.decode import decode_body
 from api.errors import ApiError, ask_admission
 from api.shutdown import generation
@@ -170,7 +171,8 @@ class EmbeddingRoutes:
         request[RECORD].request_id, request[RECORD].model = request_id, req.model
         answer: EmbedAnswer = await ask_admission(self.admission, AdmitRerank(
             request_id=request_id, model=req.model, query=req.query, documents=texts,
-            instruction=req.instruction, truncate=req.truncate))
+            instruction=req.instruction, truncate=req.truncate,
+            cache_namespace=request_namespace(request, None)))
         order = sorted(range(len(texts)), key=lambda i: answer.results[i], reverse=True)
         results = [RerankResult(index=i, relevance_score=answer.results[i],
                                 document=RerankDocument(text=texts[i])

@@ -22,7 +22,7 @@ from http_stack import RealStack, real_client, real_stack
 from mlx_lm import load
 
 from actors.config import ServeConfig
-from actors.engine.embed import Embedder, EmbedJob, read_embed_spec
+from actors.engine.embed import Embedder, EmbedJob, answer_token, read_embed_spec, rerank_tokens
 from actors.memory_messages import SetMemoryLimit
 
 MB = 1 << 20
@@ -260,3 +260,39 @@ async def test_one_pool_serves_chat_streams_beside_embedding_requests(
     inputs = sum(len(TEXTS[i % 3:]) for i in range(8))
     assert reports[embed_model]["embedded_inputs"] == inputs
     assert reports[embed_model]["embed_jobs"] == 0 and "embedded_inputs" not in reports[chat_model]
+
+
+async def test_a_repeated_rerank_query_reads_its_prefix_from_the_prefix_cache(
+    aiohttp_client: Any, reranker_dir: Path, tmp_path: Path
+) -> None:
+    config = ServeConfig.of(model=str(reranker_dir), cache_dir=str(tmp_path / "cache"))
+    client, system, _ = await real_client(aiohttp_client, config)
+    query = "which of these documents talk about foxes and dogs?"
+
+    async def rerank(docs: list[str]) -> list[float]:
+        resp = await client.post("/v1/rerank", json={"query": query, "documents": docs})
+        assert resp.status == 200
+        return [r["relevance_score"] for r in sorted((await resp.json())["results"],
+                                                     key=lambda r: r["index"])]
+
+    def report() -> dict[str, Any]:
+        return next(s.report for s in system.snapshot() if "embed_cached_tokens" in s.report)
+
+    await rerank(["the fox is quick", "numbers add up"])
+    first = report()
+    assert first["embed_cached_tokens"] == 0
+    docs = ["a lazy dog sleeps", "hello there", "the fox and the dog"]
+    again = await rerank(docs)
+    second = report()
+    cached = second["embed_cached_tokens"]
+    assert cached >= 64  # at least one block of the format and query
+    model, tok = load(str(reranker_dir))
+    alone = Embedder(model, read_embed_spec(reranker_dir), yes_id=answer_token(tok, "yes"),
+                     no_id=answer_token(tok, "no"))
+    fresh: list[Any] = []
+    alone.add(EmbedJob("x", "rerank", [rerank_tokens(tok, query, d) for d in docs],
+                       lambda r, e: fresh.extend(r)))
+    while alone.has_work:
+        alone.step(512)
+    np.testing.assert_allclose(again, fresh, atol=1e-5)
+    assert second["embedded_tokens"] - first["embedded_tokens"] == alone.tokens_run - cached

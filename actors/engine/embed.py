@@ -27,6 +27,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from actors.engine.config import EngineConfig
+from actors.engine.kv_blocks import build_cache, cut_blocks
+from actors.engine.prefix import block_hashes
 
 Task = Literal["generate", "embed", "rerank"]
 Pooling = Literal["last", "mean"]
@@ -199,6 +201,8 @@ class EmbedJob:
     # and their KV per layer once run.
     shared: int = 0
     prefix_kv: list[tuple[mx.array, mx.array]] | None = None
+    # The prefix-cache namespace whose blocks the shared prefix reads and adds to.
+    namespace: str = ""
 
     def __post_init__(self) -> None:
         self.results = [None] * len(self.inputs)
@@ -214,7 +218,7 @@ class Embedder:
     made for it and dropped when it ends."""
 
     def __init__(self, model: Any, spec: EmbedSpec, *, yes_id: int = 0, no_id: int = 0,
-                 max_shared: int = 512) -> None:
+                 max_shared: int = 512, engine: Any = None) -> None:
         if not callable(getattr(model, "model", None)):
             raise ValueError(f"{type(model).__module__} keeps no decoder body at `model.model`: "
                              "it cannot embed or rerank")
@@ -223,6 +227,10 @@ class Embedder:
         self.yes_id, self.no_id = yes_id, no_id
         # A shared prefix runs in one forward pass: at most a prefill chunk of it is shared.
         self.max_shared = max_shared
+        # The model's ``Engine``, whose prefix cache holds shared prefixes' blocks (None, or
+        # its cache off: each request runs its prefix).
+        self.engine = engine
+        self.cached_tokens = 0  # shared-prefix tokens read from the prefix cache
         self._queue: deque[tuple[EmbedJob, int]] = deque()
         self._long: tuple[EmbedJob, int, _Long] | None = None
         self.jobs: dict[str, EmbedJob] = {}
@@ -320,18 +328,52 @@ class Embedder:
         if not job.shared:
             return None
         if job.prefix_kv is None:
-            cache = make_prompt_cache(self.model)
-            hidden_states(self.model, mx.array([job.inputs[0][:job.shared]]), cache=cache)
+            tokens = job.inputs[0][:job.shared]
+            cache, start = self._cached(job, tokens)
+            if start < len(tokens):
+                hidden_states(self.model, mx.array([tokens[start:]]), cache=cache)
             job.prefix_kv = [c.keys_and_values() for c in cache]
             mx.eval(job.prefix_kv)
-            self.tokens_run += job.shared
-            self._padded += job.shared
+            self._keep_blocks(job, tokens, cache, start)
+            self.tokens_run += len(tokens) - start
+            self._padded += len(tokens) - start
         caches = []
         for keys, values in job.prefix_kv:
             c = KVCache()
             c.update_and_fetch(mx.repeat(keys, rows, axis=0), mx.repeat(values, rows, axis=0))
             caches.append(c)
         return caches
+
+    def _cached(self, job: EmbedJob, tokens: list[int]) -> tuple[list[Any], int]:
+        """A cache holding the leading blocks of ``tokens`` the prefix cache has (in the
+        job's namespace), and how many tokens that is."""
+        engine = self.engine
+        if engine is None or not engine.caching:
+            return make_prompt_cache(self.model), 0
+        hashes = block_hashes(engine.chain_root(job.namespace), tokens, engine.block_size)
+        hit = engine.blocks.lookup(hashes)
+        if not hit:
+            return make_prompt_cache(self.model), 0
+        start = sum(b.n_tokens for b in hit)
+        self.cached_tokens += start
+        return build_cache(self.model, engine.kinds, hit), start
+
+    def _keep_blocks(self, job: EmbedJob, tokens: list[int], cache: list[Any],
+                     start: int) -> None:
+        """Store the full blocks of a shared prefix the prefix cache did not have (they go to
+        the disk tier as a chat prompt's do)."""
+        engine = self.engine
+        if engine is None or not engine.caching:
+            return
+        root = engine.chain_root(job.namespace)
+        hashes = block_hashes(root, tokens, engine.block_size)
+        first = start // engine.block_size
+        if len(hashes) <= first:
+            return
+        for blk in cut_blocks(cache, engine.kinds, first, len(hashes), engine.block_size,
+                              hashes, tokens, root):
+            if engine.blocks.store(blk):
+                engine.new_blocks.append((job.request_id, blk))
 
     def _chunk(self, budget: int) -> None:
         assert self._long is not None
