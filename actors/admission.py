@@ -556,7 +556,11 @@ class Admission(Actor):
     async def _admit_embed(self, entry: ModelEntry, msg: AdmitEmbed) -> EmbedAnswer:
         if not msg.inputs:
             raise _refusal("invalid", "input must not be empty", param="input")
-        if isinstance(msg.inputs[0], str):
+        texts = [isinstance(x, str) for x in msg.inputs]
+        if any(texts) and not all(texts):
+            raise _refusal("invalid", "input must be all strings or all token id lists",
+                           param="input")
+        if all(texts):
             inputs = await self._work(_embed_tokens, entry, msg.inputs, msg.input_type)
         else:
             vocab = len(entry.tokenizer)

@@ -150,13 +150,13 @@ class AdmitCompletion(Message, frozen=True, kw_only=True):
 
 
 class AdmitEmbed(Message, frozen=True, kw_only=True):
-    """Embed ``inputs`` (texts, or token id lists) with an embedding model; ``ask`` answers
-    ``EmbedAnswer``. ``input_type`` "query" puts the model's query prompt before each text;
-    ``truncate`` cuts an input over the context instead of refusing it."""
+    """Embed ``inputs`` (texts, or token id lists: all of one kind) with an embedding model;
+    ``ask`` answers ``EmbedAnswer``. ``input_type`` "query" puts the model's query prompt
+    before each text; ``truncate`` cuts an input over the context instead of refusing it."""
 
     request_id: str
     model: str
-    inputs: list[str] | list[list[int]]
+    inputs: list[str | list[int]]
     input_type: str | None = None
     truncate: bool = False
 
