@@ -24,6 +24,7 @@ from mlx_lm import load
 from actors.config import ServeConfig
 from actors.engine.embed import Embedder, EmbedJob, answer_token, read_embed_spec, rerank_tokens
 from actors.memory_messages import SetMemoryLimit
+from actors.messages import AdmissionError, AdmitEmbed
 
 MB = 1 << 20
 
@@ -296,3 +297,16 @@ async def test_a_repeated_rerank_query_reads_its_prefix_from_the_prefix_cache(
         alone.step(512)
     np.testing.assert_allclose(again, fresh, atol=1e-5)
     assert second["embedded_tokens"] - first["embedded_tokens"] == alone.tokens_run - cached
+
+
+async def test_admission_refuses_texts_and_token_ids_mixed(
+    aiohttp_client: Any, embedding_dir: Path, tmp_path: Path
+) -> None:
+    config = ServeConfig.of(model=str(embedding_dir), cache_dir=str(tmp_path / "cache"))
+    _, _, handles = await real_client(aiohttp_client, config)
+    with pytest.raises(AdmissionError, match="all strings or all token id lists"):
+        await handles.admission.ask(AdmitEmbed(request_id="r", model="", inputs=["a", [1, 2]]),
+                                    timeout=30)
+    answer = await handles.admission.ask(
+        AdmitEmbed(request_id="r", model="", inputs=[[1, 2], [3, 4]]), timeout=30)
+    assert len(answer.results) == 2
