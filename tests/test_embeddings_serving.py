@@ -103,6 +103,8 @@ async def test_token_ids_base64_and_query_prompt_over_plain_http(
         single = (await http.post("/v1/embeddings", json={"input": ids[0]})).json()
         query = (await http.post("/v1/embeddings", json={"input": TEXTS[0],
                                                          "input_type": "query"})).json()
+        listed = (await http.get("/v1/models")).json()["data"]
+    assert [m.get("task") for m in listed] == ["embed"]
     decoded = [np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4").tolist()
                for d in as_ids["data"]]
     np.testing.assert_allclose(decoded, [d["embedding"] for d in as_text["data"]], atol=0)
@@ -144,6 +146,8 @@ async def test_embeddings_on_a_chat_model_are_a_400_naming_the_flag(
             httpx.AsyncClient(base_url=stack.server.url) as http:
         resp = await http.post("/v1/embeddings", json={"input": "hi"})
         rerank = await http.post("/v1/rerank", json={"query": "q", "documents": ["d"]})
+        listed = (await http.get("/v1/models")).json()["data"]
+    assert "task" not in listed[0]
     assert resp.status_code == 400 and "--task embed" in resp.json()["error"]["message"]
     assert rerank.status_code == 400 and "--task rerank" in rerank.json()["error"]["message"]
 
