@@ -73,6 +73,7 @@ from actors.engine.memory_estimate import (
 )
 from actors.memory_messages import LoadModel, MemoryLimits
 from actors.messages import (
+    AbortRequest,
     AddRequest,
     AdmissionError,
     AdmissionTicket,
@@ -379,6 +380,8 @@ class Admission(Actor):
         self.last_estimate = 0
         self.last_retry_after: float | None = None
         self._pending: set[asyncio.Task[Any]] = set()
+        # Embedding and rerank requests in their model's scheduler, for their aborts.
+        self._embedding: dict[str, ModelEntry] = {}
         self._executor: DaemonPool | None = None
         self._render: _RenderBound | None = None
         self._large: asyncio.Semaphore | None = None
@@ -468,6 +471,14 @@ class Admission(Actor):
                     card, id=name, alias_of=card.id)
             case MemoryLimits():
                 self.limits = msg
+            case AbortRequest(request_id=rid):
+                # An embedding or rerank request's client has gone: its model drops its inputs.
+                entry = self._embedding.get(rid)
+                if entry is not None and entry.scheduler is not None:
+                    try:
+                        entry.scheduler.try_tell(msg)
+                    except (MailboxFull, ActorDead):
+                        pass  # busy or gone: the job ends on its own
             case _:
                 raise TypeError(f"admission cannot handle {type(msg).__name__}")
         return None
@@ -601,12 +612,16 @@ class Admission(Actor):
         self._check_memory(entry, max(len(ids) for ids in inputs), param)
         msg = EmbedInputs(request_id=request_id, task=task, inputs=inputs,
                           cache_namespace=namespace)
+        self._embedding[request_id] = entry
         try:
-            answer = await (await self._scheduler(entry)).ask(msg)
-        except ActorDead:
-            # Unloaded between our look and the send: load it again, once.
-            entry.scheduler = None
-            answer = await (await self._scheduler(entry)).ask(msg)
+            try:
+                answer = await (await self._scheduler(entry)).ask(msg)
+            except ActorDead:
+                # Unloaded between our look and the send: load it again, once.
+                entry.scheduler = None
+                answer = await (await self._scheduler(entry)).ask(msg)
+        finally:
+            del self._embedding[request_id]
         self.admitted += 1
         return EmbedAnswer(model=entry.card.id, results=answer.results,
                            prompt_tokens=sum(len(ids) for ids in inputs))

@@ -670,6 +670,10 @@ class Scheduler(Actor):
             self.followers.release(request_id)
 
     def _abort(self, request_id: str) -> None:
+        answer = self._embed_answers.pop(request_id, None)
+        if answer is not None:
+            self.embedder.abort(request_id)
+            answer.fail(AdmissionError("invalid", "aborted: the client has gone"))
         loading = self._loading.pop(request_id, None)
         if loading is not None:
             loading.reply.send(_refused(loading.msg, None, "aborted", reason="abort"))

@@ -4,7 +4,9 @@ an embedding or reranker model (actors/engine/embed.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import uuid
 from typing import Any, Literal
 
@@ -12,13 +14,13 @@ import msgspec
 import numpy as np
 from aiohttp import web
 
-from actors.messages import AdmitEmbed, AdmitRerank, EmbedAnswer
+from actors.messages import AbortRequest, AdmitEmbed, AdmitRerank, EmbedAnswer
 from api.cache_namespace import request_namespace
 from api.decode import decode_body
 from api.errors import ApiError, ask_admission
 from api.shutdown import generation
 from api.telemetry import RECORD
-from runtime import ActorRef
+from runtime import ActorDead, ActorRef, MailboxFull
 
 
 class EmbeddingRequest(msgspec.Struct, kw_only=True):
@@ -132,6 +134,16 @@ class EmbeddingRoutes:
         for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
             router.add_post(path, self.rerank)
 
+    async def _ask(self, msg: AdmitEmbed | AdmitRerank) -> EmbedAnswer:
+        """Ask admission; a client that goes away meanwhile (the handler is cancelled) has
+        its inputs dropped from the model's queue."""
+        try:
+            return await ask_admission(self.admission, msg)
+        except asyncio.CancelledError:
+            with contextlib.suppress(MailboxFull, ActorDead):
+                self.admission.try_tell(AbortRequest(request_id=msg.request_id))
+            raise
+
     @generation
     async def embeddings(self, request: web.Request) -> web.Response:
         """``POST /v1/embeddings``."""
@@ -141,7 +153,7 @@ class EmbeddingRoutes:
             raise ApiError(400, "'dimensions' must be at least 1.", param="dimensions")
         request_id = f"embd-{uuid.uuid4().hex}"
         request[RECORD].request_id, request[RECORD].model = request_id, req.model
-        answer: EmbedAnswer = await ask_admission(self.admission, AdmitEmbed(
+        answer = await self._ask(AdmitEmbed(
             request_id=request_id, model=req.model, inputs=inputs, input_type=req.input_type,
             truncate=req.truncate))
         vectors = answer.results
@@ -169,7 +181,7 @@ class EmbeddingRoutes:
         texts = [d if isinstance(d, str) else d.text for d in req.documents]
         request_id = f"rerank-{uuid.uuid4().hex}"
         request[RECORD].request_id, request[RECORD].model = request_id, req.model
-        answer: EmbedAnswer = await ask_admission(self.admission, AdmitRerank(
+        answer = await self._ask(AdmitRerank(
             request_id=request_id, model=req.model, query=req.query, documents=texts,
             instruction=req.instruction, truncate=req.truncate,
             cache_namespace=request_namespace(request, None)))

@@ -24,7 +24,7 @@ from mlx_lm import load
 from actors.config import ServeConfig
 from actors.engine.embed import Embedder, EmbedJob, answer_token, read_embed_spec, rerank_tokens
 from actors.memory_messages import SetMemoryLimit
-from actors.messages import AdmissionError, AdmitEmbed
+from actors.messages import AbortRequest, AdmissionError, AdmitEmbed
 
 MB = 1 << 20
 
@@ -314,3 +314,28 @@ async def test_admission_refuses_texts_and_token_ids_mixed(
     answer = await handles.admission.ask(
         AdmitEmbed(request_id="r", model="", inputs=[[1, 2], [3, 4]]), timeout=30)
     assert len(answer.results) == 2
+
+
+async def test_an_aborted_embedding_request_leaves_its_models_queue(
+    aiohttp_client: Any, embedding_dir: Path, tmp_path: Path
+) -> None:
+    # Steps of 32 tokens: the 64 inputs of 200 tokens take hundreds of steps, and the abort
+    # arrives between two of them.
+    config = ServeConfig.of(model=str(embedding_dir), cache_dir=str(tmp_path / "cache"),
+                            prefill_step_size=32)
+    _, system, handles = await real_client(aiohttp_client, config)
+    _, tok = load(str(embedding_dir))
+    inputs = [(tok.encode(" ".join(TEXTS)) * 20)[i:i + 200] for i in range(64)]
+
+    def report() -> dict[str, Any]:
+        return next(s.report for s in system.snapshot() if "embed_jobs" in s.report)
+
+    asked = asyncio.create_task(handles.admission.ask(
+        AdmitEmbed(request_id="gone", model="", inputs=inputs), timeout=600))
+    while report()["embedded_tokens"] == 0:
+        await asyncio.sleep(0.01)
+    handles.admission.try_tell(AbortRequest(request_id="gone"))
+    with pytest.raises(AdmissionError, match="aborted"):
+        await asked
+    after = report()
+    assert after["embed_jobs"] == 0 and after["embedded_inputs"] < 64
