@@ -60,6 +60,7 @@ from actors.engine.agent_output import (
     think_tags_of,
     tool_format_of,
 )
+from actors.engine.embed import read_embed_spec, rerank_tokens
 from actors.engine.grammar import Constraint, GrammarError, Grammars
 from actors.engine.memory_estimate import (
     HARD,
@@ -72,14 +73,19 @@ from actors.engine.memory_estimate import (
 )
 from actors.memory_messages import LoadModel, MemoryLimits
 from actors.messages import (
+    AbortRequest,
     AddRequest,
     AdmissionError,
     AdmissionTicket,
     AdmitChat,
     AdmitCompletion,
+    AdmitEmbed,
+    AdmitRerank,
     Admitted,
     CountTokens,
     DescribeModel,
+    EmbedAnswer,
+    EmbedInputs,
     ErrorKind,
     ListModels,
     ModelCard,
@@ -374,6 +380,8 @@ class Admission(Actor):
         self.last_estimate = 0
         self.last_retry_after: float | None = None
         self._pending: set[asyncio.Task[Any]] = set()
+        # Embedding and rerank requests in their model's scheduler, for their aborts.
+        self._embedding: dict[str, ModelEntry] = {}
         self._executor: DaemonPool | None = None
         self._render: _RenderBound | None = None
         self._large: asyncio.Semaphore | None = None
@@ -421,11 +429,13 @@ class Admission(Actor):
         match msg:
             case AdmitChat():
                 entry = self._model(msg.model)
+                _check_task(entry, "generate")
                 _check_template_kwargs(msg.chat_template_kwargs)
                 tools = self._tools(msg.tools, msg.tool_choice)
                 self._defer(self._admit_chat(entry, msg, tools))
             case AdmitCompletion():
                 entry = self._model(msg.model)
+                _check_task(entry, "generate")
                 if isinstance(msg.prompt, str):
                     self._defer(self._admit_text(entry, msg, msg.prompt))
                 else:
@@ -437,6 +447,14 @@ class Admission(Actor):
                         raise _refusal("invalid", f"prompt token ids must be in [0, {vocab})",
                                        param="prompt")
                     self._defer(self._admit_ids(entry, msg, tokens))
+            case AdmitEmbed():
+                entry = self._model(msg.model)
+                _check_task(entry, "embed")
+                self._defer(self._admit_embed(entry, msg))
+            case AdmitRerank():
+                entry = self._model(msg.model)
+                _check_task(entry, "rerank")
+                self._defer(self._admit_rerank(entry, msg))
             case CountTokens():
                 entry = self._model(msg.model)
                 tools = self._tools(msg.tools, ToolChoice())
@@ -453,6 +471,14 @@ class Admission(Actor):
                     card, id=name, alias_of=card.id)
             case MemoryLimits():
                 self.limits = msg
+            case AbortRequest(request_id=rid):
+                # An embedding or rerank request's client has gone: its model drops its inputs.
+                entry = self._embedding.get(rid)
+                if entry is not None and entry.scheduler is not None:
+                    try:
+                        entry.scheduler.try_tell(msg)
+                    except (MailboxFull, ActorDead):
+                        pass  # busy or gone: the job ends on its own
             case _:
                 raise TypeError(f"admission cannot handle {type(msg).__name__}")
         return None
@@ -537,6 +563,68 @@ class Admission(Actor):
         return await self._admit(entry, msg.request_id, tokens, msg.sampling, "prompt",
                                  unset=msg.unset, constraint=constraint,
                                  namespace=msg.cache_namespace)
+
+    async def _admit_embed(self, entry: ModelEntry, msg: AdmitEmbed) -> EmbedAnswer:
+        if not msg.inputs:
+            raise _refusal("invalid", "input must not be empty", param="input")
+        texts = [isinstance(x, str) for x in msg.inputs]
+        if any(texts) and not all(texts):
+            raise _refusal("invalid", "input must be all strings or all token id lists",
+                           param="input")
+        if all(texts):
+            inputs = await self._work(_embed_tokens, entry, msg.inputs, msg.input_type)
+        else:
+            vocab = len(entry.tokenizer)
+            inputs = [list(ids) for ids in msg.inputs]
+            for i, ids in enumerate(inputs):
+                if any(t < 0 or t >= vocab for t in ids):
+                    raise _refusal("invalid", f"input {i}: token ids must be in [0, {vocab})",
+                                   param=f"input[{i}]")
+        return await self._embed(entry, msg.request_id, "embed", inputs, "input",
+                                 truncate=msg.truncate)
+
+    async def _admit_rerank(self, entry: ModelEntry, msg: AdmitRerank) -> EmbedAnswer:
+        if not msg.documents:
+            raise _refusal("invalid", "documents must not be empty", param="documents")
+        limit = entry.card.context_length if msg.truncate else None
+        inputs = await self._work(_rerank_inputs, entry, msg.query, msg.documents,
+                                  msg.instruction, limit)
+        return await self._embed(entry, msg.request_id, "rerank", inputs, "documents",
+                                 truncate=msg.truncate, namespace=msg.cache_namespace)
+
+    async def _embed(self, entry: ModelEntry, request_id: str, task: str,
+                     inputs: list[list[int]], param: str, *, truncate: bool,
+                     namespace: str = "") -> EmbedAnswer:
+        """Check each input against the context (cut it with ``truncate``) and the memory
+        limit, then have the model's scheduler run them all."""
+        limit = entry.card.context_length
+        for i, ids in enumerate(inputs):
+            if not ids:
+                raise _refusal("invalid", f"input {i} is empty", param=f"{param}[{i}]")
+            if len(ids) > limit:
+                if not truncate:
+                    raise _refusal(
+                        "invalid", f"input {i} has {len(ids)} tokens, over this model's "
+                        f"context of {limit}: shorten it, or send \"truncate\": true to cut it",
+                        param=f"{param}[{i}]", code="context_length_exceeded")
+                inputs[i] = ids[:limit]
+        # Inputs run one prefill chunk at a time at most: the longest is what must fit.
+        self._check_memory(entry, max(len(ids) for ids in inputs), param)
+        msg = EmbedInputs(request_id=request_id, task=task, inputs=inputs,
+                          cache_namespace=namespace)
+        self._embedding[request_id] = entry
+        try:
+            try:
+                answer = await (await self._scheduler(entry)).ask(msg)
+            except ActorDead:
+                # Unloaded between our look and the send: load it again, once.
+                entry.scheduler = None
+                answer = await (await self._scheduler(entry)).ask(msg)
+        finally:
+            del self._embedding[request_id]
+        self.admitted += 1
+        return EmbedAnswer(model=entry.card.id, results=answer.results,
+                           prompt_tokens=sum(len(ids) for ids in inputs))
 
     async def _count_tokens(self, entry: ModelEntry, msg: CountTokens,
                             tools: list[dict] | None) -> int:
@@ -740,6 +828,32 @@ def _refusal(kind: ErrorKind, message: str, **kw: Any) -> AdmissionError:
 def _is_pattern(name: str) -> bool:
     """Whether an alias is a glob pattern (``fnmatch``'s), not a name."""
     return any(c in name for c in "*?[")
+
+
+def _check_task(entry: ModelEntry, task: str) -> None:
+    """Refuse a request for what the model does not serve (``--task`` says what it does)."""
+    served = entry.card.task
+    if served == task:
+        return
+    routes = {"generate": "chat and completions", "embed": "/v1/embeddings",
+              "rerank": "/v1/rerank"}
+    raise _refusal(
+        "invalid", f"model {entry.card.id!r} serves {routes[served]}, not {routes[task]}; "
+        f"serve a model for {routes[task]} (or this one with --task {task})",
+        param="model", code="model_task_mismatch")
+
+
+def _embed_tokens(entry: ModelEntry, texts: list[str], input_type: str | None
+                  ) -> list[list[int]]:
+    """Embedding inputs as token ids; queries get the model's query prompt before them."""
+    prefix = read_embed_spec(entry.card.path).query_prefix if input_type == "query" else ""
+    return [entry.tokenizer.encode(prefix + text) for text in texts]
+
+
+def _rerank_inputs(entry: ModelEntry, query: str, documents: list[str],
+                   instruction: str | None, limit: int | None) -> list[list[int]]:
+    return [rerank_tokens(entry.tokenizer, query, doc, instruction=instruction, limit=limit)
+            for doc in documents]
 
 
 def _check_context(entry: ModelEntry, n_tokens: int, prompt_param: str, *,

@@ -151,6 +151,41 @@ class AdmitCompletion(Message, frozen=True, kw_only=True):
     cache_namespace: str = ""
 
 
+class AdmitEmbed(Message, frozen=True, kw_only=True):
+    """Embed ``inputs`` (texts, or token id lists: all of one kind) with an embedding model;
+    ``ask`` answers ``EmbedAnswer``. ``input_type`` "query" puts the model's query prompt
+    before each text; ``truncate`` cuts an input over the context instead of refusing it."""
+
+    request_id: str
+    model: str
+    inputs: list[str | list[int]]
+    input_type: str | None = None
+    truncate: bool = False
+
+
+class AdmitRerank(Message, frozen=True, kw_only=True):
+    """Score each of ``documents`` against ``query`` with a reranker; ``ask`` answers
+    ``EmbedAnswer`` (one relevance score per document, in their order)."""
+
+    request_id: str
+    model: str
+    query: str
+    documents: list[str]
+    instruction: str | None = None
+    truncate: bool = False
+    # Whose prefix-cache blocks the query's prefix may read and write ("": the shared one).
+    cache_namespace: str = ""
+
+
+class EmbedAnswer(msgspec.Struct, frozen=True, kw_only=True):
+    """Admission's answer to ``AdmitEmbed``/``AdmitRerank``: the model that answered, one
+    result per input (a unit vector, or a score), and the tokens the inputs took."""
+
+    model: str
+    results: list[Any]
+    prompt_tokens: int
+
+
 class CountTokens(Message, frozen=True, kw_only=True):
     """Tokenize a chat without admitting it (for token counting endpoints)."""
 
@@ -173,7 +208,8 @@ class DescribeModel(Message, frozen=True, kw_only=True):
 class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
     """A served model. ``alias_of``: on the card admission lists for an alias (``--alias``),
     the id of the model the alias names (the rest is that model's). ``sampling_defaults``:
-    the model's own, read from its directory when it is resolved."""
+    the model's own, read from its directory when it is resolved. ``task``: what it serves,
+    "generate", "embed" or "rerank" (``actors.engine.embed.model_task``)."""
 
     id: str
     context_length: int
@@ -182,6 +218,7 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
     fingerprint: str = ""
     alias_of: str | None = None
     sampling_defaults: SamplingDefaults = SamplingDefaults()
+    task: str = "generate"
 
 
 class Admitted(msgspec.Struct, frozen=True, kw_only=True):
@@ -254,6 +291,24 @@ class AddRequest(Message, frozen=True, kw_only=True):
     output: OutputSpec | None = None
     constraint: Any = None
     cache_namespace: str = ""
+
+
+class EmbedInputs(Message, frozen=True, kw_only=True):
+    """Embed or score ``inputs`` (token ids, each within the context), with ``ask``: the
+    scheduler answers ``Embedded`` when the last one ends. ``task``: "embed" (a unit vector
+    each) or "rerank" (a relevance score each)."""
+
+    request_id: str
+    task: Literal["embed", "rerank"]
+    inputs: list[list[int]]
+    # The prefix-cache namespace a shared prefix's blocks are read from and cut into.
+    cache_namespace: str = ""
+
+
+class Embedded(msgspec.Struct, frozen=True, kw_only=True):
+    """The answer to ``EmbedInputs``: one vector (embed) or score (rerank) per input."""
+
+    results: list[Any]
 
 
 class AbortRequest(Message, frozen=True, kw_only=True):

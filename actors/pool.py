@@ -30,6 +30,7 @@ import mlx.core as mx
 from actors.cache_index import CACHE_INDEX_THREAD, CacheIndex
 from actors.cache_lock import CacheDirLock
 from actors.engine.config import EngineConfig
+from actors.engine.embed import model_task
 from actors.engine.memory_estimate import ModelMemory, model_memory_of
 from actors.engine.prefix import model_fingerprint
 from actors.memory_messages import (
@@ -159,6 +160,7 @@ class EnginePool(Actor):
                 path=str(resolved.path),
                 fingerprint=model_fingerprint(resolved.path),
                 sampling_defaults=sampling_defaults(resolved.path),
+                task=model_task(self.engine_config, resolved.path),
             )
             names = engine_names(position, card.id)
             # A model is pinned by its id or by the spec it was given as.

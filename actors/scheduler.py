@@ -57,9 +57,18 @@ from actors.distributed.protocol import read_secret
 from actors.distributed.shards import load_shard, shard_memory
 from actors.engine.config import DEFAULTS, EngineConfig
 from actors.engine.core import Engine, RequestError
+from actors.engine.embed import (
+    Embedder,
+    EmbedJob,
+    answer_token,
+    model_task,
+    read_embed_spec,
+    step_tokens,
+)
 from actors.engine.kv_blocks import KVBlock, from_numpy, to_numpy
 from actors.engine.memory_estimate import OK, model_memory
 from actors.engine.prefix import model_fingerprint
+from actors.engine.schedule import MIN_PREFILL_CHUNK
 from actors.memory_messages import (
     DescribeLoad,
     EngineLoad,
@@ -72,7 +81,10 @@ from actors.memory_monitor import trim_heap
 from actors.messages import (
     AbortRequest,
     AddRequest,
+    AdmissionError,
     DescribeEngine,
+    Embedded,
+    EmbedInputs,
     ErrorKind,
     ModelCard,
     RequestFinished,
@@ -202,6 +214,10 @@ class Scheduler(Actor):
         self.retired = False
         self._last_active = time.monotonic()
         self.engine: Engine | None = None
+        # An embedding or reranker model's queue of inputs (None: a chat model), and the
+        # answers of its jobs by request id.
+        self.embedder: Embedder | None = None
+        self._embed_answers: dict[str, Reply] = {}
         self.card: ModelCard | None = None
         self._replies: dict[str, Reply] = {}
         self._loading: dict[str, _Loading] = {}
@@ -256,7 +272,18 @@ class Scheduler(Actor):
             path=str(resolved.path),
             fingerprint=fingerprint,
             sampling_defaults=sampling_defaults(resolved.path),
+            task=model_task(self.config, resolved.path),
         )
+        if self.card.task != "generate":
+            if self.config.distributed:
+                raise ValueError("embedding and reranker models are served by one process, "
+                                 "not sharded with --distributed")
+            yes_no = ((answer_token(tokenizer, "yes"), answer_token(tokenizer, "no"))
+                      if self.card.task == "rerank" else (0, 0))
+            self.embedder = Embedder(model, read_embed_spec(resolved.path),
+                                     yes_id=yes_no[0], no_id=yes_no[1],
+                                     max_shared=self.config.prefill_step_size,
+                                     engine=self.engine)
         if self.config.distributed:
             self._lead(fingerprint)
         # The run-time compiled kernels are built now, not in the first request's time.
@@ -321,6 +348,9 @@ class Scheduler(Actor):
             self.followers.close()  # the other ranks exit (their batch goes with them)
         for reply in self._replies.values():
             reply.close()
+        for answer in self._embed_answers.values():
+            answer.fail(AdmissionError("unavailable", "the model was unloaded; retry shortly"))
+        self._embed_answers.clear()
         for loading in self._loading.values():
             loading.reply.close()
         self._replies.clear()
@@ -339,6 +369,9 @@ class Scheduler(Actor):
                 if idle and self.arrival_window_s > 0 and not self._step_queued:
                     self._queue_step(delay=self.arrival_window_s)
                     self._window_opened = self._last_arrival if self._step_queued else None
+            case EmbedInputs():
+                self._last_active = time.monotonic()
+                self._embed(msg, self.take_answer())
             case FoundOnDisk():
                 self._found(msg)
             case BlocksRead():
@@ -375,7 +408,33 @@ class Scheduler(Actor):
     # -- requests ------------------------------------------------------------------------
 
     def _in_flight(self) -> int:
-        return len(self.engine.requests) + len(self._loading) if self.engine else 0
+        return (len(self.engine.requests) + len(self._loading) + len(self._embed_answers)
+                if self.engine else 0)
+
+    def _embed(self, msg: EmbedInputs, answer: Reply) -> None:
+        """Queue an embedding or rerank job; its answer is given when its last input ends."""
+        embedder = self.embedder
+        if embedder is None or self.card.task != msg.task:
+            answer.fail(AdmissionError("invalid", f"model {self.model_name!r} serves "
+                                       f"{self.card.task}, not {msg.task}", param="model"))
+            return
+        if msg.request_id in self._embed_answers:
+            answer.fail(AdmissionError("conflict",
+                                       f"request {msg.request_id!r} is already running"))
+            return
+
+        def done(results: list | None, error: Exception | None) -> None:
+            reply = self._embed_answers.pop(msg.request_id, None)
+            if reply is None:
+                return
+            if error is not None:
+                reply.fail(AdmissionError("internal", f"the embedding step failed: {error}"))
+            else:
+                reply.send(Embedded(results=results))
+
+        self._embed_answers[msg.request_id] = answer
+        embedder.add(EmbedJob(msg.request_id, msg.task, msg.inputs, done,
+                              namespace=msg.cache_namespace))
 
     def _idle_s(self) -> float:
         return 0.0 if self._in_flight() else time.monotonic() - self._last_active
@@ -611,6 +670,10 @@ class Scheduler(Actor):
             self.followers.release(request_id)
 
     def _abort(self, request_id: str) -> None:
+        answer = self._embed_answers.pop(request_id, None)
+        if answer is not None:
+            self.embedder.abort(request_id)
+            answer.fail(AdmissionError("invalid", "aborted: the client has gone"))
         loading = self._loading.pop(request_id, None)
         if loading is not None:
             loading.reply.send(_refused(loading.msg, None, "aborted", reason="abort"))
@@ -644,6 +707,8 @@ class Scheduler(Actor):
         for rid in [rid for rid, ld in self._loading.items() if ld.reply.consumer_gone]:
             self._loading.pop(rid).reply.close()
             self._release(rid)
+        if self.embedder is not None:
+            self._embed_step()
         if engine.has_work and self.followers is not None and self.followers.dead:
             # A rank of the sharded model is gone: nothing in the batch can go on.
             self._deliver(engine.reset(self.followers.dead))
@@ -668,6 +733,19 @@ class Scheduler(Actor):
             await self._persist(self._take_unsaved())
         if not self._in_flight() and not self._unsaved:
             self._arm_release(IDLE_RELEASE_S)
+
+    def _embed_step(self) -> None:
+        """One step of embedding work: at most a prefill chunk's tokens (padding included),
+        the most admission's memory estimate counts a step to take, and about
+        ``step_budget_ms`` of work (``step_tokens``)."""
+        embedder = self.embedder
+        for rid in [rid for rid, a in self._embed_answers.items() if a.consumer_gone]:
+            embedder.abort(rid)
+            self._embed_answers.pop(rid).close()
+        if not embedder.has_work:
+            return
+        embedder.step(step_tokens(self.config, embedder.token_s, MIN_PREFILL_CHUNK))
+        self._last_active = time.monotonic()
 
     def _tell_ranks_memory(self) -> None:
         """Rank 0: tell the memory monitor the other ranks' memory (the fullest rank is the
@@ -806,7 +884,8 @@ class Scheduler(Actor):
 
     def _queue_step(self, delay: float = 0.0) -> None:
         if (self._step_queued or self.engine is None
-                or not (self.engine.has_work or self._unsaved)):
+                or not (self.engine.has_work or self._unsaved
+                        or (self.embedder is not None and self.embedder.has_work))):
             return
         if delay > 0:
             self._step_queued = True
@@ -877,6 +956,11 @@ class Scheduler(Actor):
             **({"followers": self.followers.report(), "probes": self.probes,
                 "probe_timeouts": self.followers.probe_timeouts}
                if self.followers is not None else {}),
+            **({"task": self.card.task, "embed_jobs": len(self._embed_answers),
+                "embedded_inputs": self.embedder.inputs_done,
+                "embedded_tokens": self.embedder.tokens_run,
+                "embed_cached_tokens": self.embedder.cached_tokens}
+               if self.embedder is not None else {}),
         }
 
 

@@ -17,6 +17,7 @@ from api.anthropic import AnthropicRoutes
 from api.cache_namespace import CACHE_NAMESPACE, key_namespace
 from api.dashboard import PUBLIC_PATHS, DashboardRoutes
 from api.decode import read_body
+from api.embeddings import EmbeddingRoutes
 from api.errors import ApiError, error_middleware
 from api.introspection import IntrospectionRoutes
 from api.metrics import METRICS, Metrics, metrics_handler
@@ -242,6 +243,7 @@ def create_app(*, system: ActorSystem, admission: ActorRef, config: ServeConfig)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", metrics_handler)
     OpenAIRoutes(admission, config).register(app.router)
+    EmbeddingRoutes(admission).register(app.router)
     AnthropicRoutes(admission, config).register(app.router)
     ResponsesRoutes(admission, config).register(app)
     # Before the introspection routes: /actors/events must win over /actors/{name}.

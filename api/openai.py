@@ -261,6 +261,8 @@ class ModelObject(msgspec.Struct, kw_only=True, omit_defaults=True):
     max_model_len: int
     # The model's own sampling defaults (generation_config.json), when it sets any.
     sampling_defaults: SamplingDefaults | None = None
+    # "embed" or "rerank" for a model that serves /v1/embeddings or /v1/rerank (None: chat).
+    task: str | None = None
 
 
 class ModelList(msgspec.Struct, kw_only=True):
@@ -743,7 +745,8 @@ class OpenAIRoutes:
                            owned_by="mlx-troupe", root=card.alias_of or card.id,
                            max_model_len=card.context_length,
                            sampling_defaults=card.sampling_defaults
-                           if card.sampling_defaults != SamplingDefaults() else None)
+                           if card.sampling_defaults != SamplingDefaults() else None,
+                           task=card.task if card.task != "generate" else None)
 
     def _anthropic_model(self, card: ModelCard) -> AnthropicModel:
         created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created))

@@ -23,7 +23,7 @@ import msgspec
 from aiohttp import web
 
 from actors.config import ServeConfig
-from api import anthropic, openai, responses
+from api import anthropic, embeddings, openai, responses
 from api.errors import AnthropicErrorBody, ErrorBody, shape_for
 from runtime import ActorSnapshot
 
@@ -145,6 +145,26 @@ _OPERATIONS: dict[tuple[str, str], _Operation] = {
         "after the stream began is a `data: <error>` event, then `data: [DONE]`.",
         errors=_BODY_ERRORS,
     ),
+    ("POST", "/v1/embeddings"): _Operation(
+        summary="Embeddings (OpenAI)",
+        description="Unit vectors of `input` (a string, a list of strings, a list of token "
+        "ids or a list of lists) from an embedding model; `dimensions` shortens them and "
+        "scales them back to unit length, `encoding_format: base64` sends little-endian "
+        "float32s. Extensions: `input_type: query` puts the model's query prompt first, "
+        "`truncate: true` cuts an input over the context instead of refusing it.",
+        request=embeddings.EmbeddingRequest,
+        response=embeddings.EmbeddingResponse,
+        errors=_BODY_ERRORS,
+    ),
+    **{("POST", path): _Operation(
+        summary="Rerank documents (Cohere/Jina)",
+        description="Each of `documents` scored against `query` by a reranker model, best "
+        "first, each with its `index`; `top_n` keeps the best n, `return_documents` echoes "
+        "their text. Extensions: `instruction` (the reranker's task line), `truncate`.",
+        request=embeddings.RerankRequest,
+        response=embeddings.RerankResponse,
+        errors=_BODY_ERRORS,
+    ) for path in ("/v1/rerank", "/rerank", "/v2/rerank")},
     ("GET", "/v1/models"): _Operation(
         summary="The models served (OpenAI)",
         description="With an `anthropic-version` header (Anthropic's clients send one), the "

@@ -41,9 +41,12 @@ from actors.messages import (
     AdmissionTicket,
     AdmitChat,
     AdmitCompletion,
+    AdmitEmbed,
+    AdmitRerank,
     Admitted,
     CountTokens,
     DescribeModel,
+    EmbedAnswer,
     ErrorKind,
     ListModels,
     ModelCard,
@@ -231,6 +234,15 @@ class ScriptedAdmission(Actor):
                 task.add_done_callback(self.tasks.discard)
                 admitted = Admitted(request_id=msg.request_id, model=msg.model, prompt_tokens=5)
                 return AdmissionTicket(admitted=admitted, events=events)
+            case AdmitEmbed() | AdmitRerank():
+                # Embeddings: a unit vector of 4 per input; rerank: scores falling by index.
+                self._check_model(msg.model)
+                n = len(msg.inputs if isinstance(msg, AdmitEmbed) else msg.documents)
+                if n == 0:
+                    raise AdmissionError("invalid", "nothing to embed", param="input")
+                results = ([[1.0, 0.0, 0.0, 0.0]] * n if isinstance(msg, AdmitEmbed)
+                           else [1 / (i + 1) for i in range(n)])
+                return EmbedAnswer(model=MODEL, results=results, prompt_tokens=5 * n)
         raise TypeError(f"unexpected message {msg!r}")
 
     def _check_model(self, model: str) -> None:

@@ -103,6 +103,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     distributed_port: Annotated[int, setting(
         "port on rank 0's host where the other ranks take each step's plan",
         metavar="PORT")] = 32400
+    # actors/engine/embed.py reads the task from the model's files when this is unset.
+    task: Annotated[Literal["generate", "embed", "rerank"] | None, setting(
+        "what a model serves: chat and completions (generate), /v1/embeddings (embed) or "
+        "/v1/rerank (rerank)", none="from the model's files")] = None
 
 
 DEFAULTS = EngineConfig()

@@ -1,0 +1,429 @@
+"""Embeddings and reranking on a decoder model: a prefill with no decode, on the MLX thread.
+
+An embedding input runs through the model's body (``model.model``: mlx-lm's decoder families
+return the last hidden states, after the final norm, before the head), is pooled (the last
+token's state, or the mean over its tokens) and L2-normalised. A rerank input (a query and a
+document under the reranker's prompt format) is scored from the head's logits of "yes" and
+"no" at its last position (the Qwen3-Reranker recipe). Neither holds a decode slot: inputs wait
+in ``Embedder``'s queue, short ones run together in one forward pass, a long one in chunks over
+its own KV cache, and every cache is dropped when its input ends.
+
+How a model embeds is read from its own files (``read_embed_spec``); what a model serves,
+chat, embeddings or reranking, from its files too (``detect_task``) unless ``--task`` says.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from actors.engine.config import EngineConfig
+from actors.engine.kv_blocks import build_cache, cut_blocks
+from actors.engine.prefix import block_hashes
+
+Task = Literal["generate", "embed", "rerank"]
+Pooling = Literal["last", "mean"]
+JobKind = Literal["embed", "rerank"]
+
+# The Qwen3-Reranker prompt format (its model card): the query and the document in a user
+# turn, the answer opened with an empty reasoning block, so the next token is "yes" or "no".
+RERANK_PREFIX = (
+    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query "
+    "and the Instruct provided. Note that the answer can only be \"yes\" or \"no\"."
+    "<|im_end|>\n<|im_start|>user\n"
+)
+RERANK_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+RERANK_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
+# A rerank job's inputs share the prompt format's opening and the query: a shared prefix of at
+# least this many tokens runs once, and each document runs from a copy of its KV.
+MIN_SHARED_PREFIX = 8
+
+
+@dataclass(frozen=True)
+class EmbedSpec:
+    """How a model embeds: its pooling, and the prefix a query gets (``input_type:
+    "query"``; documents get none)."""
+
+    pooling: Pooling = "mean"
+    query_prefix: str = ""
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _pooling_dir(path: Path) -> Path | None:
+    """The sentence-transformers pooling module's folder (``modules.json`` names it;
+    ``1_Pooling`` by convention)."""
+    modules = _read_json(path / "modules.json")
+    if isinstance(modules, list):
+        for module in modules:
+            if isinstance(module, dict) and str(module.get("type", "")).endswith("Pooling"):
+                return path / str(module.get("path", "1_Pooling"))
+    return path / "1_Pooling" if (path / "1_Pooling").is_dir() else None
+
+
+def read_embed_spec(path: str | Path) -> EmbedSpec:
+    """The pooling and query prefix from a model directory's sentence-transformers files:
+    last-token pooling where ``1_Pooling/config.json`` says ``pooling_mode_lasttoken`` (the
+    Qwen3-Embedding family), mean pooling otherwise; the query prefix is the ``query`` prompt
+    of ``config_sentence_transformers.json``."""
+    path = Path(path)
+    pooling: Pooling = "mean"
+    folder = _pooling_dir(path)
+    config = _read_json(folder / "config.json") if folder is not None else None
+    if isinstance(config, dict) and config.get("pooling_mode_lasttoken"):
+        pooling = "last"
+    st = _read_json(path / "config_sentence_transformers.json")
+    prompts = st.get("prompts") if isinstance(st, dict) else None
+    query = prompts.get("query", "") if isinstance(prompts, dict) else ""
+    return EmbedSpec(pooling=pooling, query_prefix=query if isinstance(query, str) else "")
+
+
+def detect_task(path: str | Path) -> Task:
+    """What a model directory serves: embeddings when it carries sentence-transformers files
+    (``modules.json``, ``config_sentence_transformers.json``, ``1_Pooling/``), reranking when
+    its name says reranker (the Qwen3-Reranker checkpoints are plain causal LMs: nothing else
+    in their files tells them apart), chat otherwise."""
+    path = Path(path)
+    if "reranker" in path.name.lower():
+        return "rerank"
+    if any((path / name).exists() for name in
+           ("modules.json", "config_sentence_transformers.json", "1_Pooling")):
+        return "embed"
+    return "generate"
+
+
+def model_task(config: EngineConfig, path: str | Path) -> Task:
+    """What a model serves: ``--task`` when given, else what its files say."""
+    return config.task or detect_task(path)
+
+
+def rerank_tokens(tokenizer: Any, query: str, document: str, *,
+                  instruction: str | None = None, limit: int | None = None) -> list[int]:
+    """A query and document in the reranker's prompt format, as token ids. With ``limit``,
+    the query and document are cut so that the whole fits in ``limit`` tokens (the format's
+    opening and closing stay whole, as the model card's own code does)."""
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    body = encode(f"<Instruct>: {instruction or RERANK_INSTRUCTION}\n<Query>: {query}\n"
+                  f"<Document>: {document}")
+    prefix, suffix = encode(RERANK_PREFIX), encode(RERANK_SUFFIX)
+    if limit is not None:
+        body = body[:max(0, limit - len(prefix) - len(suffix))]
+    return prefix + body + suffix
+
+
+def answer_token(tokenizer: Any, word: str) -> int:
+    """The token id a reranker answers ``word`` with (its first token, where the vocabulary
+    splits it)."""
+    return tokenizer.encode(word, add_special_tokens=False)[0]
+
+
+# --- the computation -------------------------------------------------------------------------
+
+
+def hidden_states(model: Any, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
+    """The last hidden states (after the final norm, before the head) of ``inputs`` (B, L)."""
+    return model.model(inputs, cache=cache)
+
+
+def head_logits(model: Any, h: mx.array) -> mx.array:
+    """The output head on hidden states: the model's own head, or its tied embedding."""
+    lm_head = getattr(model, "lm_head", None)
+    if lm_head is not None:
+        return lm_head(h)
+    return model.model.embed_tokens.as_linear(h)
+
+
+def l2_normalize(x: mx.array) -> mx.array:
+    """Rows of ``x`` scaled to unit length (a zero row stays zero)."""
+    norm = mx.sqrt(mx.sum(x * x, axis=-1, keepdims=True))
+    return x / mx.maximum(norm, 1e-12)
+
+
+def rerank_score(yes: float, no: float) -> float:
+    """P("yes") of a softmax over the two answers' logits."""
+    return 1.0 / (1.0 + math.exp(no - yes))
+
+
+def step_tokens(config: EngineConfig, token_s: float | None, least: int) -> int:
+    """A step's budget of embedding tokens (padding included): a prefill chunk at most, and
+    no more than the measured time a token takes lets run in ``step_budget_ms``, so the
+    streams of the other models on the MLX thread wait no longer for it than for a chat
+    prompt's chunk; ``least`` at least, and ``least`` while nothing is measured yet (the
+    first step after a load)."""
+    budget = config.prefill_step_size
+    if config.step_budget_ms > 0:
+        if token_s is None or token_s <= 0:
+            budget = least
+        else:
+            budget = min(budget, int(config.step_budget_ms / 1000 / token_s))
+    return max(budget, min(least, config.prefill_step_size))
+
+
+@dataclass
+class _Long:
+    """An input run in chunks over its own cache: its tokens done, its running sum of hidden
+    states (mean pooling) and its last hidden state."""
+
+    cache: list[Any]
+    done: int = 0
+    total: mx.array | None = None
+    last: mx.array | None = None
+
+
+@dataclass
+class EmbedJob:
+    """One request's inputs; ``results`` fills as they end (a vector, or a rerank score), and
+    ``on_done`` is called once with them all, or with an error."""
+
+    request_id: str
+    kind: JobKind
+    inputs: list[list[int]]
+    on_done: Callable[[list[Any] | None, Exception | None], None]
+    results: list[Any] = field(default_factory=list)
+    left: int = 0
+    # Tokens every input starts with that run once for all (rerank: the format and query),
+    # and their KV per layer once run.
+    shared: int = 0
+    prefix_kv: list[tuple[mx.array, mx.array]] | None = None
+    # The prefix-cache namespace whose blocks the shared prefix reads and adds to.
+    namespace: str = ""
+
+    def __post_init__(self) -> None:
+        self.results = [None] * len(self.inputs)
+        self.left = len(self.inputs)
+
+
+class Embedder:
+    """The queue of embedding and rerank inputs of one model, run a budget of tokens a step.
+
+    Inputs start in arrival order. Those that fit the step's budget together run in one
+    right-padded forward pass (causal attention: the padding after an input changes none of
+    its states); an input longer than the budget runs alone, a chunk a step, over a KV cache
+    made for it and dropped when it ends."""
+
+    def __init__(self, model: Any, spec: EmbedSpec, *, yes_id: int = 0, no_id: int = 0,
+                 max_shared: int = 512, engine: Any = None) -> None:
+        if not callable(getattr(model, "model", None)):
+            raise ValueError(f"{type(model).__module__} keeps no decoder body at `model.model`: "
+                             "it cannot embed or rerank")
+        self.model = model
+        self.spec = spec
+        self.yes_id, self.no_id = yes_id, no_id
+        # A shared prefix runs in one forward pass: at most a prefill chunk of it is shared.
+        self.max_shared = max_shared
+        # The model's ``Engine``, whose prefix cache holds shared prefixes' blocks (None, or
+        # its cache off: each request runs its prefix).
+        self.engine = engine
+        self.cached_tokens = 0  # shared-prefix tokens read from the prefix cache
+        self._queue: deque[tuple[EmbedJob, int]] = deque()
+        self._long: tuple[EmbedJob, int, _Long] | None = None
+        self.jobs: dict[str, EmbedJob] = {}
+        self.inputs_done = 0
+        self.tokens_run = 0  # input tokens through the model (a shared prefix counts once)
+        self.token_s: float | None = None  # seconds a token takes, padding included (EMA)
+        self._padded = 0  # tokens through the model, padding included
+        # A shared prefix's KV is copied into a plain KV cache: models with other cache
+        # layers (sliding windows, recurrent state) run each input whole.
+        self._plain_kv = all(type(c) is KVCache for c in make_prompt_cache(model))
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._queue) or self._long is not None
+
+    def add(self, job: EmbedJob) -> None:
+        """Queue a job's inputs (an empty job ends at once)."""
+        if not job.inputs:
+            job.on_done([], None)
+            return
+        if job.kind == "rerank" and len(job.inputs) > 1 and self._plain_kv:
+            shared = min(_common_prefix(job.inputs), self.max_shared)
+            job.shared = shared if shared >= MIN_SHARED_PREFIX else 0
+        self.jobs[job.request_id] = job
+        self._queue.extend((job, i) for i in range(len(job.inputs)))
+
+    def abort(self, request_id: str) -> None:
+        """Drop a job whose client has gone (its answer is never given)."""
+        job = self.jobs.pop(request_id, None)
+        if job is None:
+            return
+        self._queue = deque(u for u in self._queue if u[0] is not job)
+        if self._long is not None and self._long[0] is job:
+            self._long = None
+
+    def step(self, budget: int) -> None:
+        """Run about ``budget`` tokens of queued work: the long input in progress a chunk
+        further, or the next inputs that fit together (at least one)."""
+        budget = max(1, budget)
+        started, ran = time.perf_counter(), self._padded
+        try:
+            if self._long is not None:
+                self._chunk(budget)
+                return
+            job, i = self._queue[0]
+            if len(job.inputs[i]) - job.shared > budget:
+                self._queue.popleft()
+                self._long = (job, i, _Long(make_prompt_cache(self.model)))
+                self._chunk(budget)
+                return
+            batch: list[tuple[EmbedJob, int]] = []
+            longest = 0
+            while self._queue:
+                job, i = self._queue[0]
+                n = len(job.inputs[i]) - job.shared
+                first = batch[0][0] if batch else job
+                # A batch runs from one shared prefix, or from none.
+                apart = job is not first and (job.shared or first.shared)
+                if batch and (n > budget or job.kind != first.kind or apart
+                              or max(longest, n) * (len(batch) + 1) > budget):
+                    break
+                batch.append(self._queue.popleft())
+                longest = max(longest, n)
+            self._run_batch(batch, longest)
+        except Exception as exc:  # noqa: BLE001 - the jobs in the step get the error, not the actor
+            self._fail_running(exc)
+            return
+        # Every step ends in an evaluation (its results read back): its time is its work.
+        if self._padded > ran:
+            per_token = (time.perf_counter() - started) / (self._padded - ran)
+            self.token_s = per_token if self.token_s is None else (
+                0.7 * self.token_s + 0.3 * per_token)
+
+    def _run_batch(self, batch: list[tuple[EmbedJob, int]], longest: int) -> None:
+        job = batch[0][0]
+        prompts = [job.inputs[i][job.shared:] for job, i in batch]
+        inputs = mx.array([p + [0] * (longest - len(p)) for p in prompts])
+        lengths = mx.array([len(p) for p in prompts])
+        self.tokens_run += sum(len(p) for p in prompts)
+        self._padded += len(prompts) * longest
+        h = hidden_states(self.model, inputs, cache=self._from_prefix(job, len(prompts)))
+        last = h[mx.arange(len(prompts)), lengths - 1]
+        if self.spec.pooling == "mean":
+            mask = (mx.arange(longest)[None, :] < lengths[:, None]).astype(h.dtype)
+            pooled = (h * mask[..., None]).sum(axis=1) / lengths[:, None].astype(h.dtype)
+        else:
+            pooled = last
+        outs = self._outputs(batch[0][0].kind, pooled, last)
+        for (job, i), out in zip(batch, outs, strict=True):
+            self._done(job, i, out)
+
+    def _from_prefix(self, job: EmbedJob, rows: int) -> list[Any] | None:
+        """A cache of ``rows`` rows each holding the job's shared prefix (run on first use),
+        or None when it has none."""
+        if not job.shared:
+            return None
+        if job.prefix_kv is None:
+            tokens = job.inputs[0][:job.shared]
+            cache, start = self._cached(job, tokens)
+            if start < len(tokens):
+                hidden_states(self.model, mx.array([tokens[start:]]), cache=cache)
+            job.prefix_kv = [c.keys_and_values() for c in cache]
+            mx.eval(job.prefix_kv)
+            self._keep_blocks(job, tokens, cache, start)
+            self.tokens_run += len(tokens) - start
+            self._padded += len(tokens) - start
+        caches = []
+        for keys, values in job.prefix_kv:
+            c = KVCache()
+            c.update_and_fetch(mx.repeat(keys, rows, axis=0), mx.repeat(values, rows, axis=0))
+            caches.append(c)
+        return caches
+
+    def _cached(self, job: EmbedJob, tokens: list[int]) -> tuple[list[Any], int]:
+        """A cache holding the leading blocks of ``tokens`` the prefix cache has (in the
+        job's namespace), and how many tokens that is."""
+        engine = self.engine
+        if engine is None or not engine.caching:
+            return make_prompt_cache(self.model), 0
+        hashes = block_hashes(engine.chain_root(job.namespace), tokens, engine.block_size)
+        hit = engine.blocks.lookup(hashes)
+        if not hit:
+            return make_prompt_cache(self.model), 0
+        start = sum(b.n_tokens for b in hit)
+        self.cached_tokens += start
+        return build_cache(self.model, engine.kinds, hit), start
+
+    def _keep_blocks(self, job: EmbedJob, tokens: list[int], cache: list[Any],
+                     start: int) -> None:
+        """Store the full blocks of a shared prefix the prefix cache did not have (they go to
+        the disk tier as a chat prompt's do)."""
+        engine = self.engine
+        if engine is None or not engine.caching:
+            return
+        root = engine.chain_root(job.namespace)
+        hashes = block_hashes(root, tokens, engine.block_size)
+        first = start // engine.block_size
+        if len(hashes) <= first:
+            return
+        for blk in cut_blocks(cache, engine.kinds, first, len(hashes), engine.block_size,
+                              hashes, tokens, root):
+            if engine.blocks.store(blk):
+                engine.new_blocks.append((job.request_id, blk))
+
+    def _chunk(self, budget: int) -> None:
+        assert self._long is not None
+        job, i, state = self._long
+        prompt = job.inputs[i]
+        chunk = prompt[state.done:state.done + budget]
+        h = hidden_states(self.model, mx.array([chunk]), cache=state.cache)[0]
+        self.tokens_run += len(chunk)
+        self._padded += len(chunk)
+        total = h.astype(mx.float32).sum(axis=0)
+        state.total = total if state.total is None else state.total + total
+        state.last = h[-1]
+        state.done += len(chunk)
+        mx.eval(state.total, state.last, [c.state for c in state.cache])
+        if state.done < len(prompt):
+            return
+        self._long = None
+        pooled = state.total / len(prompt) if self.spec.pooling == "mean" else state.last
+        self._done(job, i, self._outputs(job.kind, pooled[None], state.last[None])[0])
+
+    def _outputs(self, kind: JobKind, pooled: mx.array, last: mx.array) -> list[Any]:
+        if kind == "rerank":
+            logits = head_logits(self.model, last).astype(mx.float32)
+            pair = logits[:, [self.yes_id, self.no_id]].tolist()
+            return [rerank_score(yes, no) for yes, no in pair]
+        return l2_normalize(pooled.astype(mx.float32)).tolist()
+
+    def _done(self, job: EmbedJob, i: int, out: Any) -> None:
+        self.inputs_done += 1
+        if job.request_id not in self.jobs:
+            return  # aborted meanwhile
+        job.results[i] = out
+        job.left -= 1
+        if job.left == 0:
+            del self.jobs[job.request_id]
+            job.on_done(job.results, None)
+
+    def _fail_running(self, exc: Exception) -> None:
+        """A step failed: every job in the queue gets the error (a failed forward pass says
+        nothing of which input caused it), and the queue starts empty."""
+        for job in list(self.jobs.values()):
+            self.abort(job.request_id)
+            job.on_done(None, exc)
+
+
+def _common_prefix(inputs: list[list[int]]) -> int:
+    """How many leading tokens all ``inputs`` share, leaving each at least one of its own (its
+    last position is the one read)."""
+    first, most = inputs[0], min(len(ids) for ids in inputs) - 1
+    n = 0
+    while n < most and all(ids[n] == first[n] for ids in inputs):
+        n += 1
+    return n

@@ -1,0 +1,44 @@
+"""Tiny random-weight embedding and reranker model directories, made from ``tiny_model``'s
+qwen3: the Qwen3-Embedding layout (sentence-transformers files beside the mlx-lm ones) and a
+Qwen3-Reranker (a plain causal LM, told apart by its name)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tiny_model import make_tiny_model
+
+QUERY_PROMPT = "Instruct: Given a question, find the passages that answer it\nQuery:"
+
+
+def make_embedding_model(out: Path, *, pooling: str = "lasttoken", context: int = 2048) -> Path:
+    """A tiny qwen3 with sentence-transformers files: ``pooling`` "lasttoken" (the
+    Qwen3-Embedding recipe) or "mean"; the query prompt ``QUERY_PROMPT``."""
+    make_tiny_model(out, arch="qwen3", template="qwen3", context=context)
+    (out / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling",
+         "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize",
+         "type": "sentence_transformers.models.Normalize"},
+    ]))
+    (out / "1_Pooling").mkdir(exist_ok=True)
+    (out / "1_Pooling" / "config.json").write_text(json.dumps({
+        "word_embedding_dimension": 64,
+        "pooling_mode_mean_tokens": pooling == "mean",
+        "pooling_mode_lasttoken": pooling == "lasttoken",
+    }))
+    (out / "config_sentence_transformers.json").write_text(json.dumps({
+        "prompts": {"query": QUERY_PROMPT, "document": ""},
+        "default_prompt_name": None,
+        "similarity_fn_name": "cosine",
+    }))
+    return out
+
+
+def make_reranker_model(root: Path) -> Path:
+    """A tiny qwen3 named as a reranker (its untied head gives "yes" and "no" their own
+    rows)."""
+    return make_tiny_model(root / "tiny-qwen3-reranker", arch="qwen3", template="qwen3",
+                           eos_head=6.0)

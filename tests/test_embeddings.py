@@ -1,0 +1,200 @@
+"""Embeddings and reranking on decoder models (issue 33): the pooled vectors and rerank scores
+of ``actors.engine.embed`` against plain mlx-lm computations of the same recipe, batched and
+chunked runs against lone ones, and the model files that decide pooling and task."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from embed_models import QUERY_PROMPT, make_embedding_model, make_reranker_model
+from mlx_lm import load
+
+from actors.engine.config import EngineConfig
+from actors.engine.embed import (
+    RERANK_SUFFIX,
+    Embedder,
+    EmbedJob,
+    EmbedSpec,
+    answer_token,
+    detect_task,
+    read_embed_spec,
+    rerank_tokens,
+    step_tokens,
+)
+
+TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog",
+         "def add(a, b): return a + b", "a"]
+
+
+@pytest.fixture(scope="module")
+def embedding_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_embedding_model(tmp_path_factory.mktemp("emb") / "tiny-qwen3-embedding")
+
+
+@pytest.fixture(scope="module")
+def embedding(embedding_dir: Path) -> tuple[Any, Any]:
+    return load(str(embedding_dir))
+
+
+@pytest.fixture(scope="module")
+def reranker_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_reranker_model(tmp_path_factory.mktemp("rerank"))
+
+
+def _run(embedder: Embedder, kind: str, inputs: list[list[int]], budget: int = 512
+         ) -> list[Any]:
+    got: dict[str, Any] = {}
+    embedder.add(EmbedJob("job", kind, inputs, lambda r, e: got.update(r=r, e=e)))
+    while embedder.has_work:
+        embedder.step(budget)
+    assert got["e"] is None
+    return got["r"]
+
+
+def _reference(model: Any, tokens: list[int], pooling: str) -> np.ndarray:
+    """The recipe in plain mlx-lm and numpy: one input alone, the body's states pooled and
+    L2-normalised."""
+    h = np.array(model.model(mx.array([tokens]))[0].astype(mx.float32))
+    v = h[-1] if pooling == "last" else h.mean(axis=0)
+    return v / np.linalg.norm(v)
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_vectors_equal_a_plain_computation_of_the_pooling(embedding: tuple[Any, Any],
+                                                          pooling: str) -> None:
+    model, tok = embedding
+    inputs = [tok.encode(t) for t in TEXTS]
+    got = _run(Embedder(model, EmbedSpec(pooling=pooling)), "embed", inputs)
+    refs = [_reference(model, ids, pooling) for ids in inputs]
+    assert not np.allclose(refs[0], refs[1], atol=1e-3)  # two inputs, two vectors
+    for vec, ref in zip(got, refs, strict=True):
+        np.testing.assert_allclose(vec, ref, atol=1e-5)
+        assert abs(np.linalg.norm(vec) - 1) < 1e-5
+
+
+def test_batched_inputs_equal_each_input_alone(embedding: tuple[Any, Any]) -> None:
+    model, tok = embedding
+    inputs = [tok.encode(t) for t in TEXTS]
+    embedder = Embedder(model, EmbedSpec(pooling="mean"))
+    together = _run(embedder, "embed", inputs)
+    alone = [_run(embedder, "embed", [ids])[0] for ids in inputs]
+    np.testing.assert_allclose(together, alone, atol=1e-5)
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_an_input_over_the_step_budget_runs_in_chunks_to_the_same_vector(
+    embedding: tuple[Any, Any], pooling: str
+) -> None:
+    model, tok = embedding
+    ids = tok.encode(" ".join(TEXTS * 4))
+    embedder = Embedder(model, EmbedSpec(pooling=pooling))
+    chunked = _run(embedder, "embed", [ids, tok.encode("a")], budget=16)
+    assert len(ids) > 3 * 16
+    np.testing.assert_allclose(chunked[0], _reference(model, ids, pooling), atol=1e-4)
+    np.testing.assert_allclose(chunked[1], _reference(model, tok.encode("a"), pooling),
+                               atol=1e-5)
+    assert embedder.jobs == {} and not embedder.has_work
+
+
+def test_pooling_and_query_prompt_come_from_the_model_files(tmp_path: Path,
+                                                            embedding_dir: Path) -> None:
+    assert read_embed_spec(embedding_dir) == EmbedSpec(pooling="last", query_prefix=QUERY_PROMPT)
+    mean = make_embedding_model(tmp_path / "mean", pooling="mean")
+    assert read_embed_spec(mean).pooling == "mean"
+    assert read_embed_spec(tmp_path) == EmbedSpec()  # no sentence-transformers files
+
+
+def test_the_task_is_read_from_the_model_files(embedding_dir: Path, reranker_dir: Path,
+                                               tiny_model_dir: Path) -> None:
+    assert detect_task(embedding_dir) == "embed"
+    assert detect_task(reranker_dir) == "rerank"
+    assert detect_task(tiny_model_dir) == "generate"
+
+
+def test_rerank_scores_are_the_yes_probability_of_the_models_own_logits(
+    reranker_dir: Path,
+) -> None:
+    model, tok = load(str(reranker_dir))
+    yes, no = answer_token(tok, "yes"), answer_token(tok, "no")
+    assert yes != no
+    docs = ["the fox is quick", "numbers add up", "hello there", "a lazy dog sleeps"]
+    inputs = [rerank_tokens(tok, "what does the fox do?", d) for d in docs]
+    embedder = Embedder(model, EmbedSpec(), yes_id=yes, no_id=no)
+    scores = _run(embedder, "rerank", inputs)
+    refs = []
+    for ids in inputs:
+        logits = np.array(model(mx.array([ids]))[0, -1].astype(mx.float32))
+        pair = np.exp(logits[[yes, no]] - logits[[yes, no]].max())
+        refs.append(pair[0] / pair.sum())
+    assert len(set(np.round(refs, 6))) == len(refs)  # distinct scores: the order means something
+    np.testing.assert_allclose(scores, refs, atol=1e-5)
+    assert np.argsort(scores).tolist() == np.argsort(refs).tolist()
+
+
+def test_an_aborted_job_never_answers(embedding: tuple[Any, Any]) -> None:
+    model, tok = embedding
+    embedder = Embedder(model, EmbedSpec())
+    answered: list[Any] = []
+    embedder.add(EmbedJob("gone", "embed", [tok.encode(t) for t in TEXTS],
+                          lambda r, e: answered.append(r)))
+    embedder.abort("gone")
+    assert not embedder.has_work and answered == []
+
+
+def test_a_cut_rerank_input_keeps_the_prompt_formats_ends(reranker_dir: Path) -> None:
+    _, tok = load(str(reranker_dir))
+    whole = rerank_tokens(tok, "what does the fox do?", "the fox " * 200)
+    limit = len(whole) - 50
+    cut = rerank_tokens(tok, "what does the fox do?", "the fox " * 200, limit=limit)
+    assert len(cut) == limit
+    closing = len(tok.encode(RERANK_SUFFIX, add_special_tokens=False))
+    assert cut[:50] == whole[:50] and cut[-closing:] == whole[-closing:]
+
+
+def test_a_rerank_querys_shared_prefix_runs_once_for_all_documents(reranker_dir: Path) -> None:
+    model, tok = load(str(reranker_dir))
+    yes, no = answer_token(tok, "yes"), answer_token(tok, "no")
+    docs = [f"document number {i} says {w}" for i, w in enumerate(["yes", "no", "maybe"] * 4)]
+    inputs = [rerank_tokens(tok, "which documents say yes?", d) for d in docs]
+    shared = next(n for n in range(len(inputs[0])) if len({ids[n] for ids in inputs}) > 1)
+    embedder = Embedder(model, EmbedSpec(), yes_id=yes, no_id=no)
+    scores = _run(embedder, "rerank", inputs, budget=64)
+    assert embedder.tokens_run == shared + sum(len(ids) - shared for ids in inputs)
+    alone = Embedder(model, EmbedSpec(), yes_id=yes, no_id=no)
+    np.testing.assert_allclose(scores, [_run(alone, "rerank", [ids])[0] for ids in inputs],
+                               atol=1e-5)
+    assert len(set(np.round(scores, 6))) > 1
+    # At most a prefill chunk of it is shared (it runs in one forward pass).
+    capped = Embedder(model, EmbedSpec(), yes_id=yes, no_id=no, max_shared=shared // 2)
+    np.testing.assert_allclose(_run(capped, "rerank", inputs, budget=512), scores, atol=1e-5)
+    assert capped.tokens_run == shared // 2 + sum(len(ids) - shared // 2 for ids in inputs)
+
+
+def test_a_model_without_a_decoder_body_is_refused_at_load(embedding: tuple[Any, Any]) -> None:
+    class Headless:
+        pass
+
+    with pytest.raises(ValueError, match="cannot embed"):
+        Embedder(Headless(), EmbedSpec())
+    Embedder(embedding[0], EmbedSpec())  # a qwen3 has one
+
+
+def test_a_steps_embedding_budget_keeps_to_the_step_time_and_the_prefill_chunk() -> None:
+    config = EngineConfig(prefill_step_size=512, step_budget_ms=200)
+    assert step_tokens(config, None, 32) == 32  # nothing measured yet: the least
+    assert step_tokens(config, 0.001, 32) == 200  # 1 ms a token: 200 in 200 ms
+    assert step_tokens(config, 0.0001, 32) == 512  # never past the chunk
+    assert step_tokens(config, 1.0, 32) == 32  # never under the least
+    assert step_tokens(EngineConfig(step_budget_ms=0), 1.0, 32) == 512  # 0: no time bound
+
+
+def test_the_embedder_measures_the_time_a_token_takes(embedding: tuple[Any, Any]) -> None:
+    model, tok = embedding
+    embedder = Embedder(model, EmbedSpec())
+    assert embedder.token_s is None
+    _run(embedder, "embed", [tok.encode(t) for t in TEXTS])
+    assert embedder.token_s is not None and embedder.token_s > 0
