@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from actors.engine.config import EngineConfig
 from actors.engine.core import Engine
+from actors.engine.kv_blocks import KVBlock
 from actors.messages import RequestFinished, SamplingParams, TokensGenerated
 
 
@@ -64,3 +65,13 @@ def run_arriving(engine: Engine, prompts: list[list[int]], max_tokens: int
                 results.setdefault(ev.request_id, []).extend(ev.token_ids)
         steps += 1
     return results
+
+
+def ram_hit(engine: Engine, prompt: list[int]) -> list[KVBlock]:
+    """The prompt's leading blocks in the engine's RAM tier (what the cache index would send)."""
+    out = []
+    for h in engine.prompt_hashes(prompt):
+        if h not in engine.blocks:
+            break
+        out.append(engine.blocks[h])
+    return out

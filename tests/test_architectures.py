@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_helpers import engine_config, greedy, run, run_arriving
+from engine_helpers import engine_config, greedy, ram_hit, run, run_arriving
 from mlx_lm import load
 from reference import PROMPTS, reference_tokens
 from tiny_model import make_tiny_model
@@ -140,16 +140,6 @@ def serve(engine: Engine, rid: str, prompt: list[int], max_tokens: int,
     engine.add(rid, prompt, greedy(max_tokens), cached=cached or ())
     res = run(engine)[rid]
     return res["tokens"], res["finish"].usage.cached_tokens
-
-
-def ram_hit(engine: Engine, prompt: list[int]) -> list[KVBlock]:
-    """The prompt's leading blocks in the engine's RAM tier (what the cache index would send)."""
-    out = []
-    for h in engine.prompt_hashes(prompt):
-        if h not in engine.blocks:
-            break
-        out.append(engine.blocks[h])
-    return out
 
 
 # -- generation ------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_helpers import engine_config, greedy, run
+from engine_helpers import engine_config, greedy, ram_hit, run
 from mlx_lm import load
 from mlx_lm.generate import stream_generate
 from tiny_model import make_tiny_model
@@ -52,16 +52,6 @@ def serve(e: Engine, rid: str, prompt: list[int], cached: list[KVBlock] = (),
     e.add(rid, prompt, greedy(max_tokens, ignore_eos=True), cached=cached)
     res = run(e)[rid]
     return res["tokens"], res["finish"].usage.cached_tokens
-
-
-def ram_hit(e: Engine, prompt: list[int]) -> list[KVBlock]:
-    """The prompt's leading blocks in RAM (what the scheduler passes on)."""
-    out = []
-    for h in e.prompt_hashes(prompt):
-        if h not in e.blocks:
-            break
-        out.append(e.blocks[h])
-    return out
 
 
 def reference(tiny: Any, prompt: list[int], max_tokens: int = 10) -> list[int]:
