@@ -515,26 +515,8 @@ class Runner:
         _rewind(dec.cache, [width - len(t) for t in emitted])
         for s, row, tokens in zip(seqs, rows, emitted, strict=True):
             s.tokens.extend(row[:len(tokens)])
-        keep, out = [], []
-        for i, (s, tokens) in enumerate(zip(seqs, emitted, strict=True)):
-            for j, token in enumerate(tokens):
-                s.generated += 1
-                lp = sampled[i][1] if i in sampled else logprobs[i, j]
-                finish = None
-                if j == len(tokens) - 1:
-                    finish = "length" if s.generated >= s.max_tokens else None
-                    if token in s.stop_ids:
-                        finish = "stop"
-                if finish is None:
-                    out.append(Sampled(s.uid, token, lp, None, None, None))
-                else:
-                    s.status = Status.FINISHED
-                    out.append(Sampled(s.uid, token, lp, finish, dec.extract(i), s.tokens))
-            if out[-1].finish_reason is None:
-                keep.append(i)
-                s.next_input = tokens[-1]
-        if len(keep) < len(dec):
-            dec.filter(keep)
+        out = _finish_tokens(dec, emitted, lambda i, j: sampled[i][1] if i in sampled
+                             else logprobs[i, j])
         batch.decode_steps += 1
         if batch.decode_steps % CLEAR_CACHE_STEPS == 0:
             mx.clear_cache()
@@ -674,22 +656,33 @@ def _rewind(cache: list[Any], drop: list[int]) -> None:
 
 
 def _finish(rows: Rows, tokens: list[int], logprobs: mx.array) -> list[Sampled]:
-    """The rows' sampled tokens as answers; a row that reached its token limit ("length") or
-    sampled a stop token ("stop") leaves ``rows`` with its cache; the others' next input is
-    their token."""
+    """One sampled token per row (``logprobs``: [rows, vocab]), as ``_finish_tokens``."""
+    return _finish_tokens(rows, [[t] for t in tokens], lambda i, _: logprobs[i])
+
+
+def _finish_tokens(rows: Rows, tokens: list[list[int]],
+                   logprobs: Callable[[int, int], mx.array]) -> list[Sampled]:
+    """Each row's tokens this step (``logprobs(row, j)``: those of its j-th) as answers; a row
+    whose last token reached its token limit ("length") or is a stop token ("stop") leaves
+    ``rows`` with its cache; the others' next input is their last token."""
     keep, out = [], []
-    for i, (s, token) in enumerate(zip(rows.seqs, tokens, strict=True)):
-        s.generated += 1
-        finish = "length" if s.generated >= s.max_tokens else None
-        if token in s.stop_ids:
-            finish = "stop"
-        if finish is None:
+    for i, (s, row) in enumerate(zip(rows.seqs, tokens, strict=True)):
+        for j, token in enumerate(row):
+            s.generated += 1
+            finish = None
+            if j == len(row) - 1:
+                finish = "length" if s.generated >= s.max_tokens else None
+                if token in s.stop_ids:
+                    finish = "stop"
+            if finish is None:
+                out.append(Sampled(s.uid, token, logprobs(i, j), None, None, None))
+            else:
+                s.status = Status.FINISHED
+                out.append(Sampled(s.uid, token, logprobs(i, j), finish, rows.extract(i),
+                                   s.tokens))
+        if out[-1].finish_reason is None:
             keep.append(i)
-            s.next_input = token
-            out.append(Sampled(s.uid, token, logprobs[i], None, None, None))
-        else:
-            s.status = Status.FINISHED
-            out.append(Sampled(s.uid, token, logprobs[i], finish, rows.extract(i), s.tokens))
+            s.next_input = row[-1]
     if len(keep) < len(rows):
         rows.filter(keep)
     return out
