@@ -10,7 +10,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from engine_helpers import engine_config
+from engine_helpers import engine_config, ram_hit
 from mlx_lm import load
 from tiny_model import make_tiny_model
 
@@ -46,15 +46,6 @@ def make_engine(model_dir: Path, **settings) -> Engine:
                   fingerprint=model_fingerprint(model_dir))
 
 
-def cached_for(engine: Engine, prompt: list[int]) -> list:
-    out = []
-    for h in engine.prompt_hashes(prompt):
-        if h not in engine.blocks:
-            break
-        out.append(engine.blocks[h])
-    return out
-
-
 @pytest.mark.parametrize("arch_fixture", ["tiny_model_dir", "tiny_hybrid_dir"])
 def test_repeated_prompt_reuses_its_prefix_with_identical_output(arch_fixture, request):
     model_dir = request.getfixturevalue(arch_fixture)
@@ -66,7 +57,7 @@ def test_repeated_prompt_reuses_its_prefix_with_identical_output(arch_fixture, r
     cold, cold_cached = run(engine, "a", prompt)
     assert cold_cached == 0
     assert len(engine.prompt_hashes(prompt)) == n_usable
-    hit = cached_for(engine, prompt)
+    hit = ram_hit(engine, prompt)
     assert len(hit) == n_usable, "every boundary crossed during prefill was captured"
 
     warm, warm_cached = run(engine, "b", prompt, cached=hit)
@@ -92,7 +83,7 @@ def test_a_request_that_ends_with_its_first_token_keeps_its_prompt_blocks(
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     answers, cached = [], {}
     for rid in ("a", "b"):
-        engine.add(rid, prompt, one, cached=cached_for(engine, prompt))
+        engine.add(rid, prompt, one, cached=ram_hit(engine, prompt))
         while engine.has_work:
             for ev in engine.step():
                 if isinstance(ev, TokensGenerated):
@@ -103,7 +94,7 @@ def test_a_request_that_ends_with_its_first_token_keeps_its_prompt_blocks(
     assert [rid for rid, _ in answers] == ["a", "b"]
     assert answers[0][1] == answers[1][1]
     assert cached["a"] == 0 and cached["b"] > 0
-    assert len(cached_for(engine, prompt)) == usable_blocks(len(prompt), BLOCK)
+    assert len(ram_hit(engine, prompt)) == usable_blocks(len(prompt), BLOCK)
     assert "could not cut" not in caplog.text
 
 
@@ -124,7 +115,7 @@ def test_blocks_are_cut_after_the_step_answers_and_survive_an_abort(arch_fixture
     while not first:
         first = [ev.token_ids for ev in engine.step() if isinstance(ev, TokensGenerated)]
     assert engine.abort("a") is not None and not engine.has_work
-    hit = cached_for(engine, prompt)
+    hit = ram_hit(engine, prompt)
     assert len(hit) == n_usable, "the abort cut the blocks the last step completed"
     taken = [blk.block_hash for _, blk in engine.take_new_blocks()]
     assert taken[:n_usable] == engine.prompt_hashes(prompt)
@@ -143,7 +134,7 @@ def test_blocks_round_trip_through_numpy_give_identical_output(tiny_hybrid_dir):
     cold, _ = run(engine, "a", prompt)
     kinds, sizes = engine.kinds, engine.state_sizes
     restored = [from_numpy(to_numpy(b, engine.layout), kinds, sizes, engine.layout)
-                for b in cached_for(engine, prompt)]
+                for b in ram_hit(engine, prompt)]
     warm, warm_cached = run(engine, "b", prompt, cached=restored)
     assert warm_cached > 0 and warm == cold
 
@@ -153,7 +144,7 @@ def test_bfloat16_blocks_round_trip_bit_for_bit(tmp_path):
     engine = make_engine(model_dir)
     prompt = engine.tokenizer.encode(LONG)
     run(engine, "a", prompt)
-    block = cached_for(engine, prompt)[0]
+    block = ram_hit(engine, prompt)[0]
     data = to_numpy(block, engine.layout)
     assert set(data.dtypes.values()) == {"bfloat16"}
     assert all(t.dtype == np.uint16 for t in data.tensors.values())
@@ -176,7 +167,7 @@ def test_answer_blocks_serve_the_next_turn_of_a_conversation(tiny_model_dir):
                 answer += ev.token_ids
     # The next turn resends prompt + answer (+ more): blocks beyond the first prompt hit too.
     turn2 = prompt + answer + tok.encode(" And Berlin?")
-    hit = cached_for(engine, turn2)
+    hit = ram_hit(engine, turn2)
     assert len(hit) * BLOCK > len(prompt)
     expected_hashes = block_hashes(engine.fingerprint, turn2, BLOCK)[: len(hit)]
     assert [b.block_hash for b in hit] == expected_hashes
@@ -203,7 +194,7 @@ def test_hybrid_blocks_hold_the_recurrent_state_at_their_own_boundary(tiny_hybri
     engine = make_engine(tiny_hybrid_dir)
     prompt = engine.tokenizer.encode(LONG)
     run(engine, "a", prompt)
-    blocks = cached_for(engine, prompt)
+    blocks = ram_hit(engine, prompt)
     assert len(blocks) >= 3
     for k, block in enumerate(blocks):
         # The state a fresh cache reaches after exactly this block's end.
@@ -287,7 +278,7 @@ def test_a_new_ending_reuses_every_shared_token(tiny_model_dir):
     common = common_prefix(a, b)
     assert common % BLOCK, "the prompts must part inside a block"
     run(engine, "a", a)
-    warm, cached = run(engine, "b", b, cached=cached_for(engine, b))
+    warm, cached = run(engine, "b", b, cached=ram_hit(engine, b))
     cold, _ = run(make_engine(tiny_model_dir), "cold", b)
     assert cached == common
     assert warm == cold
@@ -311,7 +302,7 @@ def test_partial_hits_of_different_lengths_batch_together(tiny_model_dir):
     got: dict[str, list[int]] = {rid: [] for rid in prompts}
     cached: dict[str, int] = {}
     for rid, p in prompts.items():
-        engine.add(rid, p, greedy(), cached=cached_for(engine, p))
+        engine.add(rid, p, greedy(), cached=ram_hit(engine, p))
     while engine.has_work:
         for ev in engine.step():
             if isinstance(ev, TokensGenerated):
@@ -328,7 +319,7 @@ def test_hybrid_models_take_whole_blocks_only(tiny_hybrid_dir):
     text = tok.encode(LONG)
     run(engine, "a", text)
     b = text[: BLOCK + 5] + tok.encode(" something else entirely")
-    _, cached = run(engine, "b", b, cached=cached_for(engine, b))
+    _, cached = run(engine, "b", b, cached=ram_hit(engine, b))
     assert cached == BLOCK
     assert engine.partial_hit_tokens == 0
     assert not any(blk.tail for blk in engine.blocks.values())
@@ -357,12 +348,12 @@ def test_the_ram_budget_keeps_a_prompts_beginning_and_every_new_block_still_goes
     probe = make_engine(tiny_model_dir)
     prompt = probe.tokenizer.encode(LONG)
     run(probe, "a", prompt)
-    per_block = cached_for(probe, prompt)[0].nbytes
+    per_block = ram_hit(probe, prompt)[0].nbytes
     engine = make_engine(tiny_model_dir, cache_ram_max=3 * per_block)
     run(engine, "a", prompt)
     assert engine.blocks.nbytes <= 3 * per_block
     assert engine.blocks.evicted > 0
-    assert len(cached_for(engine, prompt)) == 3  # the first blocks stayed
+    assert len(ram_hit(engine, prompt)) == 3  # the first blocks stayed
     new = [blk for _, blk in engine.take_new_blocks()]
     assert [b.block_hash for b in new if not b.tail][: usable_blocks(len(prompt), BLOCK)] == \
         engine.prompt_hashes(prompt)
