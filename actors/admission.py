@@ -61,6 +61,7 @@ from actors.engine.agent_output import (
     tool_format_of,
 )
 from actors.engine.embed import read_embed_spec, rerank_tokens
+from actors.engine.encoder import is_encoder, pair_tokens, text_tokens
 from actors.engine.grammar import Constraint, GrammarError, Grammars
 from actors.engine.memory_estimate import (
     HARD,
@@ -572,7 +573,8 @@ class Admission(Actor):
             raise _refusal("invalid", "input must be all strings or all token id lists",
                            param="input")
         if all(texts):
-            inputs = await self._work(_embed_tokens, entry, msg.inputs, msg.input_type)
+            inputs = await self._work(_embed_tokens, entry, msg.inputs, msg.input_type,
+                                      entry.card.context_length if msg.truncate else None)
         else:
             vocab = len(entry.tokenizer)
             inputs = [list(ids) for ids in msg.inputs]
@@ -843,15 +845,22 @@ def _check_task(entry: ModelEntry, task: str) -> None:
         param="model", code="model_task_mismatch")
 
 
-def _embed_tokens(entry: ModelEntry, texts: list[str], input_type: str | None
-                  ) -> list[list[int]]:
-    """Embedding inputs as token ids; queries get the model's query prompt before them."""
+def _embed_tokens(entry: ModelEntry, texts: list[str], input_type: str | None,
+                  limit: int | None) -> list[list[int]]:
+    """Embedding inputs as token ids; queries get the model's query prompt before them. An
+    encoder's input is cut here to ``limit`` (truncation asked for), its closing token kept."""
     prefix = read_embed_spec(entry.card.path).query_prefix if input_type == "query" else ""
+    if is_encoder(entry.card.path):
+        return [text_tokens(entry.tokenizer, prefix + text, limit) for text in texts]
     return [entry.tokenizer.encode(prefix + text) for text in texts]
 
 
 def _rerank_inputs(entry: ModelEntry, query: str, documents: list[str],
                    instruction: str | None, limit: int | None) -> list[list[int]]:
+    """Rerank inputs as token ids: a cross-encoder's (query, document) pairs (it takes no
+    instruction), a decoder reranker's prompt format."""
+    if is_encoder(entry.card.path):
+        return [pair_tokens(entry.tokenizer, query, doc, limit) for doc in documents]
     return [rerank_tokens(entry.tokenizer, query, doc, instruction=instruction, limit=limit)
             for doc in documents]
 
