@@ -5,6 +5,7 @@ read from their configs, and the routes over HTTP."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -118,6 +119,18 @@ def test_a_small_budget_splits_a_job_into_steps_of_the_same_vectors(dirs: dict[s
                                               inputs), atol=1e-5)
 
 
+def test_an_aborted_encoder_job_leaves_the_queue_unanswered(dirs: dict[str, Path]) -> None:
+    model, tok, config = load_encoder(dirs["bert-mean"], "embed")
+    embedder, answers = EncoderEmbedder(model, tok, config), []
+    inputs = [tok.encode(t) for t in TEXTS]
+    embedder.add(EmbedJob("gone", "embed", inputs, lambda r, e: answers.append("gone")))
+    embedder.add(EmbedJob("kept", "embed", inputs[:1], lambda r, e: answers.append(r)))
+    embedder.abort("gone")
+    while embedder.has_work:
+        embedder.step(512)
+    assert len(answers) == 1 and answers[0] != "gone" and embedder.inputs_done == 1
+
+
 @pytest.mark.parametrize("name", ["xlm-roberta-rerank", "bert-rerank"])
 def test_cross_encoder_scores_are_the_sigmoid_of_the_classifier_logit(
         dirs: dict[str, Path], name: str) -> None:
@@ -202,6 +215,23 @@ async def test_the_openai_client_embeds_with_an_encoder_over_http(
     np.testing.assert_allclose(cut.data[0].embedding, _direct_vector(model, ids, "cls"),
                                atol=1e-5)
     assert got.usage.prompt_tokens == sum(len(tok.encode(t)) for t in TEXTS)
+
+
+async def test_concurrent_encoder_requests_each_get_their_inputs_vectors(
+        dirs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TROUPE_HOME", str(tmp_path))
+    model, tok, _ = load_encoder(dirs["roberta-mean"], "embed")
+    texts = [f"{TEXTS[i % 4]} {' dog' * (i % 5)}" for i in range(16)]
+    async with real_stack(dirs["roberta-mean"]) as stack:
+        oai = openai.AsyncOpenAI(base_url=f"{stack.server.url}/v1", api_key="x", max_retries=0)
+        try:
+            answers = await asyncio.gather(*(
+                oai.embeddings.create(model=stack.model, input=texts[i::4]) for i in range(4)))
+        finally:
+            await oai.close()
+    for i, answer in enumerate(answers):
+        refs = [_direct_vector(model, tok.encode(t), "mean") for t in texts[i::4]]
+        np.testing.assert_allclose([d.embedding for d in answer.data], refs, atol=1e-5)
 
 
 async def test_rerank_over_http_orders_documents_by_the_cross_encoders_scores(
