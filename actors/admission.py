@@ -610,8 +610,10 @@ class Admission(Actor):
                         f"context of {limit}: shorten it, or send \"truncate\": true to cut it",
                         param=f"{param}[{i}]", code="context_length_exceeded")
                 inputs[i] = ids[:limit]
-        # Inputs run one prefill chunk at a time at most: the longest is what must fit.
-        self._check_memory(entry, max(len(ids) for ids in inputs), param)
+        # Inputs run one prefill chunk at a time at most (an encoder's, whole): the longest is
+        # what must fit.
+        self._check_memory(entry, max(len(ids) for ids in inputs), param,
+                           whole=is_encoder(entry.card.path))
         msg = EmbedInputs(request_id=request_id, task=task, inputs=inputs,
                           cache_namespace=namespace)
         self._embedding[request_id] = entry
@@ -740,8 +742,11 @@ class Admission(Actor):
         return AdmissionTicket(admitted=admitted,
                                events=TrackedEvents(events, entry.drain))
 
-    def _check_memory(self, entry: ModelEntry, n_tokens: int, prompt_param: str) -> None:
-        """The prefill guard: refuse before any header what the memory limit cannot take."""
+    def _check_memory(self, entry: ModelEntry, n_tokens: int, prompt_param: str, *,
+                      whole: bool = False) -> None:
+        """The prefill guard: refuse before any header what the memory limit cannot take.
+        ``whole``: the input runs in one forward pass, uncached (an encoder's): all of its
+        attention at once, and no prefix-cache blocks."""
         limits = self.limits
         if limits is None or entry.memory is None:
             return
@@ -755,11 +760,11 @@ class Admission(Actor):
         if not limits.guard:
             return
         memory = entry.memory
-        block_size = self.block_size
-        need = prompt_need(memory, prompt_tokens=n_tokens, step=self.prefill_step_size,
-                           block_size=block_size)
+        block_size = 0 if whole else self.block_size
+        step = n_tokens if whole else self.prefill_step_size
+        need = prompt_need(memory, prompt_tokens=n_tokens, step=step, block_size=block_size)
         estimate = admission_estimate(memory, high_water=limits.high_water,
-                                      prompt_tokens=n_tokens, step=self.prefill_step_size,
+                                      prompt_tokens=n_tokens, step=step,
                                       block_size=block_size, loaded=entry.loaded)
         self.last_estimate = estimate
         floor = idle_floor(memory, limits.floor, loaded=entry.loaded)

@@ -6,6 +6,7 @@ read from their configs, and the routes over HTTP."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import subprocess
 import sys
@@ -18,9 +19,10 @@ import numpy as np
 import openai
 import pytest
 from encoder_models import make_encoder
-from http_stack import real_stack
+from http_stack import real_client, real_stack
 from tiny_model import make_tiny_model
 
+from actors.config import ServeConfig
 from actors.engine.embed import EmbedJob, detect_task
 from actors.engine.encoder import (
     EncoderEmbedder,
@@ -30,9 +32,11 @@ from actors.engine.encoder import (
     pair_tokens,
     read_config,
 )
+from actors.memory_messages import SetMemoryLimit
 from actors.scheduler import context_length
 
 ROOT = Path(__file__).resolve().parent.parent
+MB = 1 << 20
 TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog", "a", "numbers add up"]
 QUERY = "what does the fox do?"
 DOCS = ["the fox is quick", "numbers add up", "hello there", "a lazy dog sleeps",
@@ -232,6 +236,26 @@ async def test_concurrent_encoder_requests_each_get_their_inputs_vectors(
     for i, answer in enumerate(answers):
         refs = [_direct_vector(model, tok.encode(t), "mean") for t in texts[i::4]]
         np.testing.assert_allclose([d.embedding for d in answer.data], refs, atol=1e-5)
+
+
+async def test_the_memory_guard_counts_an_encoder_inputs_whole_attention(
+        aiohttp_client: Any, dirs: dict[str, Path], tmp_path: Path) -> None:
+    # 2000 tokens in one pass: ~64 MB of attention scores on the tiny encoder; a 256-token
+    # chunk's would be ~8 MB, under the 30 MB of room left.
+    model_dir = make_encoder(tmp_path / "tiny-bert-long", "bert", positions=4096)
+    gc.collect()
+    mx.clear_cache()
+    config = ServeConfig.of(model=str(model_dir), cache_dir=str(tmp_path / "cache"),
+                            prefill_step_size=256)
+    client, system, handles = await real_client(aiohttp_client, config)
+    usage = next(s for s in system.snapshot() if s.name == "memory_monitor").report
+    await handles.monitor.ask(SetMemoryLimit(limit=usage["usage_bytes"] + 30 * MB),
+                              timeout=5.0)
+    refused = await client.post("/v1/embeddings", json={"input": [[5, 6, 7] * 666 + [3]]})
+    error = (await refused.json())["error"]
+    assert refused.status == 413 and error["code"] == "memory_limit_exceeded"
+    served = await client.post("/v1/embeddings", json={"input": [[2, 5, 6, 3]]})
+    assert served.status == 200
 
 
 async def test_rerank_over_http_orders_documents_by_the_cross_encoders_scores(
