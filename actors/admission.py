@@ -61,6 +61,7 @@ from actors.engine.agent_output import (
     tool_format_of,
 )
 from actors.engine.embed import read_embed_spec, rerank_tokens
+from actors.engine.encoder import is_encoder, pair_tokens, text_tokens
 from actors.engine.grammar import Constraint, GrammarError, Grammars
 from actors.engine.memory_estimate import (
     HARD,
@@ -572,7 +573,8 @@ class Admission(Actor):
             raise _refusal("invalid", "input must be all strings or all token id lists",
                            param="input")
         if all(texts):
-            inputs = await self._work(_embed_tokens, entry, msg.inputs, msg.input_type)
+            inputs = await self._work(_embed_tokens, entry, msg.inputs, msg.input_type,
+                                      entry.card.context_length if msg.truncate else None)
         else:
             vocab = len(entry.tokenizer)
             inputs = [list(ids) for ids in msg.inputs]
@@ -608,8 +610,10 @@ class Admission(Actor):
                         f"context of {limit}: shorten it, or send \"truncate\": true to cut it",
                         param=f"{param}[{i}]", code="context_length_exceeded")
                 inputs[i] = ids[:limit]
-        # Inputs run one prefill chunk at a time at most: the longest is what must fit.
-        self._check_memory(entry, max(len(ids) for ids in inputs), param)
+        # Inputs run one prefill chunk at a time at most (an encoder's, whole): the longest is
+        # what must fit.
+        self._check_memory(entry, max(len(ids) for ids in inputs), param,
+                           whole=is_encoder(entry.card.path))
         msg = EmbedInputs(request_id=request_id, task=task, inputs=inputs,
                           cache_namespace=namespace)
         self._embedding[request_id] = entry
@@ -738,8 +742,11 @@ class Admission(Actor):
         return AdmissionTicket(admitted=admitted,
                                events=TrackedEvents(events, entry.drain))
 
-    def _check_memory(self, entry: ModelEntry, n_tokens: int, prompt_param: str) -> None:
-        """The prefill guard: refuse before any header what the memory limit cannot take."""
+    def _check_memory(self, entry: ModelEntry, n_tokens: int, prompt_param: str, *,
+                      whole: bool = False) -> None:
+        """The prefill guard: refuse before any header what the memory limit cannot take.
+        ``whole``: the input runs in one forward pass, uncached (an encoder's): all of its
+        attention at once, and no prefix-cache blocks."""
         limits = self.limits
         if limits is None or entry.memory is None:
             return
@@ -753,11 +760,11 @@ class Admission(Actor):
         if not limits.guard:
             return
         memory = entry.memory
-        block_size = self.block_size
-        need = prompt_need(memory, prompt_tokens=n_tokens, step=self.prefill_step_size,
-                           block_size=block_size)
+        block_size = 0 if whole else self.block_size
+        step = n_tokens if whole else self.prefill_step_size
+        need = prompt_need(memory, prompt_tokens=n_tokens, step=step, block_size=block_size)
         estimate = admission_estimate(memory, high_water=limits.high_water,
-                                      prompt_tokens=n_tokens, step=self.prefill_step_size,
+                                      prompt_tokens=n_tokens, step=step,
                                       block_size=block_size, loaded=entry.loaded)
         self.last_estimate = estimate
         floor = idle_floor(memory, limits.floor, loaded=entry.loaded)
@@ -843,15 +850,22 @@ def _check_task(entry: ModelEntry, task: str) -> None:
         param="model", code="model_task_mismatch")
 
 
-def _embed_tokens(entry: ModelEntry, texts: list[str], input_type: str | None
-                  ) -> list[list[int]]:
-    """Embedding inputs as token ids; queries get the model's query prompt before them."""
+def _embed_tokens(entry: ModelEntry, texts: list[str], input_type: str | None,
+                  limit: int | None) -> list[list[int]]:
+    """Embedding inputs as token ids; queries get the model's query prompt before them. An
+    encoder's input is cut here to ``limit`` (truncation asked for), its closing token kept."""
     prefix = read_embed_spec(entry.card.path).query_prefix if input_type == "query" else ""
+    if is_encoder(entry.card.path):
+        return [text_tokens(entry.tokenizer, prefix + text, limit) for text in texts]
     return [entry.tokenizer.encode(prefix + text) for text in texts]
 
 
 def _rerank_inputs(entry: ModelEntry, query: str, documents: list[str],
                    instruction: str | None, limit: int | None) -> list[list[int]]:
+    """Rerank inputs as token ids: a cross-encoder's (query, document) pairs (it takes no
+    instruction), a decoder reranker's prompt format."""
+    if is_encoder(entry.card.path):
+        return [pair_tokens(entry.tokenizer, query, doc, limit) for doc in documents]
     return [rerank_tokens(entry.tokenizer, query, doc, instruction=instruction, limit=limit)
             for doc in documents]
 

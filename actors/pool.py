@@ -31,6 +31,7 @@ from actors.cache_index import CACHE_INDEX_THREAD, CacheIndex
 from actors.cache_lock import CacheDirLock
 from actors.engine.config import EngineConfig
 from actors.engine.embed import model_task
+from actors.engine.encoder import check_encoder, is_encoder
 from actors.engine.memory_estimate import ModelMemory, model_memory_of
 from actors.engine.prefix import model_fingerprint
 from actors.memory_messages import (
@@ -162,6 +163,8 @@ class EnginePool(Actor):
                 sampling_defaults=sampling_defaults(resolved.path),
                 task=model_task(self.engine_config, resolved.path),
             )
+            if is_encoder(resolved.path):  # one it cannot serve stops the server now
+                check_encoder(resolved.path, card.task)
             names = engine_names(position, card.id)
             # A model is pinned by its id or by the spec it was given as.
             pinned = card.id in self.pin or (spec or "default") in self.pin

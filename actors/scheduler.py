@@ -65,6 +65,7 @@ from actors.engine.embed import (
     read_embed_spec,
     step_tokens,
 )
+from actors.engine.encoder import EncoderEmbedder, encoder_positions, is_encoder, load_encoder
 from actors.engine.kv_blocks import KVBlock, from_numpy, to_numpy
 from actors.engine.memory_estimate import OK, model_memory
 from actors.engine.prefix import model_fingerprint
@@ -125,7 +126,11 @@ IDLE_RELEASE_S = 2.0
 
 
 def context_length(config: dict[str, Any]) -> int:
-    """The model's context window, from its config (nested ``text_config`` included)."""
+    """The model's context window, from its config (nested ``text_config`` included); an
+    encoder's, the inputs its position table takes."""
+    positions = encoder_positions(config)
+    if positions is not None:
+        return positions
     for cfg in (config, config.get("text_config") or {}):
         for key in ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length"):
             if isinstance(cfg.get(key), int):
@@ -216,7 +221,7 @@ class Scheduler(Actor):
         self.engine: Engine | None = None
         # An embedding or reranker model's queue of inputs (None: a chat model), and the
         # answers of its jobs by request id.
-        self.embedder: Embedder | None = None
+        self.embedder: Embedder | EncoderEmbedder | None = None
         self._embed_answers: dict[str, Reply] = {}
         self.card: ModelCard | None = None
         self._replies: dict[str, Reply] = {}
@@ -250,8 +255,12 @@ class Scheduler(Actor):
         resolved = resolve_model(self.model_spec)
         self.model_name = self.model_id or resolved.name
         stream = mx.new_stream(mx.default_device())
+        encoder = is_encoder(resolved.path)
         with mx.stream(stream):
-            if self.config.distributed:  # rank 0 of a sharded model: this rank's shard
+            if encoder:  # the BERT family, through mlx-vlm (actors/engine/encoder.py)
+                model, tokenizer, config = load_encoder(resolved.path,
+                                                        model_task(self.config, resolved.path))
+            elif self.config.distributed:  # rank 0 of a sharded model: this rank's shard
                 model, tokenizer = load_shard(str(resolved.path), self.config.distributed,
                                               mx.distributed.init())
                 config = json.loads((resolved.path / "config.json").read_text())
@@ -263,8 +272,12 @@ class Scheduler(Actor):
         if self.config.distributed:  # the gate counts one rank's shard against its limit
             memory = shard_memory(memory, self.config.distributed,
                                   mx.distributed.init().size())
-        self.engine = Engine(model, tokenizer, self.config, stream=stream,
-                             fingerprint=fingerprint, memory=memory)
+        # An encoder's engine never steps (its inputs run in ``EncoderEmbedder``); without
+        # blocks it keeps no prefix cache.
+        self.engine = Engine(model, tokenizer,
+                             msgspec.structs.replace(self.config, block_size=0) if encoder
+                             else self.config,
+                             stream=stream, fingerprint=fingerprint, memory=memory)
         self.card = ModelCard(
             id=self.model_name,
             context_length=context_length(config),
@@ -274,10 +287,12 @@ class Scheduler(Actor):
             sampling_defaults=sampling_defaults(resolved.path),
             task=model_task(self.config, resolved.path),
         )
-        if self.card.task != "generate":
-            if self.config.distributed:
-                raise ValueError("embedding and reranker models are served by one process, "
-                                 "not sharded with --distributed")
+        if self.card.task != "generate" and self.config.distributed:
+            raise ValueError("embedding and reranker models are served by one process, "
+                             "not sharded with --distributed")
+        if encoder:
+            self.embedder = EncoderEmbedder(model, tokenizer, config)
+        elif self.card.task != "generate":
             yes_no = ((answer_token(tokenizer, "yes"), answer_token(tokenizer, "no"))
                       if self.card.task == "rerank" else (0, 0))
             self.embedder = Embedder(model, read_embed_spec(resolved.path),
@@ -287,12 +302,12 @@ class Scheduler(Actor):
         if self.config.distributed:
             self._lead(fingerprint)
         # The run-time compiled kernels are built now, not in the first request's time.
-        warm = self.engine.warm_up()
+        warm = self.embedder.warm_up() if encoder else self.engine.warm_up()
         # MLX's compile cache is per thread and holds Python objects. Left to its C++
         # thread_local destructor, which runs after the thread was joined, it needed the GIL
         # while the interpreter finalized and aborted `troupe serve` at exit now and then.
         at_thread_exit(mx.clear_streams)
-        if self.config.block_size and not self.engine.caching:
+        if self.config.block_size and not self.engine.caching and not encoder:
             log.warning("%s: its cache layers cannot be cut into blocks; prefix cache off",
                         resolved.name)
         log.info(

@@ -27,6 +27,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from actors.engine.config import EngineConfig
+from actors.engine.encoder import encoder_task, read_config
 from actors.engine.kv_blocks import build_cache, cut_blocks
 from actors.engine.prefix import block_hashes
 
@@ -93,11 +94,16 @@ def read_embed_spec(path: str | Path) -> EmbedSpec:
 
 
 def detect_task(path: str | Path) -> Task:
-    """What a model directory serves: embeddings when it carries sentence-transformers files
-    (``modules.json``, ``config_sentence_transformers.json``, ``1_Pooling/``), reranking when
-    its name says reranker (the Qwen3-Reranker checkpoints are plain causal LMs: nothing else
-    in their files tells them apart), chat otherwise."""
+    """What a model directory serves: an encoder (BERT family), reranking when its config is
+    a ``*ForSequenceClassification`` (a cross-encoder), else embeddings; a decoder, embeddings
+    when it carries sentence-transformers files (``modules.json``,
+    ``config_sentence_transformers.json``, ``1_Pooling/``), reranking when its name says
+    reranker (the Qwen3-Reranker checkpoints are plain causal LMs: nothing else in their files
+    tells them apart), chat otherwise."""
     path = Path(path)
+    encoder = encoder_task(read_config(path))
+    if encoder is not None:
+        return encoder
     if "reranker" in path.name.lower():
         return "rerank"
     if any((path / name).exists() for name in
