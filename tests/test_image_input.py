@@ -9,6 +9,7 @@ pass it.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import ipaddress
@@ -469,6 +470,13 @@ async def image_host(aiohttp_server: Any) -> ImageHost:
             return web.Response(text="<html></html>", content_type="text/html")
         if path == "/big.png":
             return web.Response(body=BIG, content_type="image/png")
+        if path == "/huge-declared.png":
+            # Declares far more than the limit, sends a little, then nothing more.
+            response = web.StreamResponse(headers={"Content-Type": "image/png"})
+            response.content_length = 1 << 30
+            await response.prepare(request)
+            await response.write(BIG[:100])
+            await asyncio.sleep(3600)
         if path == "/big-chunked.png":
             response = web.StreamResponse(headers={"Content-Type": "image/png"})
             response.enable_chunked_encoding()
@@ -539,6 +547,8 @@ async def test_a_loopback_image_url_is_refused_without_connecting(
     pytest.param("/page.html", "content type 'text/html'", id="not-an-image"),
     pytest.param("/big.png", "larger than 1000 bytes", id="too-large"),
     pytest.param("/big-chunked.png", "larger than 1000 bytes", id="too-large-chunked"),
+    # Refused on its Content-Length, before its body (which never comes).
+    pytest.param("/huge-declared.png", "larger than 1000 bytes", id="too-large-declared"),
     pytest.param("/gone.png", "HTTP 404", id="not-found"),
 ])
 async def test_a_fetch_outside_its_bounds_is_a_400_naming_the_part(
