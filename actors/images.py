@@ -85,8 +85,9 @@ def decode_image(data: bytes, *, param: str, max_pixels: int) -> Image.Image:
         # Reads the header only: the pixels are decoded further down.
         image = Image.open(io.BytesIO(data))
     except Image.DecompressionBombError:
-        # Pillow's own bound (far above any sane max_pixels) refuses before ours can.
-        raise _too_large(None, param, max_pixels) from None
+        # Pillow's own bound (twice its MAX_IMAGE_PIXELS, set when this is raised) came first.
+        bound = min(max_pixels, 2 * (Image.MAX_IMAGE_PIXELS or 0))
+        raise _too_large(None, param, bound) from None
     except Exception as exc:  # noqa: BLE001 - any failure to parse untrusted data is "not an image"
         raise ImageError(f"The image cannot be read ({_reason(exc)}); send a {SUPPORTED} "
                          "image.", param=param) from None

@@ -172,6 +172,19 @@ def test_anthropic_image_blocks_in_user_turns_and_tool_results_become_image_part
     assert messages[3] == {"role": "user", "content": "and now?"}
 
 
+def test_an_image_in_a_turn_that_cannot_hold_one_is_refused_naming_it() -> None:
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": PNG_B64}}
+    with pytest.raises(ApiError) as caught:
+        anthropic_messages([{"role": "user", "content": "hi"},
+                            {"role": "assistant", "content": [image]}])
+    assert caught.value.param == "messages[1].content[0]"
+    with pytest.raises(ApiError) as caught:
+        responses_messages([{"role": "system", "content": [
+            {"type": "input_image", "image_url": DATA_URL}]}])
+    assert caught.value.param == "input[0].content[0].type"
+
+
 def test_anthropic_url_source_is_a_part_to_fetch_and_a_file_source_is_refused() -> None:
     url = "https://example.com/cat.png"
     messages = anthropic_messages([{"role": "user", "content": [
@@ -477,6 +490,11 @@ async def image_host(aiohttp_server: Any) -> ImageHost:
             await response.prepare(request)
             await response.write(BIG[:100])
             await asyncio.sleep(3600)
+        if path == "/stall.png":
+            response = web.StreamResponse(headers={"Content-Type": "image/png"})
+            await response.prepare(request)
+            await response.write(PNG[:10])
+            await asyncio.sleep(3600)
         if path == "/big-chunked.png":
             response = web.StreamResponse(headers={"Content-Type": "image/png"})
             response.enable_chunked_encoding()
@@ -563,3 +581,14 @@ async def test_a_fetch_outside_its_bounds_is_a_400_naming_the_part(
     assert image_host.hits[0] == path
     if path == "/loop":
         assert len(image_host.hits) == 1 + api.images.MAX_REDIRECTS
+
+
+async def test_a_fetch_that_does_not_end_in_time_is_a_400(
+    aiohttp_client: Any, scripted: Scripted, image_host: ImageHost, loopback_allowed: None,
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(api.images, "FETCH_TIMEOUT_S", 0.2)
+    client = await aiohttp_client(scripted.app(allow_image_urls=True))
+    resp = await client.post(CHAT, json=chat_with(image_url(image_host.url("/stall.png"))))
+    message = await openai_error(resp, "messages[0].content[0].image_url")
+    assert "did not answer in full within 0.2 seconds" in message
