@@ -75,7 +75,7 @@ def url_image(url: str, param: str) -> dict[str, Any]:
                            "'data:image/png;base64,iVBORw0...'.", param=param)
         return image_part(data, media_type(fields[0] if len(fields) > 1 else None, param),
                           param)
-    if URL(url).scheme in ("http", "https"):
+    if _parsed(url, param).scheme in ("http", "https"):
         return {"type": "image", "image": {"url": url, "param": param}}
     raise ApiError(400, "An image URL must be a data: URL holding base64 data, or an http(s) "
                    "URL (fetched only when the server runs with --allow-image-urls).",
@@ -169,7 +169,7 @@ class ImageInput:
         try:
             async with (asyncio.timeout(FETCH_TIMEOUT_S),
                         aiohttp.ClientSession(connector=connector) as session):
-                return await self._follow(session, URL(url), param)
+                return await self._follow(session, _parsed(url, param), param)
         except TimeoutError:
             raise ApiError(400, f"The image URL did not answer in full within "
                            f"{FETCH_TIMEOUT_S:g} seconds.", param=param) from None
@@ -186,7 +186,7 @@ class ImageInput:
             async with session.get(url, allow_redirects=False) as response:
                 location = response.headers.get("Location")
                 if response.status in _REDIRECT_STATUSES and location:
-                    url = response.url.join(URL(location))
+                    url = response.url.join(_parsed(location, param))
                     continue
                 if response.status != 200:
                     raise ApiError(400, f"Fetching the image URL answered HTTP "
@@ -204,6 +204,14 @@ class ImageInput:
                 return bytes(body), kind
         raise ApiError(400, f"The image URL redirected more than {MAX_REDIRECTS} times.",
                        param=param)
+
+
+def _parsed(url: str, param: str) -> URL:
+    try:
+        return URL(url)
+    except ValueError as exc:
+        raise ApiError(400, f"The image URL (or a redirect) is not a valid URL: {exc}.",
+                       param=param) from None
 
 
 def _check_target(url: URL, param: str) -> None:

@@ -227,6 +227,7 @@ def test_responses_input_image_with_a_file_id_is_a_400_naming_it() -> None:
     ("data:image/bmp;base64,Qk0=", "not supported"),
     ("ftp://example.com/a.png", "http(s)"),
     ("file:///etc/passwd", "http(s)"),
+    ("http://[not-an-address/a.png", "not a valid URL"),
 ])
 def test_a_malformed_or_unsupported_image_url_is_a_400_naming_the_part(url: str,
                                                                         why: str) -> None:
@@ -477,6 +478,8 @@ async def image_host(aiohttp_server: Any) -> ImageHost:
             raise web.HTTPFound("/red.png")
         if path == "/loop":
             raise web.HTTPFound("/loop")
+        if path == "/bad-redirect":
+            return web.Response(status=302, headers={"Location": "http://[nope/"})
         if path == "/to-metadata":
             raise web.HTTPFound("http://169.254.169.254/latest/meta-data/")
         if path == "/page.html":
@@ -562,6 +565,7 @@ async def test_a_loopback_image_url_is_refused_without_connecting(
 @pytest.mark.parametrize(("path", "why"), [
     pytest.param("/to-metadata", "169.254.169.254", id="redirect-to-private"),
     pytest.param("/loop", "redirected more than 3 times", id="redirect-loop"),
+    pytest.param("/bad-redirect", "not a valid URL", id="redirect-malformed"),
     pytest.param("/page.html", "content type 'text/html'", id="not-an-image"),
     pytest.param("/big.png", "larger than 1000 bytes", id="too-large"),
     pytest.param("/big-chunked.png", "larger than 1000 bytes", id="too-large-chunked"),
