@@ -18,8 +18,10 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
+import anthropic
 import http_stack
 import msgspec
+import openai
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
@@ -446,6 +448,46 @@ async def test_count_tokens_checks_its_images_too(client: TestClient,
     resp = await client.post(count, json={"model": MODEL, "messages": [
         {"role": "user", "content": [block]}]})
     assert resp.status == 400
+
+
+async def test_the_official_clients_images_reach_admission_in_the_part_shape(
+    scripted: Scripted
+) -> None:
+    server = await scripted.start()
+    oai = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    ant = anthropic.AsyncAnthropic(base_url=server.url, api_key="x", max_retries=0)
+    try:
+        await oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "what?"},
+            {"type": "image_url", "image_url": {"url": DATA_URL, "detail": "low"}}]}])
+        async with ant.messages.stream(model=MODEL, max_tokens=8, messages=[
+                {"role": "user", "content": [
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                 "data": PNG_B64}},
+                    {"type": "text", "text": "what?"}]}]) as stream:
+            await stream.get_final_message()
+        await oai.responses.create(model=MODEL, input=[{"role": "user", "content": [
+            {"type": "input_image", "image_url": DATA_URL, "detail": "auto"}]}])
+        chat, messages, responses = (msg.messages for msg in admitted(scripted))
+        assert chat[0]["content"] == [
+            text("what?"), part(PNG_B64, "image/png", "messages[0].content[1].image_url")]
+        assert messages[0]["content"] == [
+            part(PNG_B64, "image/png", "messages[0].content[0].source"), text("what?")]
+        assert responses[0]["content"] == [
+            part(PNG_B64, "image/png", "input[0].content[0].image_url")]
+        with pytest.raises(openai.BadRequestError) as caught:
+            await oai.chat.completions.create(model=MODEL, messages=[{"role": "user",
+                "content": [{"type": "image_url", "image_url": {"url": "data:,x"}}]}])
+        assert caught.value.body["param"] == "messages[0].content[0].image_url"
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            await ant.messages.create(model=MODEL, max_tokens=8, messages=[
+                {"role": "user", "content": [{"type": "image", "source": {
+                    "type": "url", "url": "https://example.com/a.png"}}]}])
+        assert "--allow-image-urls" in refused.value.message
+    finally:
+        await oai.close()
+        await ant.close()
+        await server.close()
 
 
 # --- image URLs ----------------------------------------------------------------------------
