@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from actors.engine.config import DEFAULTS, EngineConfig, Setting, setting, settings_of
+from actors.images import MAX_IMAGE_PIXELS
 
 # Seconds a chat template may take to render one request's conversation (admission's bound).
 TEMPLATE_TIMEOUT_S = 2.0
@@ -51,6 +52,18 @@ class ServeConfig(msgspec.Struct, kw_only=True):
         "disk for prefix-cache blocks", unit="size")] = 8 << 30
     max_body_bytes: Annotated[int, setting(
         "largest request body accepted, in bytes", metavar="N")] = 8 * 1024 * 1024
+    # docs/api.md's "Images" says where each API takes images and how they are checked.
+    allow_image_urls: Annotated[bool, setting(
+        "fetch the http(s) image URLs requests name (off: only images sent inline, as base64, "
+        "are taken; a server that fetches what requests name can be made to reach hosts only "
+        "it reaches, though private addresses are never fetched)")] = False
+    max_image_bytes: Annotated[int, setting(
+        "largest image file accepted, inline or fetched", unit="size")] = 10 << 20
+    max_image_pixels: Annotated[int, setting(
+        "largest image accepted, in pixels (width x height, read from its header before it "
+        "is decoded)", metavar="N")] = MAX_IMAGE_PIXELS
+    max_images_per_request: Annotated[int, setting(
+        "most images one request may hold", metavar="N")] = 16
     # Each key's requests have a prefix-cache namespace of their own (another key's requests
     # can neither hit nor probe their blocks) unless shared_cache.
     api_key: Annotated[str | list[str] | None, setting(

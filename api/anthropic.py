@@ -1,10 +1,11 @@
 """Anthropic's Messages API: ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``.
 
 A Messages request becomes the same admission message as an OpenAI chat request (system
-prompt first, text blocks joined by newlines, ``tool_use``/``tool_result`` blocks as OpenAI
-tool calls and tool messages, tools as OpenAI functions), so one conversation gets the same
-prompt tokens through either API. ``tool_choice``, ``thinking`` and a JSON output format map
-onto the neutral ``ToolChoice``, thinking budget and ``OutputFormat`` of ``AdmitChat``.
+prompt first, text blocks joined by newlines, image blocks as image parts (``api.images``),
+``tool_use``/``tool_result`` blocks as OpenAI tool calls and tool messages, tools as OpenAI
+functions), so one conversation gets the same prompt tokens through either API.
+``tool_choice``, ``thinking`` and a JSON output format map onto the neutral ``ToolChoice``,
+thinking budget and ``OutputFormat`` of ``AdmitChat``.
 Answers and streams follow Anthropic's shapes exactly: thinking, text and ``tool_use``
 content blocks, each streamed as its own block once its first content arrives.
 """
@@ -19,6 +20,7 @@ from aiohttp import web
 from msgspec import Meta
 
 from actors.config import ServeConfig
+from actors.images import image_part
 from actors.messages import (
     AdmitChat,
     Admitted,
@@ -38,6 +40,7 @@ from api.decode import decode_body
 from api.errors import ApiError, ask_admission, why_unsupported
 from api.generation import Renderer
 from api.generation_route import generate
+from api.images import ImageInput, content, media_type, url_image
 from api.shutdown import generation
 from api.sse import Frame
 from api.stops import stop_sequences
@@ -49,10 +52,19 @@ log = logging.getLogger(__name__)
 # --- request schemas -----------------------------------------------------------------------
 
 
-class ContentBlock(msgspec.Struct, kw_only=True):
-    """Any content block; ``type`` says which fields apply (text, tool_use, tool_result...)."""
+class ImageSource(msgspec.Struct, kw_only=True):
+    """An image block's ``source``: ``base64`` (``media_type``, ``data``) or ``url``."""
 
-    # A plain string, so an image block gets a clear refusal rather than a schema error.
+    type: str
+    media_type: str | None = None
+    data: str | None = None
+    url: str | None = None
+
+
+class ContentBlock(msgspec.Struct, kw_only=True):
+    """Any content block; ``type`` says which fields apply (text, image, tool_use...)."""
+
+    # A plain string, so a document block gets a clear refusal rather than a schema error.
     type: str
     text: str | None = None
     id: str | None = None
@@ -61,6 +73,7 @@ class ContentBlock(msgspec.Struct, kw_only=True):
     tool_use_id: str | None = None
     content: str | list[ContentBlock] | None = None  # a tool_result's content
     is_error: bool | None = None
+    source: ImageSource | None = None  # an image's
 
 
 class InputMessage(msgspec.Struct, kw_only=True):
@@ -268,7 +281,7 @@ def _texts(blocks: list[ContentBlock], param: str) -> str:
     texts = []
     for j, block in enumerate(blocks):
         if block.type != "text":
-            raise _unsupported(block.type, f"{param}[{j}]")
+            raise _unsupported(block.type, f"{param}[{j}]", "text blocks")
         texts.append(_text(block, f"{param}[{j}]"))
     return "\n".join(texts)
 
@@ -279,11 +292,47 @@ def _text(block: ContentBlock, param: str) -> str:
     return block.text
 
 
-def _unsupported(kind: str, param: str) -> ApiError:
+def _image(block: ContentBlock, where: str) -> dict[str, Any]:
+    """An image block as its part (``api.images``): a base64 source, or a url source."""
+    param = f"{where}.source"
+    source = block.source
+    if source is None:
+        raise ApiError(400, "An image block needs a 'source'.", param=param)
+    if source.type == "base64":
+        if source.data is None:
+            raise ApiError(400, "A base64 image source needs 'data'.", param=f"{param}.data")
+        return image_part(source.data, media_type(source.media_type, param), param)
+    if source.type == "url":
+        if source.url is None:
+            raise ApiError(400, "A url image source needs 'url'.", param=f"{param}.url")
+        return url_image(source.url, param)
+    raise ApiError(400, f"Image sources of type '{source.type}' are not supported; send "
+                   "'base64' or 'url'.", param=f"{param}.type")
+
+
+def _tool_result(blocks: str | list[ContentBlock], param: str) -> str | list[dict[str, Any]]:
+    """A tool_result's content: text blocks joined by newlines; with images, the text and
+    image parts in order (``api.images.content``)."""
+    if isinstance(blocks, str):
+        return blocks
+    parts = []
+    for j, block in enumerate(blocks):
+        where = f"{param}[{j}]"
+        if block.type == "text":
+            parts.append({"type": "text", "text": _text(block, where)})
+        elif block.type == "image":
+            parts.append(_image(block, where))
+        else:
+            raise _unsupported(block.type, where, "text and image blocks")
+    return content(parts)
+
+
+def _unsupported(kind: str, param: str,
+                 accepted: str = "text, image, tool_use and tool_result blocks") -> ApiError:
     return ApiError(
         400,
-        f"Content blocks of type '{kind}' are not supported: "
-        f"{why_unsupported(kind, 'text, tool_use and tool_result blocks')}.",
+        f"Content blocks of type '{kind}' are not supported here: "
+        f"{why_unsupported(kind, accepted)}.",
         param=param,
     )
 
@@ -298,12 +347,14 @@ def _template_messages(message: InputMessage, index: int) -> list[dict[str, Any]
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
     out: list[dict[str, Any]] = []
-    texts: list[str] = []
+    parts: list[dict[str, Any]] = []
     tool_calls: list[dict[str, Any]] = []
     for j, block in enumerate(message.content):
         where = f"{param}[{j}]"
         if block.type == "text":
-            texts.append(_text(block, where))
+            parts.append({"type": "text", "text": _text(block, where)})
+        elif block.type == "image" and message.role == "user":
+            parts.append(_image(block, where))
         elif block.type == "tool_use" and message.role == "assistant":
             if block.id is None or block.name is None:
                 raise ApiError(400, "A tool_use block needs 'id' and 'name'.", param=where)
@@ -315,20 +366,17 @@ def _template_messages(message: InputMessage, index: int) -> list[dict[str, Any]
         elif block.type == "tool_result" and message.role == "user":
             if block.tool_use_id is None:
                 raise ApiError(400, "A tool_result block needs 'tool_use_id'.", param=where)
-            content = block.content or ""
-            if not isinstance(content, str):
-                content = _texts(content, f"{where}.content")
             out.append({
                 "role": "tool",
                 "tool_call_id": template_tool_id(block.tool_use_id),
-                "content": content,
+                "content": _tool_result(block.content or "", f"{where}.content"),
             })
         elif block.type in _DROPPED and message.role == "assistant":
             continue
         else:
             raise _unsupported(block.type, where)
-    if texts or tool_calls or not out:
-        turn: dict[str, Any] = {"role": message.role, "content": "\n".join(texts)}
+    if parts or tool_calls or not out:
+        turn: dict[str, Any] = {"role": message.role, "content": content(parts)}
         if tool_calls:
             turn["tool_calls"] = tool_calls
         out.append(turn)
@@ -637,6 +685,7 @@ class AnthropicRoutes:
     def __init__(self, admission: ActorRef, config: ServeConfig) -> None:
         self.admission = admission
         self.config = config
+        self.images = ImageInput(config)
 
     def register(self, router: web.UrlDispatcher) -> None:
         """Add the routes to an application's router."""
@@ -647,7 +696,8 @@ class AnthropicRoutes:
     async def messages(self, request: web.Request) -> web.StreamResponse:
         """``POST /v1/messages``."""
         return await generate(
-            request, self.admission, _messages_decoder, "msg_", admit_message, MessagesRenderer
+            request, self.admission, _messages_decoder, "msg_", admit_message, MessagesRenderer,
+            self.images,
         )
 
     async def count_tokens(self, request: web.Request) -> web.Response:
@@ -655,6 +705,7 @@ class AnthropicRoutes:
         req = decode_body(await request.read(), _count_decoder)
         request[RECORD].model = req.model
         messages, tools, _ = _chat(req)
+        await self.images.resolve(messages)
         count: int = await ask_admission(
             self.admission, CountTokens(model=req.model, messages=messages, tools=tools)
         )

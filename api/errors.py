@@ -32,18 +32,16 @@ Shape = Literal["openai", "anthropic"]
 ANTHROPIC_PREFIX = "/v1/messages"
 
 
-# Content part (block) types that carry a medium, in each API's names.
-MEDIA_TYPES = frozenset({"image_url", "input_audio", "file", "image", "document", "input_image",
-                         "input_file"})
+# Content part (block) types that carry a medium other than images, in each API's names.
+MEDIA_TYPES = frozenset({"input_audio", "file", "document", "input_file"})
 
 
 def why_unsupported(kind: str, accepted: str) -> str:
-    """Why a content part or block of type ``kind`` is refused: a medium (an image...) cannot
-    be read by the text models served here; any other type is not one this route accepts
+    """Why a content part or block of type ``kind`` is refused: a medium (audio, a file)
+    cannot be read by the models served here; any other type is not one this route accepts
     (``accepted`` names those)."""
     if kind in MEDIA_TYPES:
-        return ("models are served here on text alone (a multimodal checkpoint runs as its "
-                "text model), so images, audio and files cannot be read")
+        return "models are served here on text and images, so audio and files cannot be read"
     return f"this server accepts {accepted}"
 
 

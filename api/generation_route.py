@@ -19,6 +19,7 @@ from api.cache_namespace import request_namespace
 from api.decode import decode_body
 from api.errors import ask_admission
 from api.generation import Renderer, answer
+from api.images import ImageInput
 from api.telemetry import RECORD
 from runtime import ActorRef
 
@@ -47,15 +48,18 @@ async def generate(
     id_prefix: str,
     admit: Callable[[R, str], M],
     renderer: Callable[[R, M, Admitted], Renderer],
+    images: ImageInput | None = None,
 ) -> web.StreamResponse:
     """Answer a generation request: ``admit(body, request_id)`` is what admission is asked
-    (in the request's cache namespace), ``renderer(body, admit_message, admitted)`` renders
-    the answer."""
+    (in the request's cache namespace), once ``images`` checked and fetched its images;
+    ``renderer(body, admit_message, admitted)`` renders the answer."""
     req = decode_body(await request.read(), decoder)
     request_id = f"{id_prefix}{uuid.uuid4().hex}"
     record = request[RECORD]
     record.request_id, record.model = request_id, req.model
     msg = admit(req, request_id)
+    if images is not None and isinstance(msg, AdmitChat):
+        await images.resolve(msg.messages)
     namespace = request_namespace(request, req.cache_salt)
     if namespace:
         msg = msgspec.structs.replace(msg, cache_namespace=namespace)

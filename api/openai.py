@@ -40,6 +40,7 @@ from api.cache_namespace import CacheSalt
 from api.errors import ApiError, ask_admission, why_unsupported
 from api.generation import Renderer
 from api.generation_route import generate
+from api.images import ImageInput, content, url_image
 from api.shutdown import generation
 from api.sse import DONE, Frame
 from api.stops import stop_sequences
@@ -69,10 +70,18 @@ class ResponseFormat(msgspec.Struct, kw_only=True):
     json_schema: JsonSchemaFormat | None = None
 
 
+class ImageUrl(msgspec.Struct, kw_only=True):
+    url: str
+    detail: str | None = None  # accepted and ignored: the model's processor sizes images
+
+
 class ContentPart(msgspec.Struct, kw_only=True):
-    # ``type`` stays a plain string so an image part gets a clear refusal, not a schema error.
+    # ``type`` stays a plain string so an audio or file part gets a clear refusal, not a
+    # schema error.
     type: str
     text: str | None = None
+    # Some clients send the URL as a string, not an object: taken too.
+    image_url: ImageUrl | str | None = None
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
@@ -296,31 +305,48 @@ _completion_decoder = msgspec.json.Decoder(CompletionRequest)
 _encoder = msgspec.json.Encoder()
 
 
-def _message_text(message: ChatMessage, index: int) -> str:
-    """The message's text: a string as it is, text parts joined by newlines."""
+# The roles whose messages may hold images: a user's, and a tool's output.
+_IMAGE_ROLES = ("user", "tool")
+_ACCEPTED_PARTS = "text parts, and image_url parts in user and tool messages"
+
+
+def _message_content(message: ChatMessage, index: int) -> str | list[dict[str, Any]]:
+    """The message's content: a string as it is, text parts joined by newlines; with images,
+    its text and image parts in order (``api.images.content``)."""
     if message.content is None:
         return ""  # an assistant turn that only calls tools; templates expect a string
     if isinstance(message.content, str):
         return message.content
-    texts = []
+    parts = []
     for j, part in enumerate(message.content):
         param = f"messages[{index}].content[{j}]"
-        if part.type != "text":
+        if part.type == "text":
+            if part.text is None:
+                raise ApiError(400, "A text content part needs a 'text' string.",
+                               param=f"{param}.text")
+            parts.append({"type": "text", "text": part.text})
+        elif part.type == "image_url" and message.role in _IMAGE_ROLES:
+            parts.append(_image(part, f"{param}.image_url"))
+        else:
             raise ApiError(
                 400,
-                f"Content parts of type '{part.type}' are not supported: "
-                f"{why_unsupported(part.type, 'text parts only')}.",
+                f"Content parts of type '{part.type}' are not supported here: "
+                f"{why_unsupported(part.type, _ACCEPTED_PARTS)}.",
                 param=param,
             )
-        if part.text is None:
-            raise ApiError(400, "A text content part needs a 'text' string.", param=f"{param}.text")
-        texts.append(part.text)
-    return "\n".join(texts)
+    return content(parts)
+
+
+def _image(part: ContentPart, param: str) -> dict[str, Any]:
+    url = part.image_url.url if isinstance(part.image_url, ImageUrl) else part.image_url
+    if url is None:
+        raise ApiError(400, "An image_url part needs 'image_url': {\"url\": ...}.", param=param)
+    return url_image(url, param)
 
 
 def _template_message(message: ChatMessage, index: int) -> dict[str, Any]:
-    """One message as chat templates read it: role, content string and the tool fields."""
-    out: dict[str, Any] = {"role": message.role, "content": _message_text(message, index)}
+    """One message as chat templates read it: role, content and the tool fields."""
+    out: dict[str, Any] = {"role": message.role, "content": _message_content(message, index)}
     if message.name is not None:
         out["name"] = message.name
     if message.tool_calls is not None:
@@ -691,6 +717,7 @@ class OpenAIRoutes:
     def __init__(self, admission: ActorRef, config: ServeConfig) -> None:
         self.admission = admission
         self.config = config
+        self.images = ImageInput(config)
         # ModelCard has no creation time; the server's start stands in for it.
         self.created = int(time.time())
 
@@ -707,7 +734,8 @@ class OpenAIRoutes:
         """``POST /v1/chat/completions``."""
         admit = partial(admit_chat, default_max_tokens=self.config.default_max_tokens)
         return await generate(
-            request, self.admission, _chat_decoder, "chatcmpl-", admit, _ChatRenderer
+            request, self.admission, _chat_decoder, "chatcmpl-", admit, _ChatRenderer,
+            self.images,
         )
 
     @generation

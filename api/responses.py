@@ -7,7 +7,8 @@ as a system message first, message items as chat messages (text parts joined by 
 OpenAI ``tool_calls`` and their outputs as ``tool`` messages, tools as OpenAI chat functions
 (``api.responses_tools``: custom and local_shell tools mapped, hosted tools dropped),
 ``tool_choice`` and ``parallel_tool_calls`` as a ``ToolChoice``, ``text.format`` as an
-``OutputFormat``. So one conversation gets the same prompt tokens through either API.
+``OutputFormat``, ``input_image`` parts as image parts (``api.images``). So one
+conversation gets the same prompt tokens through either API.
 
 The answer is a ``response`` object whose ``output`` lists, in the order the model produced
 them, a ``reasoning`` item, a ``message`` item and one item per call (``function_call``,
@@ -54,6 +55,7 @@ from api.cache_namespace import CacheSalt
 from api.errors import ApiError, why_unsupported
 from api.generation import Renderer
 from api.generation_route import generate
+from api.images import ImageInput, content, url_image
 from api.responses_store import ResponseStore, StoredResponse
 from api.responses_tools import (
     LOCAL_SHELL,
@@ -79,9 +81,12 @@ _DROPPED = web.RequestKey("responses_dropped_tools", list)
 
 
 class InputPart(msgspec.Struct, kw_only=True):
-    # ``type`` stays a plain string so an image part gets a clear refusal, not a schema error.
+    # ``type`` stays a plain string so a file part gets a clear refusal, not a schema error.
     type: str
     text: str | None = None
+    image_url: str | None = None  # an input_image's
+    file_id: str | None = None  # an input_image's or input_file's: refused (no Files API)
+    detail: str | None = None  # an input_image's: accepted and ignored
 
 
 class InputItem(msgspec.Struct, kw_only=True):
@@ -275,28 +280,46 @@ _TEXT_PARTS = ("input_text", "output_text", "text")
 # The items that are a tool's call (an assistant turn's tool_calls) and a call's output.
 _CALLS = ("function_call", "custom_tool_call", "local_shell_call")
 _OUTPUTS = ("function_call_output", "custom_tool_call_output", "local_shell_call_output")
+_ACCEPTED_PARTS = ("input_text and output_text parts, and input_image parts in user messages "
+                   "and tool outputs")
 
 
-def _texts(content: str | list[InputPart] | None, param: str) -> str:
-    """The content's text: a string as it is, text parts joined by newlines (as chat does)."""
-    if content is None:
+def _content(parts: str | list[InputPart] | None, param: str,
+             images: bool = False) -> str | list[dict[str, Any]]:
+    """The content's text: a string as it is, text parts joined by newlines (as chat does);
+    with ``input_image`` parts (where ``images`` allows them), the text and image parts in
+    order (``api.images.content``)."""
+    if parts is None:
         return ""
-    if isinstance(content, str):
-        return content
-    texts = []
-    for j, part in enumerate(content):
+    if isinstance(parts, str):
+        return parts
+    found = []
+    for j, part in enumerate(parts):
         where = f"{param}[{j}]"
+        if part.type == "input_image" and images:
+            found.append(_image(part, where))
+            continue
         if part.type not in _TEXT_PARTS:
             raise ApiError(
                 400,
-                f"Content parts of type '{part.type}' are not supported: "
-                f"{why_unsupported(part.type, 'input_text and output_text parts only')}.",
+                f"Content parts of type '{part.type}' are not supported here: "
+                f"{why_unsupported(part.type, _ACCEPTED_PARTS)}.",
                 param=f"{where}.type",
             )
         if part.text is None:
             raise ApiError(400, "A text content part needs a 'text' string.", param=f"{where}.text")
-        texts.append(part.text)
-    return "\n".join(texts)
+        found.append({"type": "text", "text": part.text})
+    return content(found)
+
+
+def _image(part: InputPart, where: str) -> dict[str, Any]:
+    if part.image_url is None:
+        if part.file_id is not None:
+            raise ApiError(400, "input_image parts naming a file_id are not supported (this "
+                           "server has no Files API); send the image in 'image_url', as a "
+                           "data: URL.", param=f"{where}.file_id")
+        raise ApiError(400, "An input_image part needs 'image_url'.", param=f"{where}.image_url")
+    return url_image(part.image_url, f"{where}.image_url")
 
 
 def _required(value: str | None, field: str, kind: str, where: str) -> str:
@@ -336,7 +359,8 @@ def _messages(instructions: str | None, items: list[InputItem], own: int = 0
         if kind == "message":
             if item.role is None:
                 raise ApiError(400, "A message item needs a 'role'.", param=f"{where}.role")
-            message = {"role": item.role, "content": _texts(item.content, f"{where}.content")}
+            message = {"role": item.role, "content": _content(
+                item.content, f"{where}.content", images=item.role == "user")}
             messages.append(message)
             turn = message if item.role == "assistant" else None
         elif kind in _CALLS:
@@ -351,7 +375,7 @@ def _messages(instructions: str | None, items: list[InputItem], own: int = 0
             call_id = _required(call_id, "call_id", kind, where)
             if item.output is None:
                 raise ApiError(400, f"A {kind} item needs 'output'.", param=f"{where}.output")
-            output = _texts(item.output, f"{where}.output")
+            output = _content(item.output, f"{where}.output", images=True)
             messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
             turn = None
         elif kind == "reasoning":
@@ -865,6 +889,7 @@ class ResponsesRoutes:
         self.admission = admission
         self.config = config
         self.store = ResponseStore(config.responses_store)
+        self.images = ImageInput(config)
 
     def register(self, app: web.Application) -> None:
         """Add the routes to an application, and the warning header to its responses."""
@@ -890,7 +915,8 @@ class ResponsesRoutes:
         def render(req: ResponsesRequest, msg: AdmitChat, admitted: Admitted) -> Renderer:
             return _ResponsesRenderer(req, turns[0], admitted, self.store)
 
-        return await generate(request, self.admission, _decoder, "resp_", admit, render)
+        return await generate(request, self.admission, _decoder, "resp_", admit, render,
+                              self.images)
 
     async def get_response(self, request: web.Request) -> web.Response:
         """``GET /v1/responses/{response_id}``: a stored response."""

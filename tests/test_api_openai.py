@@ -438,8 +438,15 @@ BAD_REQUESTS = [
                 ],
             }
         ),
-        "messages[0].content[1]",
-        id="image-part",
+        "messages[0].content[1].image_url",
+        id="malformed-image-url",
+    ),
+    pytest.param(
+        CHAT,
+        _json({"model": MODEL, "messages": [{"role": "user", "content": [
+            {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]}),
+        "messages[0].content[0]",
+        id="audio-part",
     ),
     pytest.param(CHAT, _chat(n=2), "n", id="n-above-one"),
     pytest.param(CHAT, _chat(top_logprobs=2), "top_logprobs", id="top-logprobs-without-logprobs"),

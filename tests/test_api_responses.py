@@ -586,8 +586,13 @@ BAD = [
     ),
     pytest.param(
         body([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
+        "input[0].content[0].image_url",
+        id="malformed-image-url",
+    ),
+    pytest.param(
+        body([{"role": "user", "content": [{"type": "input_file", "file_id": "file_1"}]}]),
         "input[0].content[0].type",
-        id="image-part",
+        id="file-part",
     ),
     pytest.param(body([{"role": "tool", "content": "x"}]), "input[0].role", id="tool-role"),
     pytest.param(

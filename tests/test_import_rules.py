@@ -19,7 +19,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 MLX = ("mlx", "mlx_lm")
 # What api/ may import from actors/ when a module loads; commands import the rest lazily.
-API_MAY_LOAD = ("actors.messages", "actors.config")
+# actors.images: the image part's shape and its base64 check (Pillow only when decoding).
+API_MAY_LOAD = ("actors.messages", "actors.config", "actors.images")
 
 
 def _imports(path: Path, *, module_level_only: bool = False) -> Iterator[tuple[int, str]]:

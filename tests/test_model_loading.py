@@ -6,7 +6,7 @@ chat_template.jinja beside the tokenizer, and carries the maker's sampling in
 generation_config.json: each directory here is a tiny model reshaped that way, served through
 troupe's own path (resolve, pool, scheduler, admission) and compared with the tiny model it was
 made from. A multimodal checkpoint (a ``text_config`` beside a ``vision_config``, a vision tower
-among its weights) serves as its text model; an image in a request is a 400 saying why.
+among its weights) serves as its text model.
 """
 
 from __future__ import annotations
@@ -356,40 +356,3 @@ async def test_multimodal_checkpoint_serves_its_text_model(
     card = handles.models[0]
     assert card.context_length == text_handles.models[0].context_length  # from text_config
     assert await _greedy_completions(served, card.id, temperature=0) == expected
-
-
-# An image in each API's shape, and where its error points.
-IMAGES = [
-    pytest.param("/v1/chat/completions", {"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "what is this?"},
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
-        id="openai-image_url"),
-    pytest.param("/v1/messages", {"max_tokens": 8, "messages": [{"role": "user", "content": [
-        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                     "data": "AAAA"}}]}]}, id="anthropic-image"),
-    pytest.param("/v1/responses", {"input": [{"role": "user", "content": [
-        {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]},
-        id="responses-input_image"),
-]
-
-
-@pytest.mark.parametrize(("path", "body"), IMAGES)
-async def test_an_image_is_a_400_saying_models_are_served_on_text_alone(
-    client: Any, scripted: Any, path: str, body: dict[str, Any]
-) -> None:
-    resp = await client.post(path, json={"model": http_stack.MODEL, **body})
-    assert resp.status == 400
-    data = await resp.json()
-    error = data["error"]
-    assert error["type"] == "invalid_request_error"
-    assert "served here on text alone" in error["message"], error
-    assert not [m for m in scripted.seen if isinstance(m, AdmitChat)]  # refused before admission
-    resp = await client.post(path, json={"model": http_stack.MODEL, **body, **_text_only(path)})
-    assert resp.status == 200, await resp.text()  # the server keeps serving
-
-
-def _text_only(path: str) -> dict[str, Any]:
-    """A text request on ``path``: the server keeps serving after the refusal."""
-    if path == "/v1/responses":
-        return {"input": "hi"}
-    return {"messages": [{"role": "user", "content": "hi"}]}
