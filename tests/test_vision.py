@@ -200,3 +200,10 @@ def test_a_text_only_model_reads_no_images(tiny_model_dir: Path) -> None:
     with pytest.raises(Exception, match="no images"):
         e.add("a", [1, 2, *image_token_ids(7, 2), 3], greedy(4), images={7: (None, 2)})
 
+
+
+def test_an_untested_mlx_vlm_reads_no_images(vlm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.metadata
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.0.1")
+    assert "not a version troupe was tested with" in (why_no_images(vlm[0]) or "")

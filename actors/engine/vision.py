@@ -13,6 +13,7 @@ embedding these features replace, before anything reaches the model.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,8 @@ import numpy as np
 # which troupe's step does not give yet: their images are refused.
 VISION_MODEL_TYPES = frozenset({"gemma3"})
 EXTRA = "pip install 'mlx-troupe[vision]'"
+# The mlx-vlm versions the tests ran on (pyproject.toml pins the extra to them).
+TESTED_MLX_VLM = ("0.7.10",)
 # An image token's id: -(key << OFFSET_BITS | offset) - 1, a key of KEY_BITS bits.
 OFFSET_BITS = 20
 KEY_BITS = 40
@@ -52,9 +55,11 @@ def why_no_images(model_dir: Path) -> str | None:
         return (f"images are read for the {', '.join(sorted(VISION_MODEL_TYPES))} families; "
                 f"this model's ({kind}) is served on text alone")
     try:
-        import mlx_vlm  # noqa: F401
-    except ImportError:
+        version = importlib.metadata.version("mlx-vlm")
+    except importlib.metadata.PackageNotFoundError:
         return f"the vision extra is not installed ({EXTRA})"
+    if version not in TESTED_MLX_VLM:
+        return f"mlx-vlm {version} is not a version troupe was tested with ({EXTRA})"
     return None
 
 
