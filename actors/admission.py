@@ -42,6 +42,7 @@ import logging
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
+from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -72,6 +73,8 @@ from actors.engine.memory_estimate import (
     prompt_need,
     too_large,
 )
+from actors.engine.vision import why_no_images
+from actors.images import MAX_IMAGE_PIXELS, ImageError, decode_part, image_parts
 from actors.memory_messages import LoadModel, MemoryLimits
 from actors.messages import (
     AbortRequest,
@@ -88,6 +91,7 @@ from actors.messages import (
     EmbedAnswer,
     EmbedInputs,
     ErrorKind,
+    ImageInput,
     ListModels,
     ModelCard,
     OutputFormat,
@@ -100,6 +104,7 @@ from actors.messages import (
 )
 from actors.retry import Drain
 from actors.tool_prompt import uses_tools, with_parsed_arguments, with_tools_in_prompt
+from actors.vision_prompt import image_token, load_processor, with_images
 from actors.workers import DaemonPool, Overrun, Watchdog
 from runtime import Actor, ActorDead, ActorRef, MailboxFull, Reply, ReplyStream
 
@@ -300,6 +305,11 @@ class ModelEntry:
         self.think: tuple[str, str] | None = None
         self.grammars: Grammars | None = None
         self.bound: PromptBound | None = None
+        # Images: why this model reads none (None: it reads them), its processor, and the id
+        # the processor writes for an image's tokens.
+        self.no_images: str | None = "it is not loaded"
+        self.processor: Any = None
+        self.image_token = -1
         self.drain = Drain()
 
     @property
@@ -314,6 +324,8 @@ class _Prompt:
 
     text: str
     tool_format: str | None
+    # The chat's images, decoded, in the order the template wrote their markers.
+    images: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -348,8 +360,10 @@ class Admission(Actor):
         aliases: dict[str, str] | None = None,
         max_tokens_limit: int | None = None,
         template_timeout: float = TEMPLATE_TIMEOUT_S,
+        max_image_pixels: int = MAX_IMAGE_PIXELS,
     ) -> None:
         self.models = {card.id: ModelEntry(card, ref) for card, ref in models}
+        self.max_image_pixels = max_image_pixels
         aliases = aliases or {}
         for name, model in aliases.items():
             if model not in self.models:
@@ -397,6 +411,16 @@ class Admission(Actor):
             entry.think = think_tags_of(entry.tokenizer)
             entry.grammars = Grammars(entry.tokenizer)
             entry.bound = prompt_bound(entry.tokenizer)
+            entry.no_images = ("a model sharded across processes reads text alone"
+                               if self.distributed else why_no_images(Path(entry.card.path)))
+            if entry.no_images is None:
+                try:
+                    entry.processor = load_processor(Path(entry.card.path))
+                    entry.image_token = image_token(Path(entry.card.path))
+                except Exception as exc:  # a checkpoint whose processor files are missing
+                    entry.no_images = f"its image processor could not be loaded ({exc})"
+                    log.warning("%s: served on text alone: %s", entry.card.id,
+                                entry.no_images)
             if entry.bound is None:
                 log.info("%s: no cheap bound on prompt length; every prompt is tokenized",
                          entry.card.id)
@@ -535,13 +559,14 @@ class Admission(Actor):
         args = (tools, msg.tool_choice, msg.response_format, msg.thinking_budget)
         # One trip to the pool for a short prompt; a large one comes back to wait its turn.
         prepared = await self._work(_chat_short, entry, self._render, msg.messages,
-                                    msg.chat_template_kwargs, self.large_prompt_chars, *args)
+                                    msg.chat_template_kwargs, self.large_prompt_chars,
+                                    self.max_image_pixels, *args)
         if isinstance(prepared, _Prompt):
             prepared = await self._large_turn(_prepare_chat, entry, prepared, *args)
-        tokens, output, constraint = prepared
+        tokens, output, constraint, images = prepared
         return await self._admit(entry, msg.request_id, tokens, msg.sampling, "messages",
                                  unset=msg.unset, output=output, constraint=constraint,
-                                 namespace=msg.cache_namespace)
+                                 namespace=msg.cache_namespace, images=images)
 
     async def _admit_text(self, entry: ModelEntry, msg: AdmitCompletion,
                           prompt: str) -> AdmissionTicket:
@@ -633,8 +658,10 @@ class Admission(Actor):
     async def _count_tokens(self, entry: ModelEntry, msg: CountTokens,
                             tools: list[dict] | None) -> int:
         prompt = await self._work(_render_chat, entry, self._render, msg.messages, tools, None,
-                                  False)
+                                  False, self.max_image_pixels)
         _check_rendered(entry, prompt.text)
+        if prompt.images:
+            return len((await self._large_turn(_with_images, entry, prompt))[0])
         if len(prompt.text) <= self.large_prompt_chars:
             return len(await self._work(_encode, entry, prompt.text, False))
         return len(await self._large_turn(_encode, entry, prompt.text, False))
@@ -713,6 +740,7 @@ class Admission(Actor):
         output: OutputSpec | None = None,
         constraint: Constraint | None = None,
         namespace: str = "",
+        images: list[ImageInput] | None = None,
     ) -> AdmissionTicket:
         if not tokens:
             raise _refusal("invalid", "the prompt is empty", param=prompt_param)
@@ -722,7 +750,8 @@ class Admission(Actor):
                                        self.max_tokens_limit)
         self._check_memory(entry, len(tokens), prompt_param)
         request = AddRequest(request_id=request_id, prompt_tokens=tokens, sampling=sampling,
-                             output=output, constraint=constraint, cache_namespace=namespace)
+                             output=output, constraint=constraint, cache_namespace=namespace,
+                             images=images or [])
         try:
             try:
                 events = (await self._scheduler(entry)).try_stream(request)
@@ -963,12 +992,13 @@ def _check_template_kwargs(kwargs: dict | None) -> None:
 
 def _render_chat(entry: ModelEntry, render: _RenderBound, messages: list[dict],
                  tools: list[dict] | None, extra: dict | None,
-                 generation_prompt: bool) -> _Prompt:
+                 generation_prompt: bool, max_pixels: int) -> _Prompt:
     """The chat as the template renders it, not tokenized yet (so that its floor of tokens is
-    checked first), within ``render``'s time. A template without a tool format gets the tools
-    written into the conversation instead (``actors.tool_prompt``), read back in troupe's
-    fallback format."""
+    checked first), within ``render``'s time, and its images decoded (each at most
+    ``max_pixels``). A template without a tool format gets the tools written into the
+    conversation instead (``actors.tool_prompt``), read back in troupe's fallback format."""
     messages = without_billing_header(messages)
+    messages, images = _take_images(entry, messages, max_pixels)
     tool_format = entry.tool_format
     if tool_format is None and (tools or uses_tools(messages)):
         messages, tools, tool_format = (with_tools_in_prompt(messages, tools), None,
@@ -997,7 +1027,46 @@ def _render_chat(entry: ModelEntry, render: _RenderBound, messages: list[dict],
         # Templates reject what they cannot render (roles out of order, bad tool specs).
         raise _refusal("invalid", f"the chat template rejected the messages: {exc}",
                        param="messages") from exc
-    return _Prompt(text=text, tool_format=tool_format)
+    return _Prompt(text=text, tool_format=tool_format, images=images)
+
+
+def _take_images(entry: ModelEntry, messages: list[dict], max_pixels: int
+                 ) -> tuple[list[dict], tuple[Any, ...]]:
+    """The messages with each image part (``actors.images``' shape) left as the bare
+    ``{"type": "image"}`` a chat template writes its marker for, and the images decoded, in
+    order. Refused: images sent to a model that reads none, and images that do not decode or
+    are too large (each naming its part)."""
+    parts = image_parts(messages)
+    if not parts:
+        return messages, ()
+    first = parts[0]["image"].get("param")
+    if entry.no_images is not None:
+        raise _refusal("invalid", f"model {entry.card.id!r} does not read images: "
+                       f"{entry.no_images}", param=first, code="images_not_supported")
+    try:
+        images = [decode_part(part, max_pixels=max_pixels) for part in parts]
+    except ImageError as exc:
+        raise _refusal("invalid", exc.message, param=exc.param) from None
+
+    def bare(message: dict) -> dict:
+        content = message.get("content")
+        if not isinstance(content, list):
+            return message
+        return {**message, "content": [
+            {"type": "image"} if isinstance(p, dict) and p.get("type") == "image" else p
+            for p in content]}
+
+    return [bare(m) for m in messages], tuple(images)
+
+
+def _with_images(entry: ModelEntry, prompt: _Prompt) -> tuple[list[int], list[ImageInput]]:
+    """A rendered chat's tokens with its images placed by the model's processor."""
+    try:
+        return with_images(entry.processor, entry.image_token, prompt.text, list(prompt.images))
+    except ValueError as exc:
+        # A template that dropped an image's marker (or wrote one of its own).
+        raise _refusal("invalid", f"the chat template did not place the images: {exc}",
+                       param="messages") from None
 
 
 def _check_rendered(entry: ModelEntry, text: str) -> None:
@@ -1017,19 +1086,20 @@ def _check_rendered(entry: ModelEntry, text: str) -> None:
         )
 
 
-_Prepared = tuple[list[int], OutputSpec | None, Constraint | None]
+_Prepared = tuple[list[int], OutputSpec | None, Constraint | None, list[ImageInput]]
 
 
 def _chat_short(entry: ModelEntry, render: _RenderBound, messages: list[dict],
-                extra: dict | None, large: int, tools: list[dict] | None,
+                extra: dict | None, large: int, max_pixels: int, tools: list[dict] | None,
                 choice: ToolChoice, fmt: OutputFormat | None, thinking_budget: int | None,
                 ) -> _Prepared | _Prompt:
     """The chat rendered for generation, refused if its floor of tokens cannot fit; prepared
-    at once if it has at most ``large`` characters, else returned to wait its turn."""
-    prompt = _render_chat(entry, render, messages, tools, extra, True)
+    at once if it has at most ``large`` characters and no images (whose processing takes
+    longer), else returned to wait its turn."""
+    prompt = _render_chat(entry, render, messages, tools, extra, True, max_pixels)
     _check_floor(entry, prompt.text, "messages")
     _check_rendered(entry, prompt.text)
-    if len(prompt.text) > large:
+    if len(prompt.text) > large or prompt.images:
         return prompt
     return _prepare_chat(entry, prompt, tools, choice, fmt, thinking_budget)
 
@@ -1053,9 +1123,15 @@ def _prepare_chat(entry: ModelEntry, prompt: _Prompt, tools: list[dict] | None,
                   ) -> _Prepared:
     """A rendered chat's tokens, how its answer is read, and its grammar (``tools``: the
     request's, also when the fallback wrote them into the prompt)."""
-    tokens = _encode(entry, prompt.text, False)
+    images: list[ImageInput] = []
+    if prompt.images:
+        tokens, images = _with_images(entry, prompt)
+        # The answer is read from the text after the images (their ids are no vocabulary's).
+        text_ids = [entry.image_token if t < 0 else t for t in tokens]
+    else:
+        tokens = text_ids = _encode(entry, prompt.text, False)
     tool_format = prompt.tool_format
-    output = _output_spec(entry, tokens, tools, tool_format, thinking_budget)
+    output = _output_spec(entry, text_ids, tools, tool_format, thinking_budget)
     # The reasoning before a constrained answer stays free text.
     think = {"think": output.think, "in_reasoning": output.in_reasoning} \
         if output is not None else {}
@@ -1064,7 +1140,7 @@ def _prepare_chat(entry: ModelEntry, prompt: _Prompt, tools: list[dict] | None,
             entry, "tool_choice", lambda g: g.for_tools(tools, choice, tool_format, **think))
     else:
         constraint = _format_constraint(entry, fmt, **think)
-    return tokens, output, constraint
+    return tokens, output, constraint, images
 
 
 def _output_spec(entry: ModelEntry, tokens: list[int], tools: list[dict] | None,

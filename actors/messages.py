@@ -275,6 +275,16 @@ def _rebuild_admission_error(kind, message, param, code, retry_after):
 # --- admission -> scheduler ---------------------------------------------------------------
 
 
+class ImageInput(msgspec.Struct, frozen=True, kw_only=True):
+    """One image of a prompt, as its processor made it: ``pixels`` (a numpy array; only the
+    scheduler's thread makes MLX arrays of it), its key (``actors.engine.vision.image_key``)
+    and how many prompt tokens it takes."""
+
+    key: int
+    tokens: int
+    pixels: Any
+
+
 class AddRequest(Message, frozen=True, kw_only=True):
     """Join the running batch. Sent with ``stream()``: the scheduler answers with events.
 
@@ -291,6 +301,8 @@ class AddRequest(Message, frozen=True, kw_only=True):
     output: OutputSpec | None = None
     constraint: Any = None
     cache_namespace: str = ""
+    # The images whose tokens ``prompt_tokens`` holds (negative ids: actors/engine/vision.py).
+    images: list[ImageInput] = []
 
 
 class EmbedInputs(Message, frozen=True, kw_only=True):

@@ -70,6 +70,7 @@ from actors.engine.kv_blocks import KVBlock, from_numpy, to_numpy
 from actors.engine.memory_estimate import OK, model_memory
 from actors.engine.prefix import model_fingerprint
 from actors.engine.schedule import MIN_PREFILL_CHUNK
+from actors.engine.vision import VisionTower, why_no_images
 from actors.memory_messages import (
     DescribeLoad,
     EngineLoad,
@@ -272,12 +273,21 @@ class Scheduler(Actor):
         if self.config.distributed:  # the gate counts one rank's shard against its limit
             memory = shard_memory(memory, self.config.distributed,
                                   mx.distributed.init().size())
+        vision = None
+        if not encoder and not self.config.distributed and why_no_images(resolved.path) is None:
+            try:
+                with mx.stream(stream):
+                    vision = VisionTower(resolved.path, model)
+            except Exception:  # its tower's weights or config do not load: text alone
+                log.warning("%s: vision tower not loaded; served on text alone",
+                            resolved.name, exc_info=True)
         # An encoder's engine never steps (its inputs run in ``EncoderEmbedder``); without
         # blocks it keeps no prefix cache.
         self.engine = Engine(model, tokenizer,
                              msgspec.structs.replace(self.config, block_size=0) if encoder
                              else self.config,
-                             stream=stream, fingerprint=fingerprint, memory=memory)
+                             stream=stream, fingerprint=fingerprint, memory=memory,
+                             vision=vision)
         self.card = ModelCard(
             id=self.model_name,
             context_length=context_length(config),
@@ -660,7 +670,8 @@ class Scheduler(Actor):
         try:
             req = self.engine.add(msg.request_id, msg.prompt_tokens, msg.sampling,
                                   cached=cached, output=msg.output, constraint=msg.constraint,
-                                  partial_max=partial_max, namespace=msg.cache_namespace)
+                                  partial_max=partial_max, namespace=msg.cache_namespace,
+                                  images={i.key: (i.pixels, i.tokens) for i in msg.images})
         except RequestError as exc:
             reply.send(_refused(msg, exc.kind, str(exc)))
             reply.close()

@@ -96,6 +96,7 @@ async def start_serving(system: ActorSystem, config: ServeConfig) -> ServingHand
         aliases=config.aliases,
         max_tokens_limit=config.max_tokens_limit,
         template_timeout=config.template_timeout,
+        max_image_pixels=config.max_image_pixels,
         # The group start_rank joined: its guard counts one rank's share, as the gate does.
         ranks=mx.distributed.init().size() if config.engine.distributed else 1,
     )

@@ -55,6 +55,9 @@ class Sequence:
     # Its n-gram drafts (speculative decoding; made when it first decodes with them on).
     drafter: Drafter | None = field(default=None, repr=False)
     speculative: bool = True  # False: the request turned drafts off
+    # Its images by key (``vision.image_key``): processed pixels until their tokens first run,
+    # then their tokens' embeddings.
+    images: dict[int, Any] = field(default_factory=dict, repr=False)
 
     @property
     def remaining(self) -> int:

@@ -105,6 +105,7 @@ class Engine:
         stream: mx.Stream | None = None,
         fingerprint: str = "",
         memory: ModelMemory | None = None,
+        vision: Any = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -137,7 +138,9 @@ class Engine:
         self.new_blocks: list[tuple[str, KVBlock]] = []  # cut since the caller last took them
         # The last step's prompt responses whose blocks are still to cut (``cut_pending``).
         self._to_cut: list[Any] = []
-        self.runner = Runner(model, config, stream)
+        # A vision-language model's tower (``vision.VisionTower``; None: text alone).
+        self.vision = vision
+        self.runner = Runner(model, config, stream, vision)
         self.requests: dict[str, Request] = {}
         self._by_uid: dict[int, Request] = {}
         self.steps = 0
@@ -181,6 +184,7 @@ class Engine:
         constraint: Any = None,
         partial_max: int | None = None,
         namespace: str = "",
+        images: dict[int, Any] | None = None,
     ) -> Request:
         """Queue a request; it joins the batch at the next step. Raises RequestError.
 
@@ -190,7 +194,9 @@ class Engine:
         whose mask every sampled token obeys. ``partial_max``: at most this many tokens of a
         partial hit after the cached blocks (None: as many as RAM shares; the ranks of a
         sharded model agree on it). ``namespace``: its cache namespace, whose blocks alone it
-        reads and into which it cuts its own (``prefix.namespace_root``).
+        reads and into which it cuts its own (``prefix.namespace_root``). ``images``: by
+        key, the processed pixels and token count of each image whose tokens the prompt
+        holds (negative ids: ``vision.image_token_ids``).
         """
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already running", "conflict")
@@ -198,6 +204,8 @@ class Engine:
             raise RequestError("the prompt is empty")
         if sampling.max_tokens <= 0:
             raise RequestError("max_tokens must be positive")
+        if images and self.vision is None:
+            raise RequestError("this model reads no images")
         stop_ids = frozenset(sampling.stop_token_ids) | (
             frozenset() if sampling.ignore_eos else self.eos_ids
         )
@@ -241,6 +249,7 @@ class Engine:
             processors=processors,
             stop_ids=stop_ids,
             speculative=sampling.speculative,
+            images=images,
         )
         req = Request(
             request_id=request_id,

@@ -42,6 +42,7 @@ from actors.engine.schedule import (
     name_tokens,
 )
 from actors.engine.speculate import Drafter
+from actors.engine.vision import VisionTower, split_image_token
 from actors.mlx_lm_private import patch_models
 
 # Every this many decode steps MLX's allocator cache is given back (as mlx-lm's generator).
@@ -115,12 +116,16 @@ class Runner:
     # benchmarks/bench_first_token.py's comparison).
     first_token_in_chunk = True
 
-    def __init__(self, model: Any, config: EngineConfig, stream: Any = None) -> None:
+    def __init__(self, model: Any, config: EngineConfig, stream: Any = None,
+                 vision: VisionTower | None = None) -> None:
         patch_models()  # mlx-lm's batching bugs troupe fixes (actors/mlx_lm_private.py)
         self.model = model
         self.config = config
         self.stream = stream or generation_stream
-        self.mixed = config.mixed_step and supports_mixed(model)
+        # A vision-language model's tower: its images' tokens run through the model's own
+        # call (the one-pass step reads token ids only).
+        self.vision = vision
+        self.mixed = config.mixed_step and supports_mixed(model) and vision is None
         self.speculative = config.speculative != "off"
         self.drafts = 0  # rows' drafts verified
         self.drafted = 0  # their tokens
@@ -132,13 +137,18 @@ class Runner:
 
     def insert(self, segments: list[list[int]], *, max_tokens: int, cache: Any,
                done: list[int], sampler: Any, processors: list[Any],
-               stop_ids: frozenset[int], speculative: bool = True) -> int:
+               stop_ids: frozenset[int], speculative: bool = True,
+               images: dict[int, Any] | None = None) -> int:
         """Queue one sequence: its prompt still to run, in ``segments`` (split where blocks
         must be cut), after ``done`` tokens already in ``cache``; ``speculative``: whether
-        it may take drafts. Returns its uid."""
-        return self._insert(self.batch, segments, max_tokens=max_tokens, cache=cache,
-                            done=done, sampler=sampler, processors=processors,
-                            stop_ids=stop_ids, speculative=speculative)
+        it may take drafts; ``images``: the processed pixels of the images whose tokens its
+        prompt holds, by key (``vision``). Returns its uid."""
+        uid = self._insert(self.batch, segments, max_tokens=max_tokens, cache=cache,
+                           done=done, sampler=sampler, processors=processors,
+                           stop_ids=stop_ids, speculative=speculative)
+        if images:
+            self.batch.waiting[-1].images = dict(images)
+        return uid
 
     def _insert(self, batch: Batch, segments: list[list[int]], *, max_tokens: int, cache: Any,
                 done: list[int], sampler: Callable[[mx.array], mx.array],
@@ -397,9 +407,17 @@ class Runner:
         runs it (right padded, in pieces of at most ``step`` tokens)."""
         if not prompts:
             return
+        embeds = self._image_embeddings(pre.seqs, prompts)
         tokens, _, padding = _take_chunk(pre, prompts, prepare_plain=True)
+        if embeds is not None:
+            embeds = embeds(tokens)
         while tokens.shape[1] > 0:
-            self.model(tokens[:, :step], cache=pre.cache)
+            if embeds is None:
+                self.model(tokens[:, :step], cache=pre.cache)
+            else:
+                self.model(tokens[:, :step], cache=pre.cache,
+                           input_embeddings=embeds[:, :step])
+                embeds = embeds[:, step:]
             mx.eval([c.state for c in pre.cache])
             mx.clear_cache()
             tokens = tokens[:, step:]
@@ -408,6 +426,38 @@ class Runner:
                 c.finalize()
             mx.eval([c.state for c in pre.cache])
             mx.clear_cache()
+
+    def _image_embeddings(self, seqs: list[Sequence], prompts: list[list[int]]
+                          ) -> Callable[[mx.array], mx.array] | None:
+        """For a chunk that holds image tokens (negative ids), a function from the chunk's
+        model inputs (right padded) to their embeddings, each image token's replaced by its
+        image's features (the tower runs for an image when its first tokens do); else None."""
+        places: list[tuple[int, int, int, int]] = []
+        for i, prompt in enumerate(prompts):
+            places += [(i, col, *split_image_token(t)) for col, t in enumerate(prompt) if t < 0]
+        if not places:
+            return None
+        if self.vision is None:
+            raise ValueError("a prompt holds image tokens but the model reads no images")
+        rows = []
+        for i, _, key, j in places:
+            s = seqs[i]
+            features = s.images[key]
+            if not isinstance(features, mx.array):
+                pixels, n = features
+                features = s.images[key] = self.vision.features(pixels, n)
+            rows.append(features[j])
+        at_row = mx.array([p[0] for p in places])
+        at_col = mx.array([p[1] for p in places])
+        features = mx.stack(rows)
+        embed = self.vision.embed
+
+        def embeddings(tokens: mx.array) -> mx.array:
+            h = embed(tokens)
+            h[at_row, at_col] = features.astype(h.dtype)
+            return h
+
+        return embeddings
 
     def _decode(self, batch: Batch, ride: _Chunk | None
                 ) -> tuple[list[Sampled], mx.array | None]:
@@ -549,7 +599,8 @@ class Runner:
                 row = logits[e:e + 1]
                 if s.processors:
                     if s.context is None:
-                        s.context = TokenBuffer(s.tokens)
+                        # An image's tokens are no vocabulary ids a penalty could see.
+                        s.context = TokenBuffer([t for t in s.tokens if t >= 0])
                     context = s.context.update_and_fetch(inputs[e:e + 1])
                     contexts.append(context)
                     for processor in s.processors:
@@ -609,6 +660,8 @@ def _take_chunk(pre: Rows, prompts: list[list[int]], *, prepare_plain: bool
     lengths = [len(p) for p in prompts]
     longest = max(lengths)
     padding = [longest - n for n in lengths]
+    # An image token (a negative id) runs as the vocabulary's 0; its embedding is replaced.
+    prompts = [[max(t, 0) for t in p] for p in prompts]
     if max(padding) == 0:
         return mx.array(prompts), lengths, padding
     for c in pre.cache:

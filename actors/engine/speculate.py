@@ -74,7 +74,10 @@ class Drafter:
             key = (*own[len(own) - n + 1:], last) if n > 1 else (last,)
             at = self._index[n].get(key)
             if at is not None:
-                return own[at:at + most]
+                draft = own[at:at + most]
+                # An image's tokens (negative ids: actors/engine/vision.py) are never drafted.
+                cut = next((i for i, t in enumerate(draft) if t < 0), len(draft))
+                return draft[:cut]
         return []
 
     def verified(self, drafted: int, accepted: int) -> None:

@@ -1,0 +1,60 @@
+"""A chat's images, in admission's worker threads: the model's processor (mlx-vlm's, with its
+Hugging Face image processor) sizes and normalises each image and writes its tokens into the
+rendered prompt; each image's tokens then carry its key (``actors.engine.vision``), and its
+processed pixels go to the scheduler, whose thread alone runs the vision tower."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from actors.engine.vision import image_key, image_token_ids, vision_config
+from actors.messages import ImageInput
+
+
+def load_processor(model_dir: Path) -> Any:
+    """The checkpoint's processor (tokenizer and image processor), as mlx-vlm loads it."""
+    from mlx_vlm.utils import load_processor as vlm_processor
+
+    return vlm_processor(str(model_dir), add_detokenizer=False)
+
+
+def image_token(model_dir: Path) -> int:
+    """The id the processor writes for each of an image's tokens."""
+    config = vision_config(model_dir) or {}
+    return int(config.get("image_token_index", config.get("image_token_id", -1)))
+
+
+def with_images(processor: Any, token: int, text: str, images: list[Any]
+                ) -> tuple[list[int], list[ImageInput]]:
+    """The rendered chat ``text`` (one image marker per image, as the chat template writes
+    them) with each of ``images`` (PIL images, in order) in it: the prompt's token ids, each
+    image's run of ``token`` replaced by ids that carry its key, and the images as the
+    scheduler takes them."""
+    out = processor(text=[text], images=images, add_special_tokens=False)
+    ids = np.asarray(out["input_ids"]).reshape(-1).tolist()
+    pixels = np.asarray(out["pixel_values"], dtype=np.float32)
+    runs = _runs(ids, token)
+    if len(runs) != len(images) or pixels.shape[0] != len(images):
+        raise ValueError(f"the processor placed {len(runs)} images for the {len(images)} given")
+    inputs = []
+    for (start, n), image_pixels in zip(runs, pixels, strict=True):
+        key = image_key(image_pixels)
+        ids[start:start + n] = image_token_ids(key, n)
+        inputs.append(ImageInput(key=key, tokens=n, pixels=image_pixels))
+    return ids, inputs
+
+
+def _runs(ids: list[int], token: int) -> list[tuple[int, int]]:
+    """Where each run of ``token`` starts in ``ids``, and its length."""
+    runs: list[tuple[int, int]] = []
+    for i, t in enumerate(ids):
+        if t != token:
+            continue
+        if runs and runs[-1][0] + runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs

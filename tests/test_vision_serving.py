@@ -1,0 +1,164 @@
+"""Images over HTTP (issue 34): the three APIs with the official clients, served in-process by
+a tiny random-weight Gemma 3 vision-language checkpoint (tests/tiny_vlm.py). Each answer is
+checked against mlx-vlm's own generation of the same prompt and image; the same image sent
+again is a prefix-cache hit with the same answer; a text-only model refuses images."""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import mlx_lm
+import openai
+import pytest
+from http_stack import RealStack, real_stack
+from test_vision import QUESTION, picture, reference
+from tiny_vlm import make_tiny_gemma3_vlm
+
+from actors.engine.vision import VisionTower
+from actors.vision_prompt import load_processor
+
+mlx_vlm = pytest.importorskip("mlx_vlm")  # the vision extra; `make setup` installs it
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    model_dir = make_tiny_gemma3_vlm(tmp_path_factory.mktemp("gemma3-vlm") / "gemma3-vlm")
+    model, tok = mlx_lm.load(str(model_dir))
+    reference_model, _ = mlx_vlm.load(str(model_dir))
+    return (model_dir, model, tok, VisionTower(model_dir, model), load_processor(model_dir),
+            reference_model)
+
+
+@pytest.fixture
+async def stack(vlm: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                ) -> AsyncIterator[RealStack]:
+    monkeypatch.setenv("TROUPE_HOME", str(tmp_path))
+    async with real_stack(vlm[0]) as s:
+        yield s
+
+
+def png(seed: int) -> str:
+    out = io.BytesIO()
+    picture(seed).save(out, format="PNG")
+    return base64.b64encode(out.getvalue()).decode()
+
+
+def expected(vlm: Any, seed: int, max_tokens: int = 8) -> str:
+    """mlx-vlm's greedy answer to QUESTION about picture ``seed``, up to its end token."""
+    tok = vlm[2]
+    tokens = reference(vlm, [picture(seed)], max_tokens=max_tokens)
+    eos = set(tok.eos_token_ids)
+    cut = next((i for i, t in enumerate(tokens) if t in eos), len(tokens))
+    return tok.decode(tokens[:cut])
+
+
+def openai_chat(seed: int) -> list[dict]:
+    return [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png(seed)}"}},
+        {"type": "text", "text": QUESTION}]}]
+
+
+async def test_openai_chat_reads_the_image_as_mlx_vlm_does(stack: RealStack, vlm: Any) -> None:
+    oai = openai.AsyncOpenAI(base_url=f"{stack.server.url}/v1", api_key="x", max_retries=0)
+    try:
+        answers = []
+        for seed in (0, 1):
+            got = await oai.chat.completions.create(model=stack.model, max_tokens=8,
+                                                    temperature=0, messages=openai_chat(seed))
+            answers.append(got.choices[0].message.content)
+        chunks = await oai.chat.completions.create(model=stack.model, max_tokens=8,
+                                                   temperature=0, messages=openai_chat(0),
+                                                   stream=True)
+        streamed = "".join([c.choices[0].delta.content or "" async for c in chunks
+                            if c.choices])
+    finally:
+        await oai.close()
+    assert answers == [expected(vlm, 0), expected(vlm, 1)]
+    assert answers[0] != answers[1]
+    assert streamed == answers[0]
+
+
+async def test_the_same_image_again_is_a_cache_hit_with_the_same_answer(stack: RealStack,
+                                                                         vlm: Any) -> None:
+    oai = openai.AsyncOpenAI(base_url=f"{stack.server.url}/v1", api_key="x", max_retries=0)
+    try:
+        first = await oai.chat.completions.create(model=stack.model, max_tokens=8,
+                                                  temperature=0, messages=openai_chat(2))
+        again = await oai.chat.completions.create(model=stack.model, max_tokens=8,
+                                                  temperature=0, messages=openai_chat(2))
+        other = await oai.chat.completions.create(model=stack.model, max_tokens=8,
+                                                  temperature=0, messages=openai_chat(3))
+    finally:
+        await oai.close()
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert cached >= first.usage.prompt_tokens - 16
+    # Another image shares only what comes before it (the turn's opening tokens).
+    assert (other.usage.prompt_tokens_details.cached_tokens or 0) < 8
+    assert other.choices[0].message.content == expected(vlm, 3)
+
+
+async def test_anthropic_messages_read_the_image(stack: RealStack, vlm: Any) -> None:
+    client = anthropic.AsyncAnthropic(base_url=stack.server.url, api_key="x", max_retries=0)
+    try:
+        got = await client.messages.create(
+            model=stack.model, max_tokens=8, extra_body={"temperature": 0},
+            messages=[{"role": "user", "content": [
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                             "data": png(1)}},
+                {"type": "text", "text": QUESTION}]}])
+    finally:
+        await client.close()
+    assert "".join(b.text for b in got.content if b.type == "text") == expected(vlm, 1)
+
+
+async def test_responses_input_image_reads_the_image(stack: RealStack, vlm: Any) -> None:
+    async with httpx.AsyncClient(base_url=stack.server.url, timeout=60) as http:
+        resp = await http.post("/v1/responses", json={
+            "model": stack.model, "max_output_tokens": 8, "temperature": 0,
+            "input": [{"role": "user", "content": [
+                {"type": "input_image", "image_url": f"data:image/png;base64,{png(0)}"},
+                {"type": "input_text", "text": QUESTION}]}]})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["output_text"] == expected(vlm, 0)
+
+
+async def test_an_undecodable_image_is_a_400_and_the_server_keeps_serving(
+        stack: RealStack, vlm: Any) -> None:
+    async with httpx.AsyncClient(base_url=stack.server.url, timeout=60) as http:
+        resp = await http.post("/v1/chat/completions", json={
+            "model": stack.model, "max_tokens": 4, "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {
+                    "url": "data:image/png;base64," + base64.b64encode(b"not a png").decode()}},
+                {"type": "text", "text": "hi"}]}]})
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["param"] == "messages[0].content[0].image_url"
+        ok = await http.post("/v1/chat/completions", json={
+            "model": stack.model, "max_tokens": 8, "temperature": 0,
+            "messages": openai_chat(0)})
+    assert ok.status_code == 200
+    assert ok.json()["choices"][0]["message"]["content"] == expected(vlm, 0)
+
+
+async def test_a_text_only_model_refuses_images_with_a_400(tiny_model_dir: Path,
+                                                           tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    monkeypatch.setenv("TROUPE_HOME", str(tmp_path))
+    async with real_stack(tiny_model_dir) as s, \
+            httpx.AsyncClient(base_url=s.server.url, timeout=60) as http:
+        resp = await http.post("/v1/chat/completions", json={
+            "model": s.model, "max_tokens": 4, "messages": openai_chat(0)})
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert "does not read images" in error["message"] and "text-only" in error["message"]
+        assert error["param"] == "messages[0].content[0].image_url"
+        ok = await http.post("/v1/chat/completions", json={
+            "model": s.model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+        assert ok.status_code == 200
