@@ -74,6 +74,7 @@ from actors.engine.memory_estimate import (
     too_large,
 )
 from actors.engine.vision import why_no_images
+from actors.engine.vision_prompt import image_token, load_processor, with_images
 from actors.images import MAX_IMAGE_PIXELS, ImageError, decode_part, image_parts
 from actors.memory_messages import LoadModel, MemoryLimits
 from actors.messages import (
@@ -104,7 +105,6 @@ from actors.messages import (
 )
 from actors.retry import Drain
 from actors.tool_prompt import uses_tools, with_parsed_arguments, with_tools_in_prompt
-from actors.vision_prompt import image_token, load_processor, with_images
 from actors.workers import DaemonPool, Overrun, Watchdog
 from runtime import Actor, ActorDead, ActorRef, MailboxFull, Reply, ReplyStream
 

@@ -1,4 +1,4 @@
-"""Images through troupe's engine (actors/engine/vision.py, actors/vision_prompt.py): a tiny
+"""Images through troupe's engine (actors/engine/vision.py, actors/engine/vision_prompt.py): a tiny
 random-weight Gemma 3 vision-language checkpoint made with mlx-vlm's own classes
 (tests/tiny_vlm.py), its processor, tower and projector mlx-vlm's, its language model mlx-lm's
 in troupe's step. Every answer is checked against mlx-vlm's own generation of the same prompt
@@ -23,7 +23,7 @@ from actors.engine.core import Engine
 from actors.engine.kv_blocks import from_numpy, to_numpy
 from actors.engine.prefix import model_fingerprint
 from actors.engine.vision import VisionTower, image_token_ids, split_image_token, why_no_images
-from actors.vision_prompt import image_token, load_processor, with_images
+from actors.engine.vision_prompt import image_token, load_processor, with_images
 
 mlx_vlm = pytest.importorskip("mlx_vlm")  # the vision extra; `make setup` installs it
 
