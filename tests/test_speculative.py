@@ -199,6 +199,137 @@ def test_a_model_whose_cache_cannot_take_back_positions_decodes_without_drafts(
     assert got[:20] == reference_tokens(model, tok, prompt, 20)[:20]
 
 
+# -- hybrid models ----------------------------------------------------------------------------
+
+# Recurrent layers (``ArraysCache``) beside attention ones: Qwen3.5's gated delta net, lfm2's
+# short convolutions. At this size (two layers, width 32) their greedy answers fall into loops
+# that the drafts predict in part: drafts are kept whole, in part, and not at all.
+HYBRIDS = ["qwen3_5", "lfm2"]
+HYBRID_TEXTS = [TEXTS[0], "a b c d e f g a b c d e f g a b c d e f g a b c", TEXTS[2], TEXTS[3]]
+
+
+@pytest.fixture(scope="module", params=HYBRIDS)
+def hybrid(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    arch = request.param
+    return load(str(make_tiny_model(tmp_path_factory.mktemp(arch) / arch, arch=arch, layers=2,
+                                    hidden=32)))
+
+
+def replays_seen(e: Engine) -> list[list[int]]:
+    """The tokens each row kept in every step whose recurrent state was replayed."""
+    seen: list[list[int]] = []
+    replay = e.runner._replay
+
+    def record(cache: Any, attention: Any, recurrent: Any, before: Any, rows: Any,
+               kept: list[int], width: int) -> None:
+        seen.append(list(kept))
+        replay(cache, attention, recurrent, before, rows, kept, width)
+
+    e.runner._replay = record
+    return seen
+
+
+@pytest.mark.parametrize("n", [1, 4], ids=["alone", "batch4"])
+def test_hybrid_greedy_answers_with_drafts_are_those_without(hybrid: Any, n: int) -> None:
+    """A rejected draft's tokens went through the recurrent layers too: their state goes back
+    and the kept tokens run again, so the answers are one token a step's (and mlx-lm's),
+    with drafts proposed, kept and rejected, by rows that keep different lengths."""
+    model, tok = hybrid
+    requests = {f"r{i}": (tok.encode(t), greedy(200, ignore_eos=True))
+                for i, t in enumerate(HYBRID_TEXTS[:n] if n > 1 else HYBRID_TEXTS[1:2])}
+    off, e_off = serve_all(hybrid, "off", requests)
+    e = Engine(model, tok, engine_config(speculative="ngram"))
+    seen = replays_seen(e)
+    for rid, (prompt, sampling) in requests.items():
+        e.add(rid, prompt, sampling)
+    on = run(e)
+    assert len({tuple(r["tokens"]) for r in off.values()}) == n
+    for rid in requests:
+        assert on[rid]["tokens"] == off[rid]["tokens"]
+    first = next(iter(requests.values()))[0]
+    want = reference_tokens(model, tok, first, 200)
+    assert off["r0"]["tokens"][: len(want)] == want and len(want) > 100
+    r = e.runner
+    assert r.accepted > 0 and r.drafted > r.accepted and r.replays == len(seen) > 0
+    if n == 1:
+        assert e.steps < e_off.steps
+    else:
+        assert any(len(set(kept)) > 1 for kept in seen)
+
+
+def test_a_hybrid_cache_after_drafts_holds_the_state_of_its_tokens(hybrid: Any) -> None:
+    """Greedy and sampling rows drafting in one batch: each finished row's cache (recurrent
+    state and KV) is what one pass over the tokens it holds gives, so every draw was made
+    from the state of the tokens before it (the sampled rows' draws then follow
+    ``RowSampler.verify``'s distribution, tested above)."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+    from mlx_lm.sample_utils import greedy_sampler
+
+    from actors.engine.request import RowSampler
+    from actors.engine.runner import Runner
+
+    model, tok = hybrid
+    runner = Runner(model, engine_config(speculative="ngram"))
+    for i, t in enumerate(HYBRID_TEXTS[:3]):
+        sampler = greedy_sampler if i != 1 else RowSampler(
+            SamplingParams(max_tokens=150, temperature=0.7, ignore_eos=True))
+        runner.insert([tok.encode(t)], max_tokens=150, cache=None, done=[], sampler=sampler,
+                      processors=[], stop_ids=frozenset())
+    finished = []
+    while runner.waiting or runner.prefilling or runner.decoding:
+        out = runner.run(runner.whole_chunks())
+        finished += [s for s in out.responses if s.finish_reason is not None]
+    assert runner.accepted > 0 and runner.replays > 0 and len(finished) == 3
+    for s in finished:
+        fresh = make_prompt_cache(model)
+        model(mx.array([s.all_tokens]), cache=fresh)
+        for got, want in zip(s.prompt_cache, fresh, strict=True):
+            if isinstance(want, ArraysCache):
+                pairs = list(zip(got.cache, want.cache, strict=True))
+            else:
+                assert got.offset == want.offset == len(s.all_tokens)
+                n = got.offset
+                pairs = [(got.keys[..., :n, :], want.keys[..., :n, :]),
+                         (got.values[..., :n, :], want.values[..., :n, :])]
+            for a, b in pairs:
+                np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-5)
+
+
+def test_a_hybrid_prefix_hit_after_a_drafted_run_answers_the_same(hybrid: Any) -> None:
+    """Hybrid models keep recurrent state only at block ends, cut from a prompt's prefill: a
+    prompt prefilled in chunks while another row drafts leaves blocks that answer a repeat of
+    it as the first run did."""
+    from engine_helpers import ram_hit
+
+    from actors.engine.prefix import usable_blocks
+
+    model, tok = hybrid
+    e = Engine(model, tok, engine_config(speculative="ngram", block_size=16,
+                                         prefill_step_size=16))
+    long = tok.encode(TEXTS[0] + TEXTS[2] * 2)
+    e.add("a", tok.encode(HYBRID_TEXTS[1]), greedy(200, ignore_eos=True))
+    got: dict[str, list[int]] = {"a": [], "b": []}
+    steps, drafted = 0, 0
+    while e.has_work:
+        if steps == 60:
+            drafted = e.runner.drafts
+            e.add("b", long, greedy(40, ignore_eos=True))
+        for ev in e.step():
+            if isinstance(ev, TokensGenerated):
+                if ev.request_id == "b" and not got["b"]:
+                    assert e.runner.drafts > drafted, "the row drafted while b prefilled"
+                got[ev.request_id] += ev.token_ids
+        steps += 1
+    hit = ram_hit(e, long)
+    assert len(hit) == usable_blocks(len(long), 16) >= 3
+    e.add("c", long, greedy(40, ignore_eos=True), cached=hit)
+    again = run(e)["c"]
+    assert again["finish"].usage.cached_tokens == len(hit) * 16
+    assert again["tokens"] == got["b"]
+
+
 async def test_a_stream_with_drafts_carries_every_token_once_and_the_report_counts_them(
         aiohttp_client: Any, tmp_path: Path) -> None:
     """Through the serving stack: the streamed text is the whole answer's, each token once,

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Iterator
+from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
-from mlx_lm.models.cache import BatchKVCache, TokenBuffer, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, TokenBuffer, make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 from mlx_lm.utils import maybe_set_recommended_wired_limit
 
@@ -130,6 +131,7 @@ class Runner:
         self.drafts = 0  # rows' drafts verified
         self.drafted = 0  # their tokens
         self.accepted = 0  # of them, kept
+        self.replays = 0  # hybrid models' passes that ran kept tokens again (``_replay``)
         self._old_wired_limit = maybe_set_recommended_wired_limit()
         self.batch = Batch(self.mixed)
 
@@ -488,7 +490,8 @@ class Runner:
         """Each decoding row's draft this step (``speculate.Drafter``: rows without logits
         processors draft; the others take no draft), or None when no row drafts or
         the step cannot verify drafts: more rows than ``SPECULATE_ROWS``, or a cache that
-        cannot take back a rejected draft's positions (anything but batched plain KV)."""
+        cannot take back a rejected draft's positions (anything but batched plain KV and
+        recurrent state)."""
         seqs = dec.seqs
         if not seqs or len(seqs) > SPECULATE_ROWS or not _rewindable(dec.cache):
             return None
@@ -513,19 +516,27 @@ class Runner:
         distributed as one a step gives), and each answers the tokens kept and one more;
         rows with logits processors sample their first position's logits as a plain decode
         step does. The positions past what a row keeps leave its cache before anything reads
-        it (``_rewind``)."""
+        it (``_rewind``); a hybrid model's recurrent layers, which cannot take positions back,
+        go back to their state before the pass and run the kept tokens again (``_replay``)."""
         dec = batch.decode
         seqs = dec.seqs
         width = 1 + max(len(d) for d in drafts)
         rows = [[s.next_input, *d] + [s.next_input] * (width - 1 - len(d))
                 for s, d in zip(seqs, drafts, strict=True)]
         inputs = mx.array(rows, dtype=mx.uint32)
+        recurrent = [c for c in dec.cache if isinstance(c, ArraysCache)]
+        # The recurrent states before the pass: the layers assign new arrays, never change
+        # these, so keeping the references keeps the states (no copy).
+        before = [list(c.cache) for c in recurrent]
+        lengths = [1 + len(d) for d in drafts]
         ended = None
-        if self.mixed:
-            chunk = (ride.tokens, batch.prefill.cache, ride.ends) if ride else (None, None, ())
-            logits, ended = forward(self.model, inputs, dec.cache, *chunk)
-        else:
-            logits = self.model(inputs, cache=dec.cache)
+        with _masked(recurrent, lengths, width):
+            if self.mixed:
+                chunk = ((ride.tokens, batch.prefill.cache, ride.ends) if ride
+                         else (None, None, ()))
+                logits, ended = forward(self.model, inputs, dec.cache, *chunk)
+            else:
+                logits = self.model(inputs, cache=dec.cache)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         best = mx.argmax(logprobs, axis=-1)
         others = [i for i, s in enumerate(seqs) if not _verifies(s)]
@@ -562,7 +573,12 @@ class Runner:
                     tokens = tokens[:n]
                     break
             emitted.append(tokens)
-        _rewind(dec.cache, [width - len(t) for t in emitted])
+        kept = [len(t) for t in emitted]
+        attention = [c for c in dec.cache if not isinstance(c, ArraysCache)]
+        if recurrent and kept != lengths:
+            self._replay(dec.cache, attention, recurrent, before, rows, kept, width)
+        else:
+            _rewind(attention, [width - n for n in kept])
         for s, row, tokens in zip(seqs, rows, emitted, strict=True):
             s.tokens.extend(row[:len(tokens)])
         out = _finish_tokens(dec, emitted, lambda i, j: sampled[i][1] if i in sampled
@@ -571,6 +587,28 @@ class Runner:
         if batch.decode_steps % CLEAR_CACHE_STEPS == 0:
             mx.clear_cache()
         return out, ended
+
+    def _replay(self, cache: list[Any], attention: list[Any], recurrent: list[ArraysCache],
+                before: list[list[Any]], rows: list[list[int]], kept: list[int],
+                width: int) -> None:
+        """A hybrid model's step after a row kept less than it ran: its recurrent state went
+        through the rejected tokens and holds no state at any earlier position. Every row's
+        cache goes back to before the step (``attention`` layers trimmed by ``width``, the
+        ``recurrent`` ones set to ``before``) and runs again its first ``kept[row]`` inputs
+        of ``rows``, in a pass of their own. Only the caches are evaluated (lazily, by the
+        next step): the pass's logits, which the step already sampled, are never computed."""
+        self.replays += 1
+        _rewind(attention, [width] * len(kept))
+        for c, states in zip(recurrent, before, strict=True):
+            for j, state in enumerate(states):
+                c[j] = state
+        longest = max(kept)
+        inputs = mx.array([r[:n] + [r[0]] * (longest - n) for r, n in zip(rows, kept,
+                                                                           strict=True)],
+                          dtype=mx.uint32)
+        with _masked(recurrent, kept, longest):
+            self.model(inputs, cache=cache)
+        _rewind(attention, [longest - n for n in kept])
 
     def _first_tokens(self, batch: Batch, rows: list[int], logits: mx.array) -> list[Sampled]:
         """The first tokens of the prefill ``rows`` whose prompts ended in this step's chunk,
@@ -686,9 +724,27 @@ def _verifies(s: Sequence) -> bool:
 
 def _rewindable(cache: list[Any]) -> bool:
     """Whether every layer is batched plain KV (``BatchKVCache``, or ``RaggedKVCache``
-    groups of them): positions written past what a row keeps can be taken back."""
-    return all(type(g) is BatchKVCache for c in cache
+    groups of them), whose positions written past what a row keeps can be taken back, or
+    recurrent state (``ArraysCache``: hybrid models), which ``Runner._replay`` restores."""
+    return all(type(g) is BatchKVCache or isinstance(g, ArraysCache) for c in cache
                for g in (c.groups if isinstance(c, RaggedKVCache) else [c]))
+
+
+@contextmanager
+def _masked(recurrent: list[ArraysCache], lengths: list[int], width: int) -> Iterator[None]:
+    """A pass of ``width`` positions in which each row's recurrent state takes only its
+    first ``lengths[row]`` (the rest are padding): the layers' own masks for right-padded
+    rows (``ArraysCache.prepare``), set only when some row is padded."""
+    ragged = recurrent and min(lengths) < width
+    if ragged:
+        for c in recurrent:
+            c.prepare(lengths=lengths)
+    try:
+        yield
+    finally:
+        if ragged:
+            for c in recurrent:
+                c.finalize()
 
 
 def _rewind(cache: list[Any], drop: list[int]) -> None:
