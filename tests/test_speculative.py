@@ -314,6 +314,43 @@ def test_a_hybrid_cache_after_drafts_holds_the_state_of_its_tokens(hybrid: Any) 
                 np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-5)
 
 
+def test_a_hybrid_row_runs_what_it_carries_in_a_batch_too_large_for_drafts(hybrid: Any) -> None:
+    """A row carrying kept tokens when more rows join than drafts are verified for runs them
+    in the plain step that follows, before its next input."""
+    from mlx_lm.sample_utils import greedy_sampler
+
+    from actors.engine.runner import SPECULATE_ROWS, Runner
+
+    model, tok = hybrid
+    runner = Runner(model, engine_config(speculative="ngram"))
+    prompt = tok.encode(HYBRID_TEXTS[1])
+    got: dict[int, list[int]] = {}
+
+    def add(tokens: list[int], n: int) -> None:
+        runner.insert([tokens], max_tokens=n, cache=None, done=[], sampler=greedy_sampler,
+                      processors=[], stop_ids=frozenset())
+
+    def step() -> None:
+        for s in runner.run(runner.whole_chunks()).responses:
+            got.setdefault(s.uid, []).append(s.token)
+
+    add(prompt, 200)
+    while not (runner.decoding and runner.batch.decode.seqs[0].carried):
+        step()
+    joining = [[5 + i] for i in range(SPECULATE_ROWS)]
+    for one in joining:  # one-token prompts join the decode rows in the next step
+        add(one, 20)
+    step()
+    assert runner.decoding == SPECULATE_ROWS + 1 and not runner.batch.decode.seqs[0].carried
+    while runner.decoding:
+        step()
+    want = reference_tokens(model, tok, prompt, 200)
+    assert got[0][: len(want)] == want and len(want) > 100
+    for uid, one in enumerate(joining, 1):
+        want = reference_tokens(model, tok, one, 20)
+        assert got[uid][: len(want)] == want
+
+
 def test_a_hybrid_prefix_hit_after_a_drafted_run_answers_the_same(hybrid: Any) -> None:
     """Hybrid models keep recurrent state only at block ends, cut from a prompt's prefill: a
     prompt prefilled in chunks while another row drafts leaves blocks that answer a repeat of
