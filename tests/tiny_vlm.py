@@ -30,8 +30,8 @@ VLM_TEMPLATE = (
 
 def make_tiny_gemma3_vlm(out: Path, *, hidden: int = 64, layers: int = 4, image_size: int = 32,
                          patch: int = 8, image_tokens: int = 16, seed: int = 0,
-                         heads: int = 4, kv_heads: int = 2, vision_hidden: int = 32, vision_layers: int = 2,
-                         vision_heads: int = 2) -> Path:
+                         heads: int = 4, kv_heads: int = 2, vision_hidden: int = 32,
+                         vision_layers: int = 2, vision_heads: int = 2) -> Path:
     """Write a random-weight Gemma 3 vision-language checkpoint to ``out`` (the defaults:
     the tests' tiny one; benchmarks/bench_vision.py makes a larger one)."""
     import mlx.core as mx
