@@ -25,6 +25,7 @@ from actors.engine.memory_estimate import tower_transient
 from actors.engine.vision import VisionTower
 from actors.engine.vision_prompt import image_token, load_processor, with_images
 from actors.memory_messages import SetMemoryLimit
+from actors.tool_prompt import with_tools_in_prompt
 
 MB = 1 << 20
 
@@ -208,3 +209,52 @@ async def test_an_image_whose_tower_would_pass_the_memory_limit_is_a_413(
         "model": handles.models[0].id, "max_tokens": 4,
         "messages": [{"role": "user", "content": QUESTION}]})
     assert served.status == 200
+
+
+def test_tool_results_with_images_keep_them_in_place_when_tools_are_written_in() -> None:
+    image = {"type": "image", "image": {"data": "x", "media_type": None, "param": "p"}}
+    messages = [
+        {"role": "user", "content": "look at the screen"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "1", "type": "function", "function": {"name": "shot", "arguments": "{}"}},
+            {"id": "2", "type": "function", "function": {"name": "shot", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "1", "content": [{"type": "text", "text": "one"},
+                                                          image]},
+        {"role": "tool", "tool_call_id": "2", "content": "two"}]
+    tools = [{"type": "function", "function": {"name": "shot", "parameters": {}}}]
+    out = with_tools_in_prompt(messages, tools)
+    turn = out[-1]
+    assert turn["role"] == "user" and isinstance(turn["content"], list)
+    assert turn["content"].count(image) == 1
+    text = "".join(p.get("text", "[image]") for p in turn["content"])
+    assert text == ("<tool_response>\none[image]\n</tool_response>\n"
+                    "<tool_response>\ntwo\n</tool_response>")
+
+
+async def test_an_image_in_a_tool_result_is_read(stack: RealStack) -> None:
+    """Agents send screenshots back as tool results: with tools written into the prompt (the
+    tiny model's template has no tool format), each image still reaches the model: two
+    screenshots answer differently (compared as the answers' bytes: a random model's tokens
+    are often parts of characters)."""
+    oai = openai.AsyncOpenAI(base_url=f"{stack.server.url}/v1", api_key="x", max_retries=0)
+    tools = [{"type": "function", "function": {"name": "screenshot", "parameters": {
+        "type": "object", "properties": {}}}}]
+    answers, usage = [], []
+    try:
+        for seed in (0, 1):
+            got = await oai.chat.completions.create(
+                model=stack.model, max_tokens=8, temperature=0, tools=tools, logprobs=True,
+                messages=[
+                    {"role": "user", "content": "What is on my screen?"},
+                    {"role": "assistant", "content": None, "tool_calls": [
+                        {"id": "t1", "type": "function",
+                         "function": {"name": "screenshot", "arguments": "{}"}}]},
+                    {"role": "tool", "tool_call_id": "t1", "content": [
+                        {"type": "image_url",
+                         "image_url": {"url": f"data:image/png;base64,{png(seed)}"}}]}])
+            answers.append([t.bytes for t in got.choices[0].logprobs.content])
+            usage.append(got.usage.prompt_tokens)
+    finally:
+        await oai.close()
+    assert answers[0] != answers[1]
+    assert usage[0] == usage[1] > 16  # the image's 16 tokens are in the prompt
