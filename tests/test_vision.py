@@ -207,3 +207,14 @@ def test_an_untested_mlx_vlm_reads_no_images(vlm: Any, monkeypatch: pytest.Monke
 
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.0.1")
     assert "not a version troupe was tested with" in (why_no_images(vlm[0]) or "")
+
+
+def test_without_the_vision_extra_a_vlm_reads_no_images_and_says_which_extra(
+        vlm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.metadata
+
+    def missing(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    assert "pip install 'mlx-troupe[vision]'" in (why_no_images(vlm[0]) or "")

@@ -29,8 +29,11 @@ VLM_TEMPLATE = (
 
 
 def make_tiny_gemma3_vlm(out: Path, *, hidden: int = 64, layers: int = 4, image_size: int = 32,
-                         patch: int = 8, image_tokens: int = 16, seed: int = 0) -> Path:
-    """Write a random-weight Gemma 3 vision-language checkpoint to ``out``."""
+                         patch: int = 8, image_tokens: int = 16, seed: int = 0,
+                         heads: int = 4, kv_heads: int = 2, vision_hidden: int = 32,
+                         vision_layers: int = 2, vision_heads: int = 2) -> Path:
+    """Write a random-weight Gemma 3 vision-language checkpoint to ``out`` (the defaults:
+    the tests' tiny one; benchmarks/bench_vision.py makes a larger one)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_vlm.models.gemma3 import Model
@@ -53,15 +56,17 @@ def make_tiny_gemma3_vlm(out: Path, *, hidden: int = 64, layers: int = 4, image_
     ids = {t: tok.convert_tokens_to_ids(t) for t in (BOI, IMAGE, EOI)}
     text = {
         "model_type": "gemma3_text", "hidden_size": hidden, "num_hidden_layers": layers,
-        "intermediate_size": hidden * 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 16, "query_pre_attn_scalar": 16, "rms_norm_eps": 1e-6,
+        "intermediate_size": hidden * 2, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": hidden // heads, "query_pre_attn_scalar": hidden // heads, "rms_norm_eps": 1e-6,
         "vocab_size": vocab, "sliding_window": 18, "sliding_window_pattern": 2,
         "mm_tokens_per_image": image_tokens, "max_position_embeddings": 2048,
         "rope_global_base_freq": 1000000.0, "rope_local_base_freq": 10000.0,
     }
     vision = {
-        "model_type": "siglip_vision_model", "hidden_size": 32, "num_hidden_layers": 2,
-        "intermediate_size": 64, "num_attention_heads": 2, "patch_size": patch,
+        "model_type": "siglip_vision_model", "hidden_size": vision_hidden,
+        "num_hidden_layers": vision_layers, "intermediate_size": vision_hidden * 2,
+        "num_attention_heads": vision_heads, "patch_size": patch,
         "image_size": image_size, "layer_norm_eps": 1e-6,
     }
     config = {
