@@ -95,3 +95,79 @@ def make_tiny_gemma3_vlm(out: Path, *, hidden: int = 64, layers: int = 4, image_
     (out / "processor_config.json").write_text(json.dumps(
         {"processor_class": "Gemma3Processor", "image_seq_length": image_tokens}))
     return out
+
+
+VISION_START, IMAGE_PAD, VISION_END, VIDEO_PAD = (
+    "<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
+# ChatML writing image parts as Qwen-VL's templates do: the image pad between the vision
+# markers, which the processor expands into the image's tokens.
+QWEN_VL_TEMPLATE = VLM_TEMPLATE.replace(BOI, VISION_START + IMAGE_PAD + VISION_END)
+
+
+def make_tiny_qwen2_5_vl(out: Path, *, hidden: int = 64, layers: int = 4, patch: int = 8,
+                         seed: int = 0) -> Path:
+    """Write a random-weight Qwen2.5-VL checkpoint to ``out``: its image processor sizes an
+    image to at most 48x48 pixels (a grid of at most 6x6 patches of 8, 9 tokens once 2x2 are
+    merged), keeping its aspect ratio, so images of other shapes take other grids."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_vlm.models.qwen2_5_vl import Model
+    from mlx_vlm.models.qwen2_5_vl.config import ModelConfig, TextConfig, VisionConfig
+    from transformers import AutoTokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(out, template=QWEN_VL_TEMPLATE)
+    tok = AutoTokenizer.from_pretrained(str(out))
+    tok.add_special_tokens({"additional_special_tokens": [VISION_START, IMAGE_PAD, VISION_END,
+                                                          VIDEO_PAD]})
+    tok.save_pretrained(str(out))
+    config_file = out / "tokenizer_config.json"
+    tok_config = json.loads(config_file.read_text())
+    tok_config["chat_template"] = QWEN_VL_TEMPLATE
+    config_file.write_text(json.dumps(tok_config, indent=2))
+    ids = {t: tok.convert_tokens_to_ids(t) for t in (VISION_START, IMAGE_PAD, VISION_END,
+                                                     VIDEO_PAD)}
+    heads = 4
+    # M-RoPE's sections (temporal, height, width) share the head's 8 frequencies.
+    mrope = {"type": "mrope", "mrope_section": [2, 3, 3]}
+    vision = {
+        "model_type": "qwen2_5_vl", "depth": 2, "hidden_size": 32, "intermediate_size": 64,
+        "out_hidden_size": hidden, "num_heads": 2, "patch_size": patch,
+        "spatial_patch_size": patch, "spatial_merge_size": 2, "temporal_patch_size": 2,
+        "window_size": patch * 4, "fullatt_block_indexes": [1], "in_channels": 3,
+    }
+    config = {
+        "model_type": "qwen2_5_vl", "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+        "hidden_size": hidden, "num_hidden_layers": layers, "intermediate_size": hidden * 2,
+        "num_attention_heads": heads, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
+        "vocab_size": len(tok), "max_position_embeddings": 2048, "rope_theta": 10000.0,
+        "rope_scaling": mrope, "tie_word_embeddings": True, "vision_config": vision,
+        "image_token_id": ids[IMAGE_PAD], "video_token_id": ids[VIDEO_PAD],
+        "vision_start_token_id": ids[VISION_START], "vision_end_token_id": ids[VISION_END],
+        "eos_token_id": tok.eos_token_id,
+    }
+    mx.random.seed(seed)
+    model_config = ModelConfig.from_dict(dict(config))
+    model_config.vision_config = VisionConfig.from_dict(vision)
+    model_config.text_config = TextConfig.from_dict(
+        {k: v for k, v in config.items() if k != "vision_config"})
+    model = Model(model_config)
+    weights = dict(tree_flatten(model.parameters()))
+    # Wider normal weights than the default initialisation (as the Gemma 3 above).
+    weights = {k: (mx.random.normal(v.shape) * 2.0 / v.shape[-1] ** 0.5 if v.ndim >= 2
+                   and "norm" not in k else v) for k, v in weights.items()}
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    image = {
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
+        "patch_size": patch, "temporal_patch_size": 2, "merge_size": 2,
+        "min_pixels": (2 * patch) ** 2, "max_pixels": (6 * patch) ** 2,
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_rescale": True,
+        "rescale_factor": 1 / 255, "do_normalize": True, "do_convert_rgb": True,
+    }
+    # Every file the processor reads is here: a missing one is looked up on the Hub.
+    (out / "preprocessor_config.json").write_text(json.dumps(image, indent=2))
+    (out / "video_preprocessor_config.json").write_text(json.dumps(image, indent=2))
+    (out / "processor_config.json").write_text(json.dumps(
+        {"processor_class": "Qwen2_5_VLProcessor"}))
+    return out
