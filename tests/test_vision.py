@@ -16,12 +16,14 @@ import pytest
 from engine_helpers import engine_config, greedy, ram_hit, run
 from mlx_lm import load
 from PIL import Image
-from tiny_vlm import make_tiny_gemma3_vlm, make_tiny_qwen2_5_vl
+from tiny_vlm import make_tiny_gemma3_vlm, make_tiny_qwen2_5_vl, make_tiny_qwen2_vl
 
 from actors import block_store
+from actors.engine import runner
 from actors.engine.core import Engine
 from actors.engine.kv_blocks import from_numpy, to_numpy
 from actors.engine.prefix import model_fingerprint
+from actors.engine.speculate import Drafter
 from actors.engine.vision import VisionTower, image_token_ids, split_image_token, why_no_images
 from actors.engine.vision_prompt import image_token, load_processor, with_images
 from actors.messages import ImageInput
@@ -41,9 +43,10 @@ def chat(n_images: int = 1, text: str = QUESTION) -> list[dict]:
              "content": [{"type": "image"}] * n_images + [{"type": "text", "text": text}]}]
 
 
-# Each family troupe reads images for: Gemma 3 (an image's tokens at 1-D positions) and
-# Qwen2.5-VL (M-RoPE, actors/engine/mrope.py).
-MAKERS = {"gemma3": make_tiny_gemma3_vlm, "qwen2_5_vl": make_tiny_qwen2_5_vl}
+# Each family troupe reads images for: Gemma 3 (an image's tokens at 1-D positions),
+# Qwen2-VL and Qwen2.5-VL (M-RoPE, actors/engine/mrope.py).
+MAKERS = {"gemma3": make_tiny_gemma3_vlm, "qwen2_vl": make_tiny_qwen2_vl,
+          "qwen2_5_vl": make_tiny_qwen2_5_vl}
 
 
 @pytest.fixture(scope="module", params=sorted(MAKERS))
@@ -125,16 +128,31 @@ def test_an_image_split_across_prefill_chunks_answers_the_same(vlm: Any, split: 
     assert serve(e, "a", ids, images)[0] == reference(vlm, [picture(0)])
 
 
-def test_drafts_verified_on_an_image_prompt_answer_as_mlx_vlm_does(vlm: Any) -> None:
-    # A long answer of the tiny model repeats itself, which the n-gram drafts predict: their
-    # positions are verified where the answer's tokens sit (past the image: M-RoPE's).
+def test_drafts_verified_on_an_image_prompt_answer_as_mlx_vlm_does(
+        vlm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     if vlm[0].name == "gemma3":
         pytest.skip("Gemma 3's sliding-window layers take no drafts")
-    e = engine(vlm, speculative="ngram")
     ids, images = prompt(vlm, [picture(5)])
-    assert serve(e, "a", ids, images, max_tokens=48)[0] == reference(vlm, [picture(5)],
-                                                                    max_tokens=48)
-    assert e.runner.drafts > 0
+    want = reference(vlm, [picture(5)], max_tokens=24)
+
+    class Foreseeing(Drafter):
+        """Drafts mlx-vlm's own answer: every draft is verified at the positions the
+        answer's tokens sit at (past the image: M-RoPE's), and kept only if they are right."""
+
+        seen = 0
+
+        def sync(self, tokens: list[int]) -> None:
+            super().sync(tokens)
+            self.seen = len(tokens)
+
+        def draft(self, last: int, most: int) -> list[int]:
+            answered = self.seen + 1 - len(ids)  # ``last``, the next input, is answered
+            return want[answered:answered + min(most, 4)]
+
+    monkeypatch.setattr(runner, "Drafter", Foreseeing)
+    e = engine(vlm, speculative="ngram")
+    assert serve(e, "a", ids, images, max_tokens=24)[0] == want
+    assert e.runner.drafts > 0 and e.runner.accepted == e.runner.drafted
 
 
 def test_four_image_prompts_at_once_and_beside_text_answer_as_alone(vlm: Any) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from tests.tiny_model import write_tokenizer
 
@@ -104,16 +105,30 @@ VISION_START, IMAGE_PAD, VISION_END, VIDEO_PAD = (
 QWEN_VL_TEMPLATE = VLM_TEMPLATE.replace(BOI, VISION_START + IMAGE_PAD + VISION_END)
 
 
-def make_tiny_qwen2_5_vl(out: Path, *, hidden: int = 64, layers: int = 4, patch: int = 8,
-                         seed: int = 0) -> Path:
-    """Write a random-weight Qwen2.5-VL checkpoint to ``out``: its image processor sizes an
-    image to at most 48x48 pixels (a grid of at most 6x6 patches of 8, 9 tokens once 2x2 are
-    merged), keeping its aspect ratio, so images of other shapes take other grids."""
+def make_tiny_qwen2_5_vl(out: Path, **kw: Any) -> Path:
+    """Write a random-weight Qwen2.5-VL checkpoint to ``out`` (``make_tiny_qwen_vl``)."""
+    return make_tiny_qwen_vl(out, "qwen2_5_vl", **kw)
+
+
+def make_tiny_qwen2_vl(out: Path, **kw: Any) -> Path:
+    """Write a random-weight Qwen2-VL checkpoint to ``out`` (``make_tiny_qwen_vl``)."""
+    return make_tiny_qwen_vl(out, "qwen2_vl", **kw)
+
+
+def make_tiny_qwen_vl(out: Path, kind: str, *, hidden: int = 64, layers: int = 4,
+                      patch: int = 8, seed: int = 0) -> Path:
+    """Write a random-weight Qwen2-VL or Qwen2.5-VL (``kind``) checkpoint to ``out``: its
+    image processor sizes an image to at most 48x48 pixels (a grid of at most 6x6 patches of
+    8, 9 tokens once 2x2 are merged), keeping its aspect ratio, so images of other shapes take
+    other grids."""
+    import importlib
+
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_vlm.models.qwen2_5_vl import Model
-    from mlx_vlm.models.qwen2_5_vl.config import ModelConfig, TextConfig, VisionConfig
     from transformers import AutoTokenizer
+
+    family = importlib.import_module(f"mlx_vlm.models.{kind}")
+    configs = importlib.import_module(f"mlx_vlm.models.{kind}.config")
 
     out.mkdir(parents=True, exist_ok=True)
     write_tokenizer(out, template=QWEN_VL_TEMPLATE)
@@ -131,13 +146,17 @@ def make_tiny_qwen2_5_vl(out: Path, *, hidden: int = 64, layers: int = 4, patch:
     # M-RoPE's sections (temporal, height, width) share the head's 8 frequencies.
     mrope = {"type": "mrope", "mrope_section": [2, 3, 3]}
     vision = {
-        "model_type": "qwen2_5_vl", "depth": 2, "hidden_size": 32, "intermediate_size": 64,
-        "out_hidden_size": hidden, "num_heads": 2, "patch_size": patch,
+        "model_type": kind, "depth": 2, "num_heads": 2, "patch_size": patch,
         "spatial_patch_size": patch, "spatial_merge_size": 2, "temporal_patch_size": 2,
-        "window_size": patch * 4, "fullatt_block_indexes": [1], "in_channels": 3,
+        "in_channels": 3,
+        # Qwen2.5-VL's tower attends in windows, one block of two in full.
+        **({"hidden_size": 32, "intermediate_size": 64, "out_hidden_size": hidden,
+            "window_size": patch * 4, "fullatt_block_indexes": [1]} if kind == "qwen2_5_vl"
+           else {"embed_dim": 32, "hidden_size": hidden, "mlp_ratio": 2}),
     }
+    name = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL"}[kind]
     config = {
-        "model_type": "qwen2_5_vl", "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+        "model_type": kind, "architectures": [f"{name}ForConditionalGeneration"],
         "hidden_size": hidden, "num_hidden_layers": layers, "intermediate_size": hidden * 2,
         "num_attention_heads": heads, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
         "vocab_size": len(tok), "max_position_embeddings": 2048, "rope_theta": 10000.0,
@@ -147,11 +166,11 @@ def make_tiny_qwen2_5_vl(out: Path, *, hidden: int = 64, layers: int = 4, patch:
         "eos_token_id": tok.eos_token_id,
     }
     mx.random.seed(seed)
-    model_config = ModelConfig.from_dict(dict(config))
-    model_config.vision_config = VisionConfig.from_dict(vision)
-    model_config.text_config = TextConfig.from_dict(
+    model_config = configs.ModelConfig.from_dict(dict(config))
+    model_config.vision_config = configs.VisionConfig.from_dict(vision)
+    model_config.text_config = configs.TextConfig.from_dict(
         {k: v for k, v in config.items() if k != "vision_config"})
-    model = Model(model_config)
+    model = family.Model(model_config)
     weights = dict(tree_flatten(model.parameters()))
     # Wider normal weights than the default initialisation (as the Gemma 3 above).
     weights = {k: (mx.random.normal(v.shape) * 2.0 / v.shape[-1] ** 0.5 if v.ndim >= 2
@@ -159,7 +178,7 @@ def make_tiny_qwen2_5_vl(out: Path, *, hidden: int = 64, layers: int = 4, patch:
     mx.save_safetensors(str(out / "model.safetensors"), weights)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     image = {
-        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": f"{name}Processor",
         "patch_size": patch, "temporal_patch_size": 2, "merge_size": 2,
         "min_pixels": (2 * patch) ** 2, "max_pixels": (6 * patch) ** 2,
         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_rescale": True,
@@ -169,5 +188,5 @@ def make_tiny_qwen2_5_vl(out: Path, *, hidden: int = 64, layers: int = 4, patch:
     (out / "preprocessor_config.json").write_text(json.dumps(image, indent=2))
     (out / "video_preprocessor_config.json").write_text(json.dumps(image, indent=2))
     (out / "processor_config.json").write_text(json.dumps(
-        {"processor_class": "Qwen2_5_VLProcessor"}))
+        {"processor_class": f"{name}Processor"}))
     return out

@@ -1,10 +1,10 @@
 """M-RoPE for the Qwen-VL family's images, on mlx-lm's text model.
 
-Qwen2.5-VL rotates each token by three position ids (temporal, height, width): a text token's
-three are equal (plain RoPE), an image's tokens take their place in the image's grid of merged
-patches, and the text after an image goes on from one past the image's largest position. So a
-prompt's positions run behind its token indices by ``delta`` once it holds an image
-(``rope_deltas`` in mlx-vlm and transformers' ``get_rope_index``, ported in ``place``).
+Qwen2-VL and Qwen2.5-VL rotate each token by three position ids (temporal, height, width): a
+text token's three are equal (plain RoPE), an image's tokens take their place in the image's
+grid of merged patches, and the text after an image goes on from one past the image's largest
+position. So a prompt's positions run behind its token indices by ``delta`` once it holds an
+image (``rope_deltas`` in mlx-vlm and transformers' ``get_rope_index``, ported in ``place``).
 
 mlx-lm's text model for these checkpoints rotates by ``cache.offset`` alone. ``MRoPE`` wraps
 each attention layer's rope: a call the runner places (``placed``) shifts each row's offset by
@@ -29,7 +29,7 @@ from actors.engine.vision import split_image_token
 # The families whose images are placed by M-RoPE with its frequencies in contiguous sections
 # (temporal, then height, then width), checked against mlx-vlm's generation in
 # tests/test_vision.py.
-MROPE_MODEL_TYPES = frozenset({"qwen2_5_vl"})
+MROPE_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl"})
 
 
 @dataclass(frozen=True)

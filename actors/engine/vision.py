@@ -23,10 +23,10 @@ import mlx.nn as nn
 import numpy as np
 
 # The families whose images troupe reads, checked against mlx-vlm's own generation in
-# tests/test_vision.py: Gemma 3 places an image's tokens at 1-D positions, as text; Qwen2.5-VL
-# by M-RoPE (three position ids a token, ``actors.engine.mrope``). Qwen2-VL, Qwen3-VL (whose
-# tower also feeds early layers: deepstack) and Qwen3.5 are not checked yet: refused.
-VISION_MODEL_TYPES = frozenset({"gemma3", "qwen2_5_vl"})
+# tests/test_vision.py: Gemma 3 places an image's tokens at 1-D positions, as text; Qwen2-VL
+# and Qwen2.5-VL by M-RoPE (three position ids a token, ``actors.engine.mrope``). Qwen3-VL
+# (whose tower also feeds early layers: deepstack) and Qwen3.5 are not checked yet: refused.
+VISION_MODEL_TYPES = frozenset({"gemma3", "qwen2_vl", "qwen2_5_vl"})
 EXTRA = "pip install 'mlx-troupe[vision]'"
 # The mlx-vlm versions the tests ran on (pyproject.toml pins the extra to them).
 TESTED_MLX_VLM = ("0.7.10",)
