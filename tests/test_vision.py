@@ -16,7 +16,12 @@ import pytest
 from engine_helpers import engine_config, greedy, ram_hit, run
 from mlx_lm import load
 from PIL import Image
-from tiny_vlm import make_tiny_gemma3_vlm, make_tiny_qwen2_5_vl, make_tiny_qwen2_vl
+from tiny_vlm import (
+    make_tiny_gemma3_vlm,
+    make_tiny_qwen2_5_vl,
+    make_tiny_qwen2_vl,
+    make_tiny_qwen3_vl,
+)
 
 from actors import block_store
 from actors.engine import runner
@@ -44,9 +49,10 @@ def chat(n_images: int = 1, text: str = QUESTION) -> list[dict]:
 
 
 # Each family troupe reads images for: Gemma 3 (an image's tokens at 1-D positions),
-# Qwen2-VL and Qwen2.5-VL (M-RoPE, actors/engine/mrope.py).
+# Qwen2-VL and Qwen2.5-VL (M-RoPE, actors/engine/mrope.py), Qwen3-VL (interleaved M-RoPE, and
+# deepstack: actors/engine/deepstack.py).
 MAKERS = {"gemma3": make_tiny_gemma3_vlm, "qwen2_vl": make_tiny_qwen2_vl,
-          "qwen2_5_vl": make_tiny_qwen2_5_vl}
+          "qwen2_5_vl": make_tiny_qwen2_5_vl, "qwen3_vl": make_tiny_qwen3_vl}
 
 
 @pytest.fixture(scope="module", params=sorted(MAKERS))

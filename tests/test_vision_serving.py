@@ -1,7 +1,8 @@
 """Images over HTTP (issue 34): the three APIs with the official clients, served in-process by
-a tiny random-weight Gemma 3 vision-language checkpoint (tests/tiny_vlm.py). Each answer is
-checked against mlx-vlm's own generation of the same prompt and image; the same image sent
-again is a prefix-cache hit with the same answer; a text-only model refuses images."""
+a tiny random-weight Gemma 3 vision-language checkpoint (tests/tiny_vlm.py), and OpenAI's
+chat by a tiny Qwen2.5-VL and Qwen3-VL (M-RoPE). Each answer is checked against mlx-vlm's own
+generation of the same prompt and image; the same image sent again is a prefix-cache hit with
+the same answer; a text-only model refuses images."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import openai
 import pytest
 from http_stack import RealStack, real_stack
 from test_vision import QUESTION, chat, picture, reference
-from tiny_vlm import make_tiny_gemma3_vlm, make_tiny_qwen2_5_vl
+from tiny_vlm import make_tiny_gemma3_vlm, make_tiny_qwen2_5_vl, make_tiny_qwen3_vl
 
 from actors.engine.vision import VisionTower
 from actors.engine.vision_prompt import image_token, load_processor, with_images
@@ -39,9 +40,10 @@ def vlm(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return loaded(make_tiny_gemma3_vlm(tmp_path_factory.mktemp("gemma3-vlm") / "gemma3-vlm"))
 
 
-@pytest.fixture(scope="module")
-def qwen_vlm(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    return loaded(make_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl") / "qwen2_5_vl"))
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def qwen_vlm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    make = {"qwen2_5_vl": make_tiny_qwen2_5_vl, "qwen3_vl": make_tiny_qwen3_vl}[request.param]
+    return loaded(make(tmp_path_factory.mktemp(request.param) / request.param))
 
 
 @pytest.fixture
@@ -167,7 +169,7 @@ async def test_an_undecodable_image_is_a_400_and_the_server_keeps_serving(
     assert ok.json()["choices"][0]["message"]["content"] == expected(vlm, 0)
 
 
-async def test_qwen2_5_vl_reads_images_as_mlx_vlm_does_and_from_the_cache(
+async def test_qwen_vl_reads_images_as_mlx_vlm_does_and_from_the_cache(
         qwen_vlm: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TROUPE_HOME", str(tmp_path))
     async with real_stack(qwen_vlm[0]) as s:

@@ -190,3 +190,67 @@ def make_tiny_qwen_vl(out: Path, kind: str, *, hidden: int = 64, layers: int = 4
     (out / "processor_config.json").write_text(json.dumps(
         {"processor_class": f"{name}Processor"}))
     return out
+
+
+def make_tiny_qwen3_vl(out: Path, *, hidden: int = 64, layers: int = 4, patch: int = 8,
+                       seed: int = 0) -> Path:
+    """Write a random-weight Qwen3-VL checkpoint to ``out``: interleaved M-RoPE, and a tower
+    whose first block also feeds the language model's first layer (deepstack); images sized
+    as ``make_tiny_qwen_vl``'s."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_vlm.models.qwen3_vl import Model
+    from mlx_vlm.models.qwen3_vl.config import ModelConfig
+    from transformers import AutoTokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(out, template=QWEN_VL_TEMPLATE)
+    tok = AutoTokenizer.from_pretrained(str(out))
+    tok.add_special_tokens({"additional_special_tokens": [VISION_START, IMAGE_PAD, VISION_END,
+                                                          VIDEO_PAD]})
+    tok.save_pretrained(str(out))
+    config_file = out / "tokenizer_config.json"
+    tok_config = json.loads(config_file.read_text())
+    tok_config["chat_template"] = QWEN_VL_TEMPLATE
+    config_file.write_text(json.dumps(tok_config, indent=2))
+    ids = {t: tok.convert_tokens_to_ids(t) for t in (VISION_START, IMAGE_PAD, VISION_END,
+                                                     VIDEO_PAD)}
+    text = {
+        "model_type": "qwen3_vl_text", "hidden_size": hidden, "num_hidden_layers": layers,
+        "intermediate_size": hidden * 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "rms_norm_eps": 1e-6, "vocab_size": len(tok), "rope_theta": 10000.0,
+        "max_position_embeddings": 2048, "tie_word_embeddings": True,
+        "rope_scaling": {"rope_type": "default", "mrope_section": [2, 3, 3],
+                         "mrope_interleaved": True},
+    }
+    vision = {
+        "model_type": "qwen3_vl", "depth": 2, "hidden_size": 32, "intermediate_size": 64,
+        "out_hidden_size": hidden, "num_heads": 2, "patch_size": patch,
+        "spatial_patch_size": patch, "spatial_merge_size": 2, "temporal_patch_size": 2,
+        "in_channels": 3, "num_position_embeddings": 36, "deepstack_visual_indexes": [0],
+    }
+    config = {
+        "model_type": "qwen3_vl", "architectures": ["Qwen3VLForConditionalGeneration"],
+        "text_config": text, "vision_config": vision, "tie_word_embeddings": True,
+        "image_token_id": ids[IMAGE_PAD], "video_token_id": ids[VIDEO_PAD],
+        "vision_start_token_id": ids[VISION_START], "vision_end_token_id": ids[VISION_END],
+        "eos_token_id": tok.eos_token_id,
+    }
+    mx.random.seed(seed)
+    model = Model(ModelConfig.from_dict(json.loads(json.dumps(config))))
+    weights = dict(tree_flatten(model.parameters()))
+    weights = {k: (mx.random.normal(v.shape) * 2.0 / v.shape[-1] ** 0.5 if v.ndim >= 2
+                   and "norm" not in k else v) for k, v in weights.items()}
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    image = {
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen3VLProcessor",
+        "patch_size": patch, "temporal_patch_size": 2, "merge_size": 2,
+        "min_pixels": (2 * patch) ** 2, "max_pixels": (6 * patch) ** 2,
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_rescale": True,
+        "rescale_factor": 1 / 255, "do_normalize": True, "do_convert_rgb": True,
+    }
+    (out / "preprocessor_config.json").write_text(json.dumps(image, indent=2))
+    (out / "video_preprocessor_config.json").write_text(json.dumps(image, indent=2))
+    (out / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen3VLProcessor"}))
+    return out

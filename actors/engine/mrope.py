@@ -1,6 +1,6 @@
 """M-RoPE for the Qwen-VL family's images, on mlx-lm's text model.
 
-Qwen2-VL and Qwen2.5-VL rotate each token by three position ids (temporal, height, width): a
+The Qwen-VL family rotates each token by three position ids (temporal, height, width): a
 text token's three are equal (plain RoPE), an image's tokens take their place in the image's
 grid of merged patches, and the text after an image goes on from one past the image's largest
 position. So a prompt's positions run behind its token indices by ``delta`` once it holds an
@@ -26,10 +26,10 @@ import numpy as np
 
 from actors.engine.vision import split_image_token
 
-# The families whose images are placed by M-RoPE with its frequencies in contiguous sections
-# (temporal, then height, then width), checked against mlx-vlm's generation in
-# tests/test_vision.py.
-MROPE_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl"})
+# The families whose images are placed by M-RoPE, checked against mlx-vlm's generation in
+# tests/test_vision.py: by model type, whether the head's frequencies take the three positions
+# in turn (temporal, height, width, temporal...: Qwen3-VL) or in contiguous sections.
+MROPE_MODEL_TYPES = {"qwen2_vl": False, "qwen2_5_vl": False, "qwen3_vl": True}
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,18 @@ def place(tokens: Sequence[int], grids: Mapping[int, tuple[int, int, int]], merg
     return Placement(out, next_pos - n)
 
 
+def _selector(sections: list[int], interleaved: bool) -> np.ndarray:
+    """Which of the three positions each of the head's frequencies turns by (mlx-vlm's
+    position selectors): contiguous sections, or (``interleaved``) height and width taking
+    every third frequency from the second and third, up to three times their sections."""
+    if not interleaved:
+        return np.repeat(np.arange(3), sections)
+    out = np.zeros(sum(sections), dtype=np.int64)
+    for axis in (1, 2):
+        out[axis:min(3 * sections[axis], len(out)):3] = axis
+    return out
+
+
 def _spatial_rope(x: mx.array, positions: mx.array, inv_freq: mx.array, selector: mx.array
                   ) -> mx.array:
     """``x`` [B, heads, L, D] rotated by three position ids a token (``positions``
@@ -121,7 +133,8 @@ class MRoPE:
 
     def __init__(self, model: Any, config: dict) -> None:
         text = config.get("text_config") or config
-        scaling = text.get("rope_scaling") or config.get("rope_scaling") or {}
+        scaling = (text.get("rope_scaling") or text.get("rope_parameters")
+                   or config.get("rope_scaling") or {})
         sections = list(scaling.get("mrope_section") or [])
         self.merge = int(config["vision_config"].get("spatial_merge_size", 2))
         ropes = [layer.self_attn.rope for layer in model.layers]
@@ -132,7 +145,7 @@ class MRoPE:
                              "places images by")
         self.inv_freq = 1.0 / (rope.base ** (mx.arange(0, rope.dims, 2, dtype=mx.float32)
                                              / rope.dims))
-        self.selector = mx.array(np.repeat(np.arange(3), sections))
+        self.selector = mx.array(_selector(sections, MROPE_MODEL_TYPES[config["model_type"]]))
         self.shift: mx.array | None = None
         self.positions: mx.array | None = None
         self.spatial: mx.array | None = None

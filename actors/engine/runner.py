@@ -413,14 +413,15 @@ class Runner:
         runs it (right padded, in pieces of at most ``step`` tokens)."""
         if not prompts:
             return
-        embeds = self._image_embeddings(pre.seqs, prompts)
+        images = self._image_embeddings(pre.seqs, prompts)
         placed = self._chunk_placement(pre.seqs, prompts)
         tokens, _, padding = _take_chunk(pre, prompts, prepare_plain=True)
-        if embeds is not None:
-            embeds = embeds(tokens)
+        embeds, adds = images(tokens) if images is not None else (None, [])
         done = 0
         while tokens.shape[1] > 0:
-            with placed(done, done + step):
+            fed = (self.vision.deepstack.fed([a[:, done:done + step] for a in adds]) if adds
+                   else nullcontext())
+            with placed(done, done + step), fed:
                 if embeds is None:
                     self.model(tokens[:, :step], cache=pre.cache)
                 else:
@@ -471,10 +472,12 @@ class Runner:
                                          for s in seqs])
 
     def _image_embeddings(self, seqs: list[Sequence], prompts: list[list[int]]
-                          ) -> Callable[[mx.array], mx.array] | None:
+                          ) -> Callable[[mx.array], tuple[mx.array, list[mx.array]]] | None:
         """For a chunk that holds image tokens (negative ids), a function from the chunk's
         model inputs (right padded) to their embeddings, each image token's replaced by its
-        image's features (the tower runs for an image when its first tokens do); else None."""
+        image's features (the tower runs for an image when its first tokens do), and what
+        each deepstack layer adds ([rows, tokens, hidden], zero at text; none without
+        deepstack); else None."""
         places: list[tuple[int, int, int, int]] = []
         for i, prompt in enumerate(prompts):
             places += [(i, col, *split_image_token(t)) for col, t in enumerate(prompt) if t < 0]
@@ -494,10 +497,15 @@ class Runner:
         features = mx.stack(rows)
         embed = self.vision.embed
 
-        def embeddings(tokens: mx.array) -> mx.array:
+        def embeddings(tokens: mx.array) -> tuple[mx.array, list[mx.array]]:
             h = embed(tokens)
-            h[at_row, at_col] = features.astype(h.dtype)
-            return h
+            h[at_row, at_col] = features[:, 0].astype(h.dtype)
+            adds = []
+            for level in range(1, features.shape[1]):
+                add = mx.zeros_like(h)
+                add[at_row, at_col] = features[:, level].astype(h.dtype)
+                adds.append(add)
+            return h, adds
 
         return embeddings
 

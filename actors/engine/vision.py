@@ -24,9 +24,10 @@ import numpy as np
 
 # The families whose images troupe reads, checked against mlx-vlm's own generation in
 # tests/test_vision.py: Gemma 3 places an image's tokens at 1-D positions, as text; Qwen2-VL
-# and Qwen2.5-VL by M-RoPE (three position ids a token, ``actors.engine.mrope``). Qwen3-VL
-# (whose tower also feeds early layers: deepstack) and Qwen3.5 are not checked yet: refused.
-VISION_MODEL_TYPES = frozenset({"gemma3", "qwen2_vl", "qwen2_5_vl"})
+# and Qwen2.5-VL by M-RoPE (three position ids a token, ``actors.engine.mrope``), Qwen3-VL
+# too, its tower also feeding the first layers (``actors.engine.deepstack``). Qwen3-VL's mixture
+# of experts and Qwen3.5 are not checked yet: refused.
+VISION_MODEL_TYPES = frozenset({"gemma3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"})
 EXTRA = "pip install 'mlx-troupe[vision]'"
 # The mlx-vlm versions the tests ran on (pyproject.toml pins the extra to them).
 TESTED_MLX_VLM = ("0.7.10",)
@@ -118,6 +119,7 @@ class VisionTower:
         from mlx_vlm.utils import load_model
 
         # Imported here: mrope reads this module's image ids.
+        from actors.engine.deepstack import Deepstack
         from actors.engine.mrope import MROPE_MODEL_TYPES, MRoPE
 
         self.config = vision_config(model_dir) or {}
@@ -132,10 +134,14 @@ class VisionTower:
         # The Qwen-VL family's positions (None: images at 1-D positions, as text).
         self.mrope = (MRoPE(model, self.config)
                       if self.config.get("model_type") in MROPE_MODEL_TYPES else None)
+        # Qwen3-VL's features for its first layers (None: the tower feeds the input alone).
+        levels = len(self.config["vision_config"].get("deepstack_visual_indexes") or [])
+        self.deepstack = Deepstack(model, levels) if levels else None
 
     def features(self, image: Any) -> mx.array:
         """The embeddings of an image's tokens (``image``: an ``ImageInput``, its pixels as its
-        processor made them), as the model's own merge places them."""
+        processor made them), as the model's own merge places them: [tokens, 1 + levels,
+        hidden], the input's, then what each deepstack layer adds (``deepstack``)."""
         n = image.tokens
         ids = mx.full((1, n), self.image_token, dtype=mx.int32)
         pixels = mx.array(image.pixels)
@@ -145,6 +151,9 @@ class VisionTower:
         else:  # rows of patches, their grid the tower's to know
             extra = {"image_grid_thw": mx.array([list(image.grid)])}
         out = self.vlm.get_input_embeddings(ids, pixels, mask=mx.ones((1, n)), **extra)
-        rows = out.inputs_embeds[0]
+        rows = out.inputs_embeds[0][:, None]
+        if self.deepstack is not None:
+            deep = mx.stack(list(out.deepstack_visual_embeds), axis=1)
+            rows = mx.concatenate([rows, deep.astype(rows.dtype)], axis=1)
         mx.eval(rows)
         return rows
