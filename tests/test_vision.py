@@ -21,6 +21,7 @@ from tiny_vlm import (
     make_tiny_qwen2_5_vl,
     make_tiny_qwen2_vl,
     make_tiny_qwen3_vl,
+    make_tiny_qwen3_vl_moe,
 )
 
 from actors import block_store
@@ -49,10 +50,11 @@ def chat(n_images: int = 1, text: str = QUESTION) -> list[dict]:
 
 
 # Each family troupe reads images for: Gemma 3 (an image's tokens at 1-D positions),
-# Qwen2-VL and Qwen2.5-VL (M-RoPE, actors/engine/mrope.py), Qwen3-VL (interleaved M-RoPE, and
-# deepstack: actors/engine/deepstack.py).
+# Qwen2-VL and Qwen2.5-VL (M-RoPE, actors/engine/mrope.py), Qwen3-VL and its mixture of
+# experts (interleaved M-RoPE, and deepstack: actors/engine/deepstack.py).
 MAKERS = {"gemma3": make_tiny_gemma3_vlm, "qwen2_vl": make_tiny_qwen2_vl,
-          "qwen2_5_vl": make_tiny_qwen2_5_vl, "qwen3_vl": make_tiny_qwen3_vl}
+          "qwen2_5_vl": make_tiny_qwen2_5_vl, "qwen3_vl": make_tiny_qwen3_vl,
+          "qwen3_vl_moe": make_tiny_qwen3_vl_moe}
 
 
 @pytest.fixture(scope="module", params=sorted(MAKERS))

@@ -192,16 +192,26 @@ def make_tiny_qwen_vl(out: Path, kind: str, *, hidden: int = 64, layers: int = 4
     return out
 
 
+def make_tiny_qwen3_vl_moe(out: Path, **kw: Any) -> Path:
+    """Write a random-weight Qwen3-VL mixture of experts to ``out`` (``make_tiny_qwen3_vl``)."""
+    return make_tiny_qwen3_vl(out, moe=True, **kw)
+
+
 def make_tiny_qwen3_vl(out: Path, *, hidden: int = 64, layers: int = 4, patch: int = 8,
-                       seed: int = 0) -> Path:
-    """Write a random-weight Qwen3-VL checkpoint to ``out``: interleaved M-RoPE, and a tower
-    whose first block also feeds the language model's first layer (deepstack); images sized
-    as ``make_tiny_qwen_vl``'s."""
+                       seed: int = 0, moe: bool = False) -> Path:
+    """Write a random-weight Qwen3-VL checkpoint to ``out`` (``moe``: its mixture of experts,
+    four experts of which two a token): interleaved M-RoPE, and a tower whose first block also
+    feeds the language model's first layer (deepstack); images sized as
+    ``make_tiny_qwen_vl``'s."""
+    import importlib
+
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_vlm.models.qwen3_vl import Model
-    from mlx_vlm.models.qwen3_vl.config import ModelConfig
     from transformers import AutoTokenizer
+
+    kind = "qwen3_vl_moe" if moe else "qwen3_vl"
+    family = importlib.import_module(f"mlx_vlm.models.{kind}")
+    configs = importlib.import_module(f"mlx_vlm.models.{kind}.config")
 
     out.mkdir(parents=True, exist_ok=True)
     write_tokenizer(out, template=QWEN_VL_TEMPLATE)
@@ -222,22 +232,28 @@ def make_tiny_qwen3_vl(out: Path, *, hidden: int = 64, layers: int = 4, patch: i
         "max_position_embeddings": 2048, "tie_word_embeddings": True,
         "rope_scaling": {"rope_type": "default", "mrope_section": [2, 3, 3],
                          "mrope_interleaved": True},
+        # mlx-lm's mixture of experts reads an output head of its own.
+        **({"num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
+            "mlp_only_layers": [], "moe_intermediate_size": hidden, "norm_topk_prob": True,
+            "tie_word_embeddings": False} if moe else {}),
     }
     vision = {
-        "model_type": "qwen3_vl", "depth": 2, "hidden_size": 32, "intermediate_size": 64,
+        "model_type": kind, "depth": 2, "hidden_size": 32, "intermediate_size": 64,
         "out_hidden_size": hidden, "num_heads": 2, "patch_size": patch,
         "spatial_patch_size": patch, "spatial_merge_size": 2, "temporal_patch_size": 2,
         "in_channels": 3, "num_position_embeddings": 36, "deepstack_visual_indexes": [0],
     }
+    name = "Qwen3VLMoe" if moe else "Qwen3VL"
     config = {
-        "model_type": "qwen3_vl", "architectures": ["Qwen3VLForConditionalGeneration"],
-        "text_config": text, "vision_config": vision, "tie_word_embeddings": True,
+        "model_type": kind, "architectures": [f"{name}ForConditionalGeneration"],
+        "text_config": text, "vision_config": vision,
+        "tie_word_embeddings": text["tie_word_embeddings"],
         "image_token_id": ids[IMAGE_PAD], "video_token_id": ids[VIDEO_PAD],
         "vision_start_token_id": ids[VISION_START], "vision_end_token_id": ids[VISION_END],
         "eos_token_id": tok.eos_token_id,
     }
     mx.random.seed(seed)
-    model = Model(ModelConfig.from_dict(json.loads(json.dumps(config))))
+    model = family.Model(configs.ModelConfig.from_dict(json.loads(json.dumps(config))))
     weights = dict(tree_flatten(model.parameters()))
     weights = {k: (mx.random.normal(v.shape) * 2.0 / v.shape[-1] ** 0.5 if v.ndim >= 2
                    and "norm" not in k else v) for k, v in weights.items()}
