@@ -30,7 +30,7 @@ from actors.engine.vision import split_image_token
 # tests/test_vision.py: by model type, whether the head's frequencies take the three positions
 # in turn (temporal, height, width, temporal...: Qwen3-VL) or in contiguous sections.
 MROPE_MODEL_TYPES = {"qwen2_vl": False, "qwen2_5_vl": False, "qwen3_vl": True,
-                     "qwen3_vl_moe": True}
+                     "qwen3_vl_moe": True, "qwen3_5": True}
 
 
 @dataclass(frozen=True)
@@ -104,9 +104,13 @@ def _spatial_rope(x: mx.array, positions: mx.array, inv_freq: mx.array, selector
     emb = mx.concatenate([angles, angles], axis=-1)
     cos = mx.cos(emb).astype(x.dtype)[:, None]
     sin = mx.sin(emb).astype(x.dtype)[:, None]
-    half = x.shape[-1] // 2
-    rotated = mx.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return (x * cos + rotated * sin).astype(x.dtype)
+    # A partial rotary embedding (Qwen3.5's) turns the head's first dims and keeps the rest.
+    dims = emb.shape[-1]
+    part, rest = x[..., :dims], x[..., dims:]
+    half = dims // 2
+    rotated = mx.concatenate([-part[..., half:], part[..., :half]], axis=-1)
+    out = (part * cos + rotated * sin).astype(x.dtype)
+    return out if rest.shape[-1] == 0 else mx.concatenate([out, rest], axis=-1)
 
 
 class _PlacedRope(nn.Module):
@@ -138,8 +142,9 @@ class MRoPE:
                    or config.get("rope_scaling") or {})
         sections = list(scaling.get("mrope_section") or [])
         self.merge = int(config["vision_config"].get("spatial_merge_size", 2))
-        ropes = [layer.self_attn.rope for layer in model.layers]
-        rope = ropes[0]
+        # Attention layers only (Qwen3.5's linear-attention layers take no positions).
+        attentions = [layer.self_attn for layer in model.layers if hasattr(layer, "self_attn")]
+        rope = attentions[0].rope
         if (type(rope) is not nn.RoPE or rope.traditional or rope.scale != 1.0
                 or len(sections) != 3 or 2 * sum(sections) != rope.dims):
             raise ValueError("this checkpoint's rotary embedding is not the M-RoPE troupe "
@@ -150,8 +155,8 @@ class MRoPE:
         self.shift: mx.array | None = None
         self.positions: mx.array | None = None
         self.spatial: mx.array | None = None
-        for layer, r in zip(model.layers, ropes, strict=True):
-            layer.self_attn.rope = _PlacedRope(r, self)
+        for attention in attentions:
+            attention.rope = _PlacedRope(attention.rope, self)
 
     def place(self, tokens: Sequence[int], images: Mapping[int, Any]) -> Placement:
         """A prompt's placement, ``images``: its images (``ImageInput``) by key."""

@@ -30,7 +30,7 @@ from actors.engine.deepstack import Deepstack
 # and its mixture of experts too, their tower also feeding the first layers
 # (``actors.engine.deepstack``). Qwen3.5's vision is not checked yet: refused.
 VISION_MODEL_TYPES = frozenset({"gemma3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
-                                "qwen3_vl_moe"})
+                                "qwen3_vl_moe", "qwen3_5"})
 EXTRA = "pip install 'mlx-troupe[vision]'"
 # The mlx-vlm versions the tests ran on (pyproject.toml pins the extra to them).
 TESTED_MLX_VLM = ("0.7.10",)
