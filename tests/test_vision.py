@@ -83,7 +83,7 @@ def prompt(vlm: Any, images: list[Image.Image], text: str = QUESTION
 
 
 def reference(vlm: Any, images: list[Image.Image], text: str = QUESTION,
-              max_tokens: int = 10) -> list[int]:
+              max_tokens: int = 16) -> list[int]:
     """mlx-vlm's own greedy generation of the prompt and images."""
     from mlx_vlm.generate.ar import generate_step
 
@@ -103,7 +103,7 @@ def engine(vlm: Any, **settings: Any) -> Engine:
 
 
 def serve(e: Engine, rid: str, ids: list[int], images: dict[int, Any], cached: Any = (),
-          max_tokens: int = 10) -> tuple[list[int], int]:
+          max_tokens: int = 16) -> tuple[list[int], int]:
     e.add(rid, ids, greedy(max_tokens, ignore_eos=True), cached=cached, images=images)
     res = run(e)[rid]
     return res["tokens"], res["finish"].usage.cached_tokens
@@ -172,15 +172,15 @@ def test_four_image_prompts_at_once_and_beside_text_answer_as_alone(vlm: Any) ->
     want = {}
     for i in range(4):
         ids, images = prompt(vlm, [picture(10 + i)], QUESTION[: 30 + 7 * i])
-        e.add(f"img{i}", ids, greedy(10, ignore_eos=True), images=images)
+        e.add(f"img{i}", ids, greedy(16, ignore_eos=True), images=images)
         want[f"img{i}"] = reference(vlm, [picture(10 + i)], QUESTION[: 30 + 7 * i])
     text = tok.encode(rendered(vlm, [{"role": "user", "content": "Hello there, who are you?"}]),
                       add_special_tokens=False)
-    e.add("text", text, greedy(10, ignore_eos=True))
+    e.add("text", text, greedy(16, ignore_eos=True))
     got = run(e)
     assert {k: got[k]["tokens"] for k in want} == want
     alone = engine(vlm)
-    alone.add("text", text, greedy(10, ignore_eos=True))
+    alone.add("text", text, greedy(16, ignore_eos=True))
     assert got["text"]["tokens"] == run(alone)["text"]["tokens"]
 
 

@@ -180,12 +180,14 @@ def make_tiny_qwen_vl(out: Path, kind: str, *, hidden: int = 64, layers: int = 4
                  "rope_scaling": {"rope_type": "default", "mrope_section": [2, 3, 3],
                                   "mrope_interleaved": True}}
     else:  # qwen3_5: linear attention every second layer, half of each head rotated
+        # (a small base, so that its few rotated frequencies all turn enough with position
+        # for the answers to tell wrong positions)
         text |= {"model_type": "qwen3_5_text", "head_dim": 32, "full_attention_interval": 2,
                  "linear_num_value_heads": 4, "linear_num_key_heads": 2,
                  "linear_key_head_dim": 16, "linear_value_head_dim": 16,
                  "linear_conv_kernel_dim": 4,
                  "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3],
-                                     "mrope_interleaved": True, "rope_theta": 10000.0,
+                                     "mrope_interleaved": True, "rope_theta": 100.0,
                                      "partial_rotary_factor": 0.5}}
     if kind == "qwen3_vl_moe":
         # mlx-lm's mixture of experts reads an output head of its own.
