@@ -21,6 +21,7 @@ from tiny_vlm import (
     make_tiny_qwen2_5_vl,
     make_tiny_qwen2_vl,
     make_tiny_qwen3_5,
+    make_tiny_qwen3_5_moe,
     make_tiny_qwen3_vl,
     make_tiny_qwen3_vl_moe,
 )
@@ -52,11 +53,12 @@ def chat(n_images: int = 1, text: str = QUESTION) -> list[dict]:
 
 # Each family troupe reads images for: Gemma 3 (an image's tokens at 1-D positions),
 # Qwen2-VL and Qwen2.5-VL (M-RoPE, actors/engine/mrope.py), Qwen3-VL and its mixture of
-# experts (interleaved M-RoPE, and deepstack: actors/engine/deepstack.py), Qwen3.5
-# (interleaved M-RoPE on half of each head, linear-attention layers between).
+# experts (interleaved M-RoPE, and deepstack: actors/engine/deepstack.py), Qwen3.5 and its
+# mixture of experts (interleaved M-RoPE on half of each head, linear-attention layers between).
 MAKERS = {"gemma3": make_tiny_gemma3_vlm, "qwen2_vl": make_tiny_qwen2_vl,
           "qwen2_5_vl": make_tiny_qwen2_5_vl, "qwen3_vl": make_tiny_qwen3_vl,
-          "qwen3_vl_moe": make_tiny_qwen3_vl_moe, "qwen3_5": make_tiny_qwen3_5}
+          "qwen3_vl_moe": make_tiny_qwen3_vl_moe, "qwen3_5": make_tiny_qwen3_5,
+          "qwen3_5_moe": make_tiny_qwen3_5_moe}
 
 
 @pytest.fixture(scope="module", params=sorted(MAKERS))
@@ -140,7 +142,7 @@ def test_an_image_split_across_prefill_chunks_answers_the_same(vlm: Any, split: 
 
 def test_drafts_verified_on_an_image_prompt_answer_as_mlx_vlm_does(
         vlm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    if vlm[0].name in ("gemma3", "qwen3_5"):
+    if vlm[0].name in ("gemma3", "qwen3_5", "qwen3_5_moe"):
         pytest.skip("sliding-window (Gemma 3) and linear-attention (Qwen3.5) layers take no "
                     "drafts")
     ids, images = prompt(vlm, [picture(5)])

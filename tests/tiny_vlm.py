@@ -132,9 +132,15 @@ def make_tiny_qwen3_5(out: Path, **kw: Any) -> Path:
     return make_tiny_qwen_vl(out, "qwen3_5", **kw)
 
 
+def make_tiny_qwen3_5_moe(out: Path, **kw: Any) -> Path:
+    """Write a random-weight Qwen3.5 mixture of experts (four experts, two a token, and a
+    shared one) to ``out`` (``make_tiny_qwen_vl``)."""
+    return make_tiny_qwen_vl(out, "qwen3_5_moe", **kw)
+
+
 # The processor classes' names of each family.
 QWEN_VL_NAMES = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL",
-                 "qwen3_vl_moe": "Qwen3VLMoe", "qwen3_5": "Qwen3_5"}
+                 "qwen3_vl_moe": "Qwen3VLMoe", "qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe"}
 
 
 def make_tiny_qwen_vl(out: Path, kind: str, *, hidden: int = 64, layers: int = 4,
@@ -179,10 +185,10 @@ def make_tiny_qwen_vl(out: Path, kind: str, *, hidden: int = 64, layers: int = 4
         text |= {"model_type": "qwen3_vl_text", "head_dim": 16,
                  "rope_scaling": {"rope_type": "default", "mrope_section": [2, 3, 3],
                                   "mrope_interleaved": True}}
-    else:  # qwen3_5: linear attention every second layer, half of each head rotated
+    else:  # Qwen3.5: linear attention every second layer, half of each head rotated
         # (a small base, so that its few rotated frequencies all turn enough with position
         # for the answers to tell wrong positions)
-        text |= {"model_type": "qwen3_5_text", "head_dim": 32, "full_attention_interval": 2,
+        text |= {"model_type": f"{kind}_text", "head_dim": 32, "full_attention_interval": 2,
                  "linear_num_value_heads": 4, "linear_num_key_heads": 2,
                  "linear_key_head_dim": 16, "linear_value_head_dim": 16,
                  "linear_conv_kernel_dim": 4,
@@ -194,6 +200,9 @@ def make_tiny_qwen_vl(out: Path, kind: str, *, hidden: int = 64, layers: int = 4
         text |= {"num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
                  "mlp_only_layers": [], "moe_intermediate_size": hidden, "norm_topk_prob": True,
                  "tie_word_embeddings": False}
+    if kind == "qwen3_5_moe":
+        text |= {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": hidden,
+                 "shared_expert_intermediate_size": hidden}
     vision = {
         "model_type": kind, "depth": 2, "num_heads": 2, "patch_size": patch,
         "spatial_patch_size": patch, "spatial_merge_size": 2, "temporal_patch_size": 2,
@@ -205,7 +214,7 @@ def make_tiny_qwen_vl(out: Path, kind: str, *, hidden: int = 64, layers: int = 4
         vision |= {"hidden_size": 32, "intermediate_size": 64, "out_hidden_size": hidden}
     if kind == "qwen2_5_vl":  # its tower attends in windows, one block of two in full
         vision |= {"window_size": patch * 4, "fullatt_block_indexes": [1]}
-    if kind in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5"):
+    if kind not in ("qwen2_vl", "qwen2_5_vl"):
         vision |= {"num_position_embeddings": 36}
     if kind in ("qwen3_vl", "qwen3_vl_moe"):
         vision |= {"deepstack_visual_indexes": [0]}

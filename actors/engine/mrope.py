@@ -30,7 +30,7 @@ from actors.engine.vision import split_image_token
 # tests/test_vision.py: by model type, whether the head's frequencies take the three positions
 # in turn (temporal, height, width, temporal...: Qwen3-VL) or in contiguous sections.
 MROPE_MODEL_TYPES = {"qwen2_vl": False, "qwen2_5_vl": False, "qwen3_vl": True,
-                     "qwen3_vl_moe": True, "qwen3_5": True}
+                     "qwen3_vl_moe": True, "qwen3_5": True, "qwen3_5_moe": True}
 
 
 @dataclass(frozen=True)

@@ -27,10 +27,10 @@ from actors.engine.deepstack import Deepstack
 # The families whose images troupe reads, checked against mlx-vlm's own generation in
 # tests/test_vision.py: Gemma 3 places an image's tokens at 1-D positions, as text; Qwen2-VL
 # and Qwen2.5-VL by M-RoPE (three position ids a token, ``actors.engine.mrope``), Qwen3-VL
-# and its mixture of experts too, their tower also feeding the first layers
-# (``actors.engine.deepstack``). Qwen3.5's vision is not checked yet: refused.
+# too, its tower also feeding the first layers (``actors.engine.deepstack``), and Qwen3.5 (its
+# linear-attention layers take no positions); the mixtures of experts of the last two alike.
 VISION_MODEL_TYPES = frozenset({"gemma3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
-                                "qwen3_vl_moe", "qwen3_5"})
+                                "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"})
 EXTRA = "pip install 'mlx-troupe[vision]'"
 # The mlx-vlm versions the tests ran on (pyproject.toml pins the extra to them).
 TESTED_MLX_VLM = ("0.7.10",)
