@@ -1,8 +1,8 @@
 """Images over HTTP (issue 34): the three APIs with the official clients, served in-process by
 a tiny random-weight Gemma 3 vision-language checkpoint (tests/tiny_vlm.py), and OpenAI's
-chat by a tiny Qwen2.5-VL and Qwen3-VL (M-RoPE). Each answer is checked against mlx-vlm's own
-generation of the same prompt and image; the same image sent again is a prefix-cache hit with
-the same answer; a text-only model refuses images."""
+chat by a tiny Qwen2.5-VL, Qwen3-VL and Qwen3.5 (M-RoPE). Each answer is checked against
+mlx-vlm's own generation of the same prompt and image; the same image sent again is a
+prefix-cache hit with the same answer; a text-only model refuses images."""
 
 from __future__ import annotations
 
@@ -19,7 +19,12 @@ import openai
 import pytest
 from http_stack import RealStack, real_stack
 from test_vision import QUESTION, chat, picture, reference
-from tiny_vlm import make_tiny_gemma3_vlm, make_tiny_qwen2_5_vl, make_tiny_qwen3_vl
+from tiny_vlm import (
+    make_tiny_gemma3_vlm,
+    make_tiny_qwen2_5_vl,
+    make_tiny_qwen3_5,
+    make_tiny_qwen3_vl,
+)
 
 from actors.engine.vision import VisionTower
 from actors.engine.vision_prompt import image_token, load_processor, with_images
@@ -40,9 +45,10 @@ def vlm(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return loaded(make_tiny_gemma3_vlm(tmp_path_factory.mktemp("gemma3-vlm") / "gemma3-vlm"))
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def qwen_vlm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    make = {"qwen2_5_vl": make_tiny_qwen2_5_vl, "qwen3_vl": make_tiny_qwen3_vl}[request.param]
+    make = {"qwen2_5_vl": make_tiny_qwen2_5_vl, "qwen3_vl": make_tiny_qwen3_vl,
+            "qwen3_5": make_tiny_qwen3_5}[request.param]
     return loaded(make(tmp_path_factory.mktemp(request.param) / request.param))
 
 
