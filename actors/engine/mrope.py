@@ -28,7 +28,7 @@ from actors.engine.vision import split_image_token
 
 # The families whose images are placed by M-RoPE, checked against mlx-vlm's generation in
 # tests/test_vision.py: by model type, whether the head's frequencies take the three positions
-# in turn (temporal, height, width, temporal...: Qwen3-VL) or in contiguous sections.
+# in turn (temporal, height, width, temporal...: Qwen3-VL, Qwen3.5) or in contiguous sections.
 MROPE_MODEL_TYPES = {"qwen2_vl": False, "qwen2_5_vl": False, "qwen3_vl": True,
                      "qwen3_vl_moe": True, "qwen3_5": True, "qwen3_5_moe": True}
 
