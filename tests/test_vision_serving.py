@@ -1,7 +1,8 @@
 """Images over HTTP (issue 34): the three APIs with the official clients, served in-process by
-a tiny random-weight Gemma 3 vision-language checkpoint (tests/tiny_vlm.py). Each answer is
-checked against mlx-vlm's own generation of the same prompt and image; the same image sent
-again is a prefix-cache hit with the same answer; a text-only model refuses images."""
+a tiny random-weight Gemma 3 vision-language checkpoint (tests/tiny_vlm.py), and OpenAI's
+chat by a tiny Qwen2.5-VL, Qwen3-VL and Qwen3.5 (M-RoPE). Each answer is checked against
+mlx-vlm's own generation of the same prompt and image; the same image sent again is a
+prefix-cache hit with the same answer; a text-only model refuses images."""
 
 from __future__ import annotations
 
@@ -18,7 +19,12 @@ import openai
 import pytest
 from http_stack import RealStack, real_client, real_stack
 from test_vision import QUESTION, chat, picture, reference
-from tiny_vlm import make_tiny_gemma3_vlm
+from tiny_vlm import (
+    make_tiny_gemma3_vlm,
+    make_tiny_qwen2_5_vl,
+    make_tiny_qwen3_5,
+    make_tiny_qwen3_vl,
+)
 
 from actors.config import ServeConfig
 from actors.engine.memory_estimate import tower_transient
@@ -32,13 +38,24 @@ MB = 1 << 20
 mlx_vlm = pytest.importorskip("mlx_vlm")  # the vision extra; `make setup` installs it
 
 
-@pytest.fixture(scope="module")
-def vlm(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    model_dir = make_tiny_gemma3_vlm(tmp_path_factory.mktemp("gemma3-vlm") / "gemma3-vlm")
+def loaded(model_dir: Path) -> tuple:
+    """A checkpoint as tests/test_vision.py's helpers take it, mlx-vlm's own model beside."""
     model, tok = mlx_lm.load(str(model_dir))
     reference_model, _ = mlx_vlm.load(str(model_dir))
     return (model_dir, model, tok, VisionTower(model_dir, model), load_processor(model_dir),
             reference_model)
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return loaded(make_tiny_gemma3_vlm(tmp_path_factory.mktemp("gemma3-vlm") / "gemma3-vlm"))
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+def qwen_vlm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    make = {"qwen2_5_vl": make_tiny_qwen2_5_vl, "qwen3_vl": make_tiny_qwen3_vl,
+            "qwen3_5": make_tiny_qwen3_5}[request.param]
+    return loaded(make(tmp_path_factory.mktemp(request.param) / request.param))
 
 
 @pytest.fixture
@@ -162,6 +179,25 @@ async def test_an_undecodable_image_is_a_400_and_the_server_keeps_serving(
             "messages": openai_chat(0)})
     assert ok.status_code == 200
     assert ok.json()["choices"][0]["message"]["content"] == expected(vlm, 0)
+
+
+async def test_qwen_vl_reads_images_as_mlx_vlm_does_and_from_the_cache(
+        qwen_vlm: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TROUPE_HOME", str(tmp_path))
+    async with real_stack(qwen_vlm[0]) as s:
+        oai = openai.AsyncOpenAI(base_url=f"{s.server.url}/v1", api_key="x", max_retries=0)
+        try:
+            got = [await oai.chat.completions.create(model=s.model, max_tokens=8, temperature=0,
+                                                     messages=openai_chat(seed))
+                   for seed in (0, 1, 0)]
+        finally:
+            await oai.close()
+    answers = [g.choices[0].message.content for g in got]
+    assert answers[:2] == [expected(qwen_vlm, 0), expected(qwen_vlm, 1)]
+    assert answers[0] != answers[1]
+    # The same image again: a hit past the image (M-RoPE's positions come with the prefix).
+    assert answers[2] == answers[0]
+    assert got[2].usage.prompt_tokens_details.cached_tokens > image_start(qwen_vlm)
 
 
 async def test_a_text_only_model_refuses_images_with_a_400(tiny_model_dir: Path,
