@@ -72,8 +72,9 @@ from actors.engine.memory_estimate import (
     model_memory_of,
     prompt_need,
     too_large,
+    tower_transient,
 )
-from actors.engine.vision import why_no_images
+from actors.engine.vision import vision_config, why_no_images
 from actors.engine.vision_prompt import image_token, load_processor, with_images
 from actors.images import MAX_IMAGE_PIXELS, ImageError, decode_part, image_parts
 from actors.memory_messages import LoadModel, MemoryLimits
@@ -310,6 +311,7 @@ class ModelEntry:
         self.no_images: str | None = "it is not loaded"
         self.processor: Any = None
         self.image_token = -1
+        self.vision: dict = {}  # its checkpoint's vision_config
         self.drain = Drain()
 
     @property
@@ -417,6 +419,8 @@ class Admission(Actor):
                 try:
                     entry.processor = load_processor(Path(entry.card.path))
                     entry.image_token = image_token(Path(entry.card.path))
+                    entry.vision = (vision_config(Path(entry.card.path)) or {}).get(
+                        "vision_config", {})
                 except Exception as exc:  # a checkpoint whose processor files are missing
                     entry.no_images = f"its image processor could not be loaded ({exc})"
                     log.warning("%s: served on text alone: %s", entry.card.id,
@@ -748,7 +752,10 @@ class Admission(Actor):
         sampling = with_model_defaults(sampling, unset, entry.card.sampling_defaults)
         sampling, output = _fit_answer(entry, len(tokens), sampling, output, request_id,
                                        self.max_tokens_limit)
-        self._check_memory(entry, len(tokens), prompt_param)
+        dtype_bytes = entry.memory.dtype_bytes if entry.memory is not None else 4
+        tower = max((tower_transient(entry.vision, i.pixels.shape, dtype_bytes)
+                     for i in images or ()), default=0)
+        self._check_memory(entry, len(tokens), prompt_param, tower=tower)
         request = AddRequest(request_id=request_id, prompt_tokens=tokens, sampling=sampling,
                              output=output, constraint=constraint, cache_namespace=namespace,
                              images=images or [])
@@ -772,10 +779,11 @@ class Admission(Actor):
                                events=TrackedEvents(events, entry.drain))
 
     def _check_memory(self, entry: ModelEntry, n_tokens: int, prompt_param: str, *,
-                      whole: bool = False) -> None:
+                      whole: bool = False, tower: int = 0) -> None:
         """The prefill guard: refuse before any header what the memory limit cannot take.
         ``whole``: the input runs in one forward pass, uncached (an encoder's): all of its
-        attention at once, and no prefix-cache blocks."""
+        attention at once, and no prefix-cache blocks. ``tower``: the vision tower's
+        temporaries for the prompt's largest image."""
         limits = self.limits
         if limits is None or entry.memory is None:
             return
@@ -791,10 +799,11 @@ class Admission(Actor):
         memory = entry.memory
         block_size = 0 if whole else self.block_size
         step = n_tokens if whole else self.prefill_step_size
-        need = prompt_need(memory, prompt_tokens=n_tokens, step=step, block_size=block_size)
+        need = prompt_need(memory, prompt_tokens=n_tokens, step=step, block_size=block_size,
+                           tower=tower)
         estimate = admission_estimate(memory, high_water=limits.high_water,
                                       prompt_tokens=n_tokens, step=step,
-                                      block_size=block_size, loaded=entry.loaded)
+                                      block_size=block_size, loaded=entry.loaded, tower=tower)
         self.last_estimate = estimate
         floor = idle_floor(memory, limits.floor, loaded=entry.loaded)
         if too_large(need, limit=limits.limit, idle=floor):

@@ -277,12 +277,14 @@ def _rebuild_admission_error(kind, message, param, code, retry_after):
 
 class ImageInput(msgspec.Struct, frozen=True, kw_only=True):
     """One image of a prompt, as its processor made it: ``pixels`` (a numpy array; only the
-    scheduler's thread makes MLX arrays of it), its key (``actors.engine.vision.image_key``)
-    and how many prompt tokens it takes."""
+    scheduler's thread makes MLX arrays of it), its key (``actors.engine.vision.image_key``),
+    how many prompt tokens it takes, and ``grid``: for the Qwen-VL family, whose pixels are
+    rows of patches, its (temporal, height, width) patch grid (None for the others)."""
 
     key: int
     tokens: int
     pixels: Any
+    grid: tuple[int, int, int] | None = None
 
 
 class AddRequest(Message, frozen=True, kw_only=True):

@@ -671,7 +671,7 @@ class Scheduler(Actor):
             req = self.engine.add(msg.request_id, msg.prompt_tokens, msg.sampling,
                                   cached=cached, output=msg.output, constraint=msg.constraint,
                                   partial_max=partial_max, namespace=msg.cache_namespace,
-                                  images={i.key: (i.pixels, i.tokens) for i in msg.images})
+                                  images={i.key: i for i in msg.images})
         except RequestError as exc:
             reply.send(_refused(msg, exc.kind, str(exc)))
             reply.close()

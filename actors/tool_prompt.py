@@ -78,6 +78,27 @@ def uses_tools(messages: list[dict[str, Any]]) -> bool:
     return any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
 
 
+def _wrapped(content: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """A tool's result in its tags; a result holding images (a list of text and image
+    parts) stays a list, the tags text parts around it, so the images stay in place."""
+    if isinstance(content, list):
+        return [{"type": "text", "text": "<tool_response>\n"}, *content,
+                {"type": "text", "text": "\n</tool_response>"}]
+    return f"<tool_response>\n{content}\n</tool_response>"
+
+
+def _joined(first: str | list[dict[str, Any]], second: str | list[dict[str, Any]]
+            ) -> str | list[dict[str, Any]]:
+    """Two tool results in one user turn, a line apart (a list when either holds images)."""
+    if isinstance(first, str) and isinstance(second, str):
+        return first + "\n" + second
+
+    def parts(c: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{"type": "text", "text": c}] if isinstance(c, str) else list(c)
+
+    return [*parts(first), {"type": "text", "text": "\n"}, *parts(second)]
+
+
 def with_tools_in_prompt(
     messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
 ) -> list[dict[str, Any]]:
@@ -104,9 +125,9 @@ def with_tools_in_prompt(
             text = message.get("content") or ""
             out.append({"role": "assistant", "content": f"{text}\n{calls}" if text else calls})
         elif role == "tool":
-            result = f"<tool_response>\n{message.get('content') or ''}\n</tool_response>"
+            result = _wrapped(message.get("content") or "")
             if out and out[-1].get("tool_results"):
-                out[-1]["content"] += "\n" + result
+                out[-1]["content"] = _joined(out[-1]["content"], result)
             else:
                 out.append({"role": "user", "content": result, "tool_results": True})
         else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from tiny_model import make_tiny_model
 
@@ -42,3 +43,16 @@ def make_reranker_model(root: Path) -> Path:
     rows)."""
     return make_tiny_model(root / "tiny-qwen3-reranker", arch="qwen3", template="qwen3",
                            eos_head=6.0)
+
+
+def run_job(embedder: Any, kind: str, inputs: list[list[int]], budget: int = 512) -> list[Any]:
+    """``inputs`` as one job through ``embedder`` (an ``Embedder`` or ``EncoderEmbedder``),
+    stepped ``budget`` tokens at a time; its results."""
+    from actors.engine.embed import EmbedJob
+
+    got: dict[str, Any] = {}
+    embedder.add(EmbedJob("job", kind, inputs, lambda r, e: got.update(r=r, e=e)))
+    while embedder.has_work:
+        embedder.step(budget)
+    assert got["e"] is None
+    return got["r"]

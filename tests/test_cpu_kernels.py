@@ -107,6 +107,13 @@ def test_causal_attention_with_fewer_keys_than_queries_matches_mlx_bitwise(kerne
     assert same(got, kernels._state["sdpa"](q, k, v, scale=0.25, mask="causal"))
 
 
+def test_empty_attention_is_mlx_s(kernels) -> None:
+    # Qwen2.5-VL's vision tower splits an image's patches into windows, some of them empty
+    q, k, v = (mx.zeros((1, 2, 0, 16)) for _ in range(3))
+    got = kernels.attention(q, k, v, scale=0.25, mask=None)
+    assert same(got, kernels._state["sdpa"](q, k, v, scale=0.25, mask=None))
+
+
 def test_attention_with_infinite_scores_matches_mlx_bitwise(kernels) -> None:
     # overflowed activations: rows whose kept scores are all -inf, and rows with NaN in them
     rng = np.random.default_rng(6)

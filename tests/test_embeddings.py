@@ -10,7 +10,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
-from embed_models import QUERY_PROMPT, make_embedding_model, make_reranker_model
+from embed_models import QUERY_PROMPT, make_embedding_model, make_reranker_model, run_job
 from mlx_lm import load
 
 from actors.engine.config import EngineConfig
@@ -45,16 +45,6 @@ def reranker_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_reranker_model(tmp_path_factory.mktemp("rerank"))
 
 
-def _run(embedder: Embedder, kind: str, inputs: list[list[int]], budget: int = 512
-         ) -> list[Any]:
-    got: dict[str, Any] = {}
-    embedder.add(EmbedJob("job", kind, inputs, lambda r, e: got.update(r=r, e=e)))
-    while embedder.has_work:
-        embedder.step(budget)
-    assert got["e"] is None
-    return got["r"]
-
-
 def _reference(model: Any, tokens: list[int], pooling: str) -> np.ndarray:
     """The recipe in plain mlx-lm and numpy: one input alone, the body's states pooled and
     L2-normalised."""
@@ -68,7 +58,7 @@ def test_vectors_equal_a_plain_computation_of_the_pooling(embedding: tuple[Any, 
                                                           pooling: str) -> None:
     model, tok = embedding
     inputs = [tok.encode(t) for t in TEXTS]
-    got = _run(Embedder(model, EmbedSpec(pooling=pooling)), "embed", inputs)
+    got = run_job(Embedder(model, EmbedSpec(pooling=pooling)), "embed", inputs)
     refs = [_reference(model, ids, pooling) for ids in inputs]
     assert not np.allclose(refs[0], refs[1], atol=1e-3)  # two inputs, two vectors
     for vec, ref in zip(got, refs, strict=True):
@@ -80,8 +70,8 @@ def test_batched_inputs_equal_each_input_alone(embedding: tuple[Any, Any]) -> No
     model, tok = embedding
     inputs = [tok.encode(t) for t in TEXTS]
     embedder = Embedder(model, EmbedSpec(pooling="mean"))
-    together = _run(embedder, "embed", inputs)
-    alone = [_run(embedder, "embed", [ids])[0] for ids in inputs]
+    together = run_job(embedder, "embed", inputs)
+    alone = [run_job(embedder, "embed", [ids])[0] for ids in inputs]
     np.testing.assert_allclose(together, alone, atol=1e-5)
 
 
@@ -92,7 +82,7 @@ def test_an_input_over_the_step_budget_runs_in_chunks_to_the_same_vector(
     model, tok = embedding
     ids = tok.encode(" ".join(TEXTS * 4))
     embedder = Embedder(model, EmbedSpec(pooling=pooling))
-    chunked = _run(embedder, "embed", [ids, tok.encode("a")], budget=16)
+    chunked = run_job(embedder, "embed", [ids, tok.encode("a")], budget=16)
     assert len(ids) > 3 * 16
     np.testing.assert_allclose(chunked[0], _reference(model, ids, pooling), atol=1e-4)
     np.testing.assert_allclose(chunked[1], _reference(model, tok.encode("a"), pooling),
@@ -124,7 +114,7 @@ def test_rerank_scores_are_the_yes_probability_of_the_models_own_logits(
     docs = ["the fox is quick", "numbers add up", "hello there", "a lazy dog sleeps"]
     inputs = [rerank_tokens(tok, "what does the fox do?", d) for d in docs]
     embedder = Embedder(model, EmbedSpec(), yes_id=yes, no_id=no)
-    scores = _run(embedder, "rerank", inputs)
+    scores = run_job(embedder, "rerank", inputs)
     refs = []
     for ids in inputs:
         logits = np.array(model(mx.array([ids]))[0, -1].astype(mx.float32))
@@ -162,15 +152,15 @@ def test_a_rerank_querys_shared_prefix_runs_once_for_all_documents(reranker_dir:
     inputs = [rerank_tokens(tok, "which documents say yes?", d) for d in docs]
     shared = next(n for n in range(len(inputs[0])) if len({ids[n] for ids in inputs}) > 1)
     embedder = Embedder(model, EmbedSpec(), yes_id=yes, no_id=no)
-    scores = _run(embedder, "rerank", inputs, budget=64)
+    scores = run_job(embedder, "rerank", inputs, budget=64)
     assert embedder.tokens_run == shared + sum(len(ids) - shared for ids in inputs)
     alone = Embedder(model, EmbedSpec(), yes_id=yes, no_id=no)
-    np.testing.assert_allclose(scores, [_run(alone, "rerank", [ids])[0] for ids in inputs],
+    np.testing.assert_allclose(scores, [run_job(alone, "rerank", [ids])[0] for ids in inputs],
                                atol=1e-5)
     assert len(set(np.round(scores, 6))) > 1
     # At most a prefill chunk of it is shared (it runs in one forward pass).
     capped = Embedder(model, EmbedSpec(), yes_id=yes, no_id=no, max_shared=shared // 2)
-    np.testing.assert_allclose(_run(capped, "rerank", inputs, budget=512), scores, atol=1e-5)
+    np.testing.assert_allclose(run_job(capped, "rerank", inputs, budget=512), scores, atol=1e-5)
     assert capped.tokens_run == shared // 2 + sum(len(ids) - shared // 2 for ids in inputs)
 
 
@@ -196,5 +186,5 @@ def test_the_embedder_measures_the_time_a_token_takes(embedding: tuple[Any, Any]
     model, tok = embedding
     embedder = Embedder(model, EmbedSpec())
     assert embedder.token_s is None
-    _run(embedder, "embed", [tok.encode(t) for t in TEXTS])
+    run_job(embedder, "embed", [tok.encode(t) for t in TEXTS])
     assert embedder.token_s is not None and embedder.token_s > 0

@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 import openai
 import pytest
+from embed_models import run_job
 from encoder_models import make_encoder
 from http_stack import real_client, real_stack
 from tiny_model import make_tiny_model
@@ -41,16 +42,6 @@ TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog", "a", "num
 QUERY = "what does the fox do?"
 DOCS = ["the fox is quick", "numbers add up", "hello there", "a lazy dog sleeps",
         "the quick brown fox jumps over the dog"]
-
-
-def _run(embedder: EncoderEmbedder, kind: str, inputs: list[list[int]], budget: int = 512
-         ) -> list[Any]:
-    got: dict[str, Any] = {}
-    embedder.add(EmbedJob("job", kind, inputs, lambda r, e: got.update(r=r, e=e)))
-    while embedder.has_work:
-        embedder.step(budget)
-    assert got["e"] is None
-    return got["r"]
 
 
 def _direct_vector(model: Any, ids: list[int], pooling: str) -> np.ndarray:
@@ -88,7 +79,7 @@ def test_encoder_vectors_equal_a_direct_forward_pooled_and_normalised(
         dirs: dict[str, Path], name: str) -> None:
     model, tok, config = load_encoder(dirs[name], "embed")
     inputs = [tok.encode(t) for t in TEXTS]
-    got = _run(EncoderEmbedder(model, tok, config), "embed", inputs)
+    got = run_job(EncoderEmbedder(model, tok, config), "embed", inputs)
     refs = [_direct_vector(model, ids, name.rsplit("-", 1)[1]) for ids in inputs]
     assert not np.allclose(refs[0], refs[1], atol=1e-3)  # two texts, two vectors
     for vec, ref in zip(got, refs, strict=True):
@@ -102,9 +93,9 @@ def test_batched_encoder_inputs_equal_each_input_alone(dirs: dict[str, Path], na
     inputs = [tok.encode(t) for t in TEXTS]
     assert len({len(ids) for ids in inputs}) > 1  # the batch pads its shorter inputs
     embedder = EncoderEmbedder(model, tok, config)
-    together = _run(embedder, "embed", inputs)
+    together = run_job(embedder, "embed", inputs)
     assert embedder.tokens_run == sum(len(ids) for ids in inputs)
-    alone = [_run(EncoderEmbedder(model, tok, config), "embed", [ids])[0] for ids in inputs]
+    alone = [run_job(EncoderEmbedder(model, tok, config), "embed", [ids])[0] for ids in inputs]
     np.testing.assert_allclose(together, alone, atol=1e-5)
 
 
@@ -119,7 +110,7 @@ def test_a_small_budget_splits_a_job_into_steps_of_the_same_vectors(dirs: dict[s
         embedder.step(max(len(ids) for ids in inputs))
         steps += 1
     assert steps > 1
-    np.testing.assert_allclose(got["r"], _run(EncoderEmbedder(model, tok, config), "embed",
+    np.testing.assert_allclose(got["r"], run_job(EncoderEmbedder(model, tok, config), "embed",
                                               inputs), atol=1e-5)
 
 
@@ -140,7 +131,7 @@ def test_cross_encoder_scores_are_the_sigmoid_of_the_classifier_logit(
         dirs: dict[str, Path], name: str) -> None:
     model, tok, config = load_encoder(dirs[name], "rerank")
     inputs = [pair_tokens(tok, QUERY, doc, None) for doc in DOCS]
-    got = _run(EncoderEmbedder(model, tok, config), "rerank", inputs)
+    got = run_job(EncoderEmbedder(model, tok, config), "rerank", inputs)
     refs = [_direct_score(model, tok, QUERY, doc) for doc in DOCS]
     assert len({round(r, 6) for r in refs}) == len(DOCS)  # the scores tell documents apart
     np.testing.assert_allclose(got, refs, atol=1e-5)
@@ -149,7 +140,7 @@ def test_cross_encoder_scores_are_the_sigmoid_of_the_classifier_logit(
 def test_bert_pairs_tell_the_document_by_token_type(dirs: dict[str, Path]) -> None:
     model, tok, config = load_encoder(dirs["bert-rerank"], "rerank")
     ids = pair_tokens(tok, QUERY, DOCS[0], None)
-    typed = _run(EncoderEmbedder(model, tok, config), "rerank", [ids])[0]
+    typed = run_job(EncoderEmbedder(model, tok, config), "rerank", [ids])[0]
     untyped = float(mx.sigmoid(model(mx.array([ids])).logits.astype(mx.float32))[0, 0])
     assert abs(typed - untyped) > 1e-6  # the types change the score: they are passed
 

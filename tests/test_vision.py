@@ -8,6 +8,7 @@ files after a restart); a different image with the same text is never a hit.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,14 +17,25 @@ import pytest
 from engine_helpers import engine_config, greedy, ram_hit, run
 from mlx_lm import load
 from PIL import Image
-from tiny_vlm import make_tiny_gemma3_vlm
+from tiny_vlm import (
+    make_tiny_gemma3_vlm,
+    make_tiny_qwen2_5_vl,
+    make_tiny_qwen2_vl,
+    make_tiny_qwen3_5,
+    make_tiny_qwen3_5_moe,
+    make_tiny_qwen3_vl,
+    make_tiny_qwen3_vl_moe,
+)
 
 from actors import block_store
+from actors.engine import runner
 from actors.engine.core import Engine
 from actors.engine.kv_blocks import from_numpy, to_numpy
 from actors.engine.prefix import model_fingerprint
+from actors.engine.speculate import Drafter
 from actors.engine.vision import VisionTower, image_token_ids, split_image_token, why_no_images
 from actors.engine.vision_prompt import image_token, load_processor, with_images
+from actors.messages import ImageInput
 
 mlx_vlm = pytest.importorskip("mlx_vlm")  # the vision extra; `make setup` installs it
 
@@ -40,9 +52,19 @@ def chat(n_images: int = 1, text: str = QUESTION) -> list[dict]:
              "content": [{"type": "image"}] * n_images + [{"type": "text", "text": text}]}]
 
 
-@pytest.fixture(scope="module")
-def vlm(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    model_dir = make_tiny_gemma3_vlm(tmp_path_factory.mktemp("gemma3-vlm") / "gemma3-vlm")
+# Each family troupe reads images for: Gemma 3 (an image's tokens at 1-D positions),
+# Qwen2-VL and Qwen2.5-VL (M-RoPE, actors/engine/mrope.py), Qwen3-VL and its mixture of
+# experts (interleaved M-RoPE, and deepstack: actors/engine/deepstack.py), Qwen3.5 and its
+# mixture of experts (interleaved M-RoPE on half of each head, linear-attention layers between).
+MAKERS = {"gemma3": make_tiny_gemma3_vlm, "qwen2_vl": make_tiny_qwen2_vl,
+          "qwen2_5_vl": make_tiny_qwen2_5_vl, "qwen3_vl": make_tiny_qwen3_vl,
+          "qwen3_vl_moe": make_tiny_qwen3_vl_moe, "qwen3_5": make_tiny_qwen3_5,
+          "qwen3_5_moe": make_tiny_qwen3_5_moe}
+
+
+@pytest.fixture(scope="module", params=sorted(MAKERS))
+def vlm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    model_dir = MAKERS[request.param](tmp_path_factory.mktemp(request.param) / request.param)
     model, tok = load(str(model_dir))
     tower = VisionTower(model_dir, model)
     processor = load_processor(model_dir)
@@ -60,19 +82,20 @@ def prompt(vlm: Any, images: list[Image.Image], text: str = QUESTION
     model_dir, _, _, _, processor, _ = vlm
     ids, inputs = with_images(processor, image_token(model_dir), rendered(vlm, chat(len(images),
                               text)), images)
-    return ids, {i.key: (i.pixels, i.tokens) for i in inputs}
+    return ids, {i.key: i for i in inputs}
 
 
 def reference(vlm: Any, images: list[Image.Image], text: str = QUESTION,
-              max_tokens: int = 10) -> list[int]:
+              max_tokens: int = 16) -> list[int]:
     """mlx-vlm's own greedy generation of the prompt and images."""
     from mlx_vlm.generate.ar import generate_step
 
     _, _, _, _, processor, model = vlm
     out = processor(text=[rendered(vlm, chat(len(images), text))], images=images,
                     add_special_tokens=False)
+    extra = {"image_grid_thw": out["image_grid_thw"]} if "image_grid_thw" in out else {}
     steps = generate_step(out["input_ids"], model, out["pixel_values"], out["attention_mask"],
-                          max_tokens=max_tokens, temperature=0.0)
+                          max_tokens=max_tokens, temperature=0.0, **extra)
     return [int(t) for (t, _), _ in zip(steps, range(max_tokens), strict=False)]
 
 
@@ -83,7 +106,7 @@ def engine(vlm: Any, **settings: Any) -> Engine:
 
 
 def serve(e: Engine, rid: str, ids: list[int], images: dict[int, Any], cached: Any = (),
-          max_tokens: int = 10) -> tuple[list[int], int]:
+          max_tokens: int = 16) -> tuple[list[int], int]:
     e.add(rid, ids, greedy(max_tokens, ignore_eos=True), cached=cached, images=images)
     res = run(e)[rid]
     return res["tokens"], res["finish"].usage.cached_tokens
@@ -108,12 +131,41 @@ def test_two_images_in_one_prompt_answer_as_mlx_vlm_does(vlm: Any) -> None:
     assert serve(engine(vlm), "a", ids, images)[0] == reference(vlm, pics)
 
 
-def test_an_image_split_across_prefill_chunks_answers_the_same(vlm: Any) -> None:
+@pytest.mark.parametrize("split", ["inside the image", "in chunks of 3"])
+def test_an_image_split_across_prefill_chunks_answers_the_same(vlm: Any, split: str) -> None:
     ids, images = prompt(vlm, [picture(0)])
     first = next(i for i, t in enumerate(ids) if t < 0)
-    # A chunk that ends inside the image's tokens.
-    e = engine(vlm, prefill_step_size=first + 2)
+    # A chunk that ends inside the image's tokens; or chunks of text alone before and after
+    # the image (M-RoPE: the text after it goes on from the image's positions).
+    e = engine(vlm, prefill_step_size=first + 2 if split == "inside the image" else 3)
     assert serve(e, "a", ids, images)[0] == reference(vlm, [picture(0)])
+
+
+def test_drafts_verified_on_an_image_prompt_answer_as_mlx_vlm_does(
+        vlm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    if vlm[0].name == "gemma3":
+        pytest.skip("sliding-window layers (Gemma 3) take no drafts")
+    ids, images = prompt(vlm, [picture(5)])
+    want = reference(vlm, [picture(5)], max_tokens=24)
+
+    class Foreseeing(Drafter):
+        """Drafts mlx-vlm's own answer: every draft is verified at the positions the
+        answer's tokens sit at (past the image: M-RoPE's), and kept only if they are right."""
+
+        seen = 0
+
+        def sync(self, tokens: list[int], more: Sequence[int] = ()) -> None:
+            super().sync(tokens, more)
+            self.seen = len(tokens) + len(more)
+
+        def draft(self, last: int, most: int) -> list[int]:
+            answered = self.seen + 1 - len(ids)  # ``last``, the next input, is answered
+            return want[answered:answered + min(most, 4)]
+
+    monkeypatch.setattr(runner, "Drafter", Foreseeing)
+    e = engine(vlm, speculative="ngram")
+    assert serve(e, "a", ids, images, max_tokens=24)[0] == want
+    assert e.runner.drafts > 0 and e.runner.accepted == e.runner.drafted
 
 
 def test_four_image_prompts_at_once_and_beside_text_answer_as_alone(vlm: Any) -> None:
@@ -122,15 +174,15 @@ def test_four_image_prompts_at_once_and_beside_text_answer_as_alone(vlm: Any) ->
     want = {}
     for i in range(4):
         ids, images = prompt(vlm, [picture(10 + i)], QUESTION[: 30 + 7 * i])
-        e.add(f"img{i}", ids, greedy(10, ignore_eos=True), images=images)
+        e.add(f"img{i}", ids, greedy(16, ignore_eos=True), images=images)
         want[f"img{i}"] = reference(vlm, [picture(10 + i)], QUESTION[: 30 + 7 * i])
     text = tok.encode(rendered(vlm, [{"role": "user", "content": "Hello there, who are you?"}]),
                       add_special_tokens=False)
-    e.add("text", text, greedy(10, ignore_eos=True))
+    e.add("text", text, greedy(16, ignore_eos=True))
     got = run(e)
     assert {k: got[k]["tokens"] for k in want} == want
     alone = engine(vlm)
-    alone.add("text", text, greedy(10, ignore_eos=True))
+    alone.add("text", text, greedy(16, ignore_eos=True))
     assert got["text"]["tokens"] == run(alone)["text"]["tokens"]
 
 
@@ -187,6 +239,29 @@ def test_image_blocks_through_files_serve_a_restarted_engine(vlm: Any, tmp_path:
     assert got == want and cached >= len(ids) - 8
 
 
+def test_m_rope_positions_are_mlx_vlm_s(vlm: Any) -> None:
+    model_dir, _, tok, tower, processor, reference_model = vlm
+    if tower.mrope is None:
+        pytest.skip("this family places images at 1-D positions")
+    pics = [picture(2), picture(3, (64, 20)), picture(4, (20, 64))]
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"},
+                                             {"type": "image"}, {"type": "image"},
+                                             {"type": "text", "text": QUESTION}]}]
+    text = rendered(vlm, messages)
+    ids, inputs = with_images(processor, image_token(model_dir), text, pics)
+    assert len({i.grid for i in inputs}) == 3, "grids of three shapes, rows unlike columns"
+    placement = tower.mrope.place(ids, {i.key: i for i in inputs})
+    out = processor(text=[text], images=pics, add_special_tokens=False)
+    want, delta = reference_model.language_model.get_rope_index(out["input_ids"],
+                                                                out["image_grid_thw"])
+    assert placement.positions.tolist() == np.asarray(want)[:, 0].tolist()
+    assert placement.delta == int(np.asarray(delta).item()) < 0
+    # Past the prompt, text at its index + delta; a chunk reads the table and goes on.
+    n = len(ids)
+    assert placement.chunk(n - 2, 4).tolist() == [
+        [*np.asarray(want)[d, 0, -2:].tolist(), n + delta, n + 1 + delta] for d in range(3)]
+
+
 def test_image_token_ids_carry_the_key_and_the_place() -> None:
     ids = image_token_ids(123456789, 5)
     assert all(t < 0 for t in ids)
@@ -198,7 +273,8 @@ def test_a_text_only_model_reads_no_images(tiny_model_dir: Path) -> None:
     model, tok = load(str(tiny_model_dir))
     e = Engine(model, tok, engine_config())
     with pytest.raises(Exception, match="no images"):
-        e.add("a", [1, 2, *image_token_ids(7, 2), 3], greedy(4), images={7: (None, 2)})
+        e.add("a", [1, 2, *image_token_ids(7, 2), 3], greedy(4),
+              images={7: ImageInput(key=7, tokens=2, pixels=None)})
 
 
 
@@ -207,3 +283,14 @@ def test_an_untested_mlx_vlm_reads_no_images(vlm: Any, monkeypatch: pytest.Monke
 
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.0.1")
     assert "not a version troupe was tested with" in (why_no_images(vlm[0]) or "")
+
+
+def test_without_the_vision_extra_a_vlm_reads_no_images_and_says_which_extra(
+        vlm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.metadata
+
+    def missing(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    assert "pip install 'mlx-troupe[vision]'" in (why_no_images(vlm[0]) or "")

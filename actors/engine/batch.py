@@ -17,6 +17,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, TokenBuffer, dynamic_roll
 
+from actors.engine.mrope import Placement
 from actors.engine.ragged_cache import RaggedKVCache
 from actors.engine.speculate import Drafter
 
@@ -59,9 +60,11 @@ class Sequence:
     # Its n-gram drafts (speculative decoding; made when it first decodes with them on).
     drafter: Drafter | None = field(default=None, repr=False)
     speculative: bool = True  # False: the request turned drafts off
-    # Its images by key (``vision.image_key``): processed pixels until their tokens first run,
-    # then their tokens' embeddings.
+    # Its images by key (``vision.image_key``): as admission sent them (``ImageInput``) until
+    # their tokens first run, then their tokens' embeddings.
     images: dict[int, Any] = field(default_factory=dict, repr=False)
+    # Its prompt's M-RoPE positions (``mrope``; None: its tokens sit at their indices).
+    placement: Placement | None = field(default=None, repr=False)
 
     @property
     def remaining(self) -> int:

@@ -195,8 +195,8 @@ class Engine:
         partial hit after the cached blocks (None: as many as RAM shares; the ranks of a
         sharded model agree on it). ``namespace``: its cache namespace, whose blocks alone it
         reads and into which it cuts its own (``prefix.namespace_root``). ``images``: by
-        key, the processed pixels and token count of each image whose tokens the prompt
-        holds (negative ids: ``vision.image_token_ids``).
+        key, each image whose tokens the prompt holds (``messages.ImageInput``; its tokens
+        negative ids: ``vision.image_token_ids``).
         """
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already running", "conflict")

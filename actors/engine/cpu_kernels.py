@@ -236,7 +236,9 @@ def attention(q: Any, k: Any, v: Any, *, scale: float, mask: Any = None, sinks: 
     if (stream is not None or sinks is not None or not mask_ok or q.ndim != 4 or k.ndim != 4
             or q.dtype != mx.float32 or k.dtype != mx.float32 or v.dtype != mx.float32
             or mx.default_device() != mx.cpu or q.shape[1] % k.shape[1]
-            or (isinstance(mask, mx.array) and mask.ndim > 4)):
+            or (isinstance(mask, mx.array) and mask.ndim > 4)
+            # Empty (Qwen2.5-VL's vision tower attends in windows, some of them empty).
+            or q.size == 0 or k.size == 0):
         return original(q, k, v, scale=scale, mask=mask, sinks=sinks, stream=stream)
     b, n_q, length, dim = q.shape
     n_kv, keys = k.shape[1], k.shape[2]

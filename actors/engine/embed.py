@@ -214,6 +214,17 @@ class EmbedJob:
         self.results = [None] * len(self.inputs)
         self.left = len(self.inputs)
 
+    def record(self, i: int, out: Any, jobs: dict[str, EmbedJob]) -> None:
+        """Input ``i`` gave ``out``: kept, and with the last one the job is answered and
+        leaves ``jobs`` (its queue's; nothing, if it was aborted meanwhile)."""
+        if jobs.get(self.request_id) is not self:
+            return
+        self.results[i] = out
+        self.left -= 1
+        if self.left == 0:
+            del jobs[self.request_id]
+            self.on_done(self.results, None)
+
 
 class Embedder:
     """The queue of embedding and rerank inputs of one model, run a budget of tokens a step.
@@ -409,13 +420,7 @@ class Embedder:
 
     def _done(self, job: EmbedJob, i: int, out: Any) -> None:
         self.inputs_done += 1
-        if job.request_id not in self.jobs:
-            return  # aborted meanwhile
-        job.results[i] = out
-        job.left -= 1
-        if job.left == 0:
-            del self.jobs[job.request_id]
-            job.on_done(job.results, None)
+        job.record(i, out, self.jobs)
 
     def _fail_running(self, exc: Exception) -> None:
         """A step failed: every job in the queue gets the error (a failed forward pass says

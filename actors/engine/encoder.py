@@ -261,13 +261,7 @@ class EncoderEmbedder:
 
     def _done(self, job: EmbedJob, i: int, out: Any) -> None:
         self.inputs_done += 1
-        if job.request_id not in self.jobs:
-            return  # aborted meanwhile
-        job.results[i] = out
-        job.left -= 1
-        if job.left == 0:
-            del self.jobs[job.request_id]
-            job.on_done(job.results, None)
+        job.record(i, out, self.jobs)
 
     def _fail_all(self, exc: Exception) -> None:
         """A forward pass failed: every queued job gets the error (it says nothing of which

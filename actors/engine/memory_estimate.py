@@ -236,6 +236,24 @@ def prefill_transient(m: ModelMemory, *, chunk: int, context: int, batch: int = 
     return int(scores * (score_factor() if factor is None else factor)) + work * WORK_BYTES
 
 
+def tower_transient(vision: dict, pixels_shape: tuple[int, ...], dtype_bytes: int = 4) -> int:
+    """Temporaries of a vision tower reading one image (``vision``: the checkpoint's
+    ``vision_config``; ``pixels_shape``: the image as its processor made it, channels by
+    height by width, or one row per patch): every layer's attention scores over the image's
+    patches and its token-wise work, as ``prefill_transient`` counts a chunk's."""
+    patch = int(vision.get("patch_size") or 14)
+    if len(pixels_shape) == 3:
+        patches = (pixels_shape[1] // patch) * (pixels_shape[2] // patch)
+    else:
+        patches = pixels_shape[0] if pixels_shape else 0
+    hidden = int(vision.get("hidden_size") or 0)
+    intermediate = int(vision.get("intermediate_size") or 4 * hidden)
+    heads = int(vision.get("num_attention_heads") or vision.get("num_heads") or 1)
+    scores = heads * patches * patches * dtype_bytes * score_factor()
+    work = patches * (WORK_HIDDEN * hidden + WORK_INTERMEDIATE * intermediate) * WORK_BYTES
+    return int(scores) + work
+
+
 def prompt_need(
     m: ModelMemory,
     *,
@@ -243,13 +261,16 @@ def prompt_need(
     step: int,
     cached_tokens: int = 0,
     block_size: int = 0,
+    tower: int = 0,
 ) -> int:
     """New memory one prompt needs at its worst moment when prefilled alone.
 
     Its whole KV (cached tokens included: the engine copies cached blocks into the request's
-    own cache), the prefix cache's copy of its full blocks (``block_size`` > 0), and the larger
-    of the two transients: the last chunk's attention, or the extra copy made while cutting
-    blocks. It does not depend on ``max_tokens``: decoding adds one token's KV per step.
+    own cache), the prefix cache's copy of its full blocks (``block_size`` > 0), and the largest
+    of the transients: the last chunk's attention, the extra copy made while cutting blocks,
+    or ``tower``, a vision tower's reading one of its images (``tower_transient``; it runs
+    before the chunk that takes the image's tokens, not beside it). It does not depend on
+    ``max_tokens``: decoding adds one token's KV per step.
     """
     uncached = max(1, prompt_tokens - cached_tokens)
     chunk = min(step, uncached)
@@ -258,7 +279,7 @@ def prompt_need(
     if block_size > 0:
         blocks = kv_bytes(m, block_size * max(0, (prompt_tokens - 1) // block_size))
     transient = prefill_transient(m, chunk=chunk, context=prompt_tokens)
-    return kv + blocks + max(blocks, transient)
+    return kv + blocks + max(blocks, transient, tower)
 
 
 def admission_estimate(
@@ -269,12 +290,13 @@ def admission_estimate(
     step: int,
     block_size: int = 0,
     loaded: bool = True,
+    tower: int = 0,
 ) -> int:
     """The peak MLX memory if this prompt is admitted now: the recent high-water mark, the
     model's weights if it still has to be loaded, and the prompt's own need."""
     weights = 0 if loaded else m.weights_bytes
     return high_water + weights + prompt_need(
-        m, prompt_tokens=prompt_tokens, step=step, block_size=block_size
+        m, prompt_tokens=prompt_tokens, step=step, block_size=block_size, tower=tower
     )
 
 

@@ -13,10 +13,11 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Container, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, NamedTuple
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, TokenBuffer, make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
@@ -144,13 +145,17 @@ class Runner:
                images: dict[int, Any] | None = None) -> int:
         """Queue one sequence: its prompt still to run, in ``segments`` (split where blocks
         must be cut), after ``done`` tokens already in ``cache``; ``speculative``: whether
-        it may take drafts; ``images``: the processed pixels of the images whose tokens its
-        prompt holds, by key (``vision``). Returns its uid."""
+        it may take drafts; ``images``: the images whose tokens its prompt holds, by key
+        (``messages.ImageInput``). Returns its uid."""
         uid = self._insert(self.batch, segments, max_tokens=max_tokens, cache=cache,
                            done=done, sampler=sampler, processors=processors,
                            stop_ids=stop_ids, speculative=speculative)
         if images:
-            self.batch.waiting[-1].images = dict(images)
+            seq = self.batch.waiting[-1]
+            seq.images = dict(images)
+            if self.vision is not None and self.vision.mrope is not None:
+                prompt = [*done, *(t for s in segments for t in s)]
+                seq.placement = self.vision.mrope.place(prompt, images)
         return uid
 
     def _insert(self, batch: Batch, segments: list[list[int]], *, max_tokens: int, cache: Any,
@@ -410,31 +415,71 @@ class Runner:
         runs it (right padded, in pieces of at most ``step`` tokens)."""
         if not prompts:
             return
-        embeds = self._image_embeddings(pre.seqs, prompts)
+        images = self._image_embeddings(pre.seqs, prompts)
+        placed = self._chunk_placement(pre.seqs, prompts)
         tokens, _, padding = _take_chunk(pre, prompts, prepare_plain=True)
-        if embeds is not None:
-            embeds = embeds(tokens)
+        embeds, adds = images(tokens) if images is not None else (None, [])
+        done = 0
         while tokens.shape[1] > 0:
-            if embeds is None:
-                self.model(tokens[:, :step], cache=pre.cache)
-            else:
-                self.model(tokens[:, :step], cache=pre.cache,
-                           input_embeddings=embeds[:, :step])
-                embeds = embeds[:, step:]
+            fed = (self.vision.deepstack.fed([a[:, done:done + step] for a in adds]) if adds
+                   else nullcontext())
+            with placed(done, done + step), fed:
+                if embeds is None:
+                    self.model(tokens[:, :step], cache=pre.cache)
+                else:
+                    self.model(tokens[:, :step], cache=pre.cache,
+                               input_embeddings=embeds[:, :step])
+                    embeds = embeds[:, step:]
             mx.eval([c.state for c in pre.cache])
             mx.clear_cache()
             tokens = tokens[:, step:]
+            done += step
         if max(padding) > 0:
             for c in pre.cache:
                 c.finalize()
             mx.eval([c.state for c in pre.cache])
             mx.clear_cache()
 
+    def _chunk_placement(self, seqs: list[Sequence], prompts: list[list[int]]
+                         ) -> Callable[[int, int], AbstractContextManager[None]]:
+        """For a chunk about to run (``prompts``: the rows' tokens, not yet in their caches),
+        the M-RoPE placement of its columns ``a`` .. ``b`` as a context its model call runs
+        in: rows without images at their indices, rows whose chunk is text shifted by their
+        delta, rows whose chunk holds image tokens at their three positions."""
+        if not any(s.placement is not None for s in seqs):
+            return lambda a, b: nullcontext()
+        mrope = self.vision.mrope
+        longest = max(len(p) for p in prompts)
+        shift = [0] * len(seqs)
+        spatial = [False] * len(seqs)
+        positions = np.zeros((3, len(seqs), longest), dtype=np.int64)
+        for i, (s, prompt) in enumerate(zip(seqs, prompts, strict=True)):
+            if s.placement is None:
+                continue
+            start = len(s.tokens)
+            if any(t < 0 for t in prompt):
+                spatial[i] = True
+                positions[:, i, :len(prompt)] = s.placement.chunk(start, len(prompt))
+            else:
+                shift[i] = s.placement.shift(start)
+        if not any(spatial):
+            return lambda a, b: mrope.placed(shift)
+        return lambda a, b: mrope.placed(shift, positions[:, :, a:b], spatial)
+
+    def _row_shifts(self, seqs: list[Sequence]) -> AbstractContextManager[None]:
+        """Decode rows' placement: each past its prompt, so at its index + its delta."""
+        if not any(s.placement is not None for s in seqs):
+            return nullcontext()
+        return self.vision.mrope.placed([s.placement.delta if s.placement else 0
+                                         for s in seqs])
+
     def _image_embeddings(self, seqs: list[Sequence], prompts: list[list[int]]
-                          ) -> Callable[[mx.array], mx.array] | None:
+                          ) -> Callable[[mx.array], tuple[mx.array, list[mx.array]]] | None:
         """For a chunk that holds image tokens (negative ids), a function from the chunk's
         model inputs (right padded) to their embeddings, each image token's replaced by its
-        image's features (the tower runs for an image when its first tokens do); else None."""
+        image's features (the tower runs for an image when its first tokens do), and what
+        each deepstack layer adds ([rows, tokens, hidden], zero at text; none without
+        deepstack); else None."""
         places: list[tuple[int, int, int, int]] = []
         for i, prompt in enumerate(prompts):
             places += [(i, col, *split_image_token(t)) for col, t in enumerate(prompt) if t < 0]
@@ -447,18 +492,22 @@ class Runner:
             s = seqs[i]
             features = s.images[key]
             if not isinstance(features, mx.array):
-                pixels, n = features
-                features = s.images[key] = self.vision.features(pixels, n)
+                features = s.images[key] = self.vision.features(features)
             rows.append(features[j])
         at_row = mx.array([p[0] for p in places])
         at_col = mx.array([p[1] for p in places])
         features = mx.stack(rows)
         embed = self.vision.embed
 
-        def embeddings(tokens: mx.array) -> mx.array:
+        def embeddings(tokens: mx.array) -> tuple[mx.array, list[mx.array]]:
             h = embed(tokens)
-            h[at_row, at_col] = features.astype(h.dtype)
-            return h
+            h[at_row, at_col] = features[:, 0].astype(h.dtype)
+            adds = []
+            for level in range(1, features.shape[1]):
+                add = mx.zeros_like(h)
+                add[at_row, at_col] = features[:, level].astype(h.dtype)
+                adds.append(add)
+            return h, adds
 
         return embeddings
 
@@ -479,7 +528,8 @@ class Runner:
             chunk = (ride.tokens, batch.prefill.cache, ride.ends) if ride else (None, None, ())
             logits, ended = forward(self.model, inputs[:, None], dec.cache, *chunk)
         else:
-            logits = self.model(inputs[:, None], cache=dec.cache)
+            with self._row_shifts(dec.seqs):
+                logits = self.model(inputs[:, None], cache=dec.cache)
         tokens, logprobs = self._sample(dec.seqs, inputs, logits[:, -1, :])
         for s, t in zip(dec.seqs, inputs.tolist(), strict=True):
             s.tokens.append(t)
@@ -548,7 +598,8 @@ class Runner:
                          else (None, None, ()))
                 logits, ended = forward(self.model, inputs, dec.cache, *chunk)
             else:
-                logits = self.model(inputs, cache=dec.cache)
+                with self._row_shifts(seqs):
+                    logits = self.model(inputs, cache=dec.cache)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         best = mx.argmax(logprobs, axis=-1)
         others = [i for i, s in enumerate(seqs) if not _verifies(s)]

@@ -22,11 +22,15 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-# The families whose language model reads an image's features at 1-D positions (its tokens
-# take positions as text does), checked against mlx-vlm's own generation in tests/test_vision.py.
-# Qwen2-VL/2.5-VL/3-VL and Qwen3.5 place image tokens by M-RoPE (three position ids a token),
-# which troupe's step does not give yet: their images are refused.
-VISION_MODEL_TYPES = frozenset({"gemma3"})
+from actors.engine.deepstack import Deepstack
+
+# The families whose images troupe reads, checked against mlx-vlm's own generation in
+# tests/test_vision.py: Gemma 3 places an image's tokens at 1-D positions, as text; Qwen2-VL
+# and Qwen2.5-VL by M-RoPE (three position ids a token, ``actors.engine.mrope``), Qwen3-VL
+# too, its tower also feeding the first layers (``actors.engine.deepstack``), and Qwen3.5 (its
+# linear-attention layers take no positions); the mixtures of experts of the last two alike.
+VISION_MODEL_TYPES = frozenset({"gemma3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
+                                "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"})
 EXTRA = "pip install 'mlx-troupe[vision]'"
 # The mlx-vlm versions the tests ran on (pyproject.toml pins the extra to them).
 TESTED_MLX_VLM = ("0.7.10",)
@@ -63,11 +67,14 @@ def why_no_images(model_dir: Path) -> str | None:
     return None
 
 
-def image_key(pixels: np.ndarray) -> int:
+def image_key(pixels: np.ndarray, grid: tuple[int, int, int] | None = None) -> int:
     """An image's key: a hash of its processed pixels (the processor's settings are in them:
-    size, crop, normalisation), its shape and type."""
+    size, crop, normalisation), its shape and type, and its patch grid when its pixels are
+    rows of patches (the Qwen-VL family's)."""
     h = hashlib.blake2b(digest_size=8)
     h.update(f"{pixels.dtype}|{pixels.shape}|".encode())
+    if grid is not None:
+        h.update(f"{tuple(grid)}|".encode())
     h.update(np.ascontiguousarray(pixels).tobytes())
     return int.from_bytes(h.digest(), "big") >> (64 - KEY_BITS)
 
@@ -94,6 +101,11 @@ class _TextEmbedding(nn.Module):
         self.model = nn.Module()
         self.model.embed_tokens = embed_tokens
 
+    def get_rope_index(self, *args: Any, **kwargs: Any) -> tuple[None, None]:
+        """The Qwen-VL merge also asks for the prompt's M-RoPE positions: troupe places its
+        prompts itself (``actors.engine.mrope``)."""
+        return None, None
+
 
 def embedding_layer(model: Any) -> nn.Module:
     """The language model's token embedding (a multimodal checkpoint's text model keeps it
@@ -109,6 +121,9 @@ class VisionTower:
     def __init__(self, model_dir: Path, model: Any) -> None:
         from mlx_vlm.utils import load_model
 
+        # Imported here: mrope reads this module's image ids.
+        from actors.engine.mrope import MROPE_MODEL_TYPES, MRoPE
+
         self.config = vision_config(model_dir) or {}
         self.image_token = int(self.config.get("image_token_index",
                                                self.config.get("image_token_id", -1)))
@@ -118,12 +133,29 @@ class VisionTower:
         mx.eval(vlm.parameters())
         self.vlm = vlm
         self.embed = embedding_layer(model)
+        # The Qwen-VL family's positions (None: images at 1-D positions, as text).
+        self.mrope = (MRoPE(model, self.config)
+                      if self.config.get("model_type") in MROPE_MODEL_TYPES else None)
+        # Qwen3-VL's features for its first layers (None: the tower feeds the input alone).
+        levels = len(self.config["vision_config"].get("deepstack_visual_indexes") or [])
+        self.deepstack = Deepstack(model, levels) if levels else None
 
-    def features(self, pixels: np.ndarray, n: int) -> mx.array:
-        """The embeddings of an image's ``n`` tokens from its processed pixels (one image's,
-        as its processor made them), as the model's own merge places them."""
+    def features(self, image: Any) -> mx.array:
+        """The embeddings of an image's tokens (``image``: an ``ImageInput``, its pixels as its
+        processor made them), as the model's own merge places them: [tokens, 1 + levels,
+        hidden], the input's, then what each deepstack layer adds (``deepstack``)."""
+        n = image.tokens
         ids = mx.full((1, n), self.image_token, dtype=mx.int32)
-        out = self.vlm.get_input_embeddings(ids, mx.array(pixels)[None], mask=mx.ones((1, n)))
-        rows = out.inputs_embeds[0]
+        pixels = mx.array(image.pixels)
+        if image.grid is None:
+            extra = {}
+            pixels = pixels[None]
+        else:  # rows of patches, their grid the tower's to know
+            extra = {"image_grid_thw": mx.array([list(image.grid)])}
+        out = self.vlm.get_input_embeddings(ids, pixels, mask=mx.ones((1, n)), **extra)
+        rows = out.inputs_embeds[0][:, None]
+        if self.deepstack is not None:
+            deep = mx.stack(list(out.deepstack_visual_embeds), axis=1)
+            rows = mx.concatenate([rows, deep.astype(rows.dtype)], axis=1)
         mx.eval(rows)
         return rows

@@ -36,14 +36,21 @@ def with_images(processor: Any, token: int, text: str, images: list[Any]
     out = processor(text=[text], images=images, add_special_tokens=False)
     ids = np.asarray(out["input_ids"]).reshape(-1).tolist()
     pixels = np.asarray(out["pixel_values"], dtype=np.float32)
+    grids: list[tuple[int, int, int] | None] = [None] * len(images)
+    per_image = list(pixels)
+    if out.get("image_grid_thw") is not None:
+        # The Qwen-VL family's pixels: every image's patches, one row each, one after another.
+        grids = [(int(t), int(h), int(w)) for t, h, w in np.asarray(out["image_grid_thw"])]
+        ends = np.cumsum([t * h * w for t, h, w in grids])[:-1]
+        per_image = np.split(pixels, ends)
     runs = _runs(ids, token)
-    if len(runs) != len(images) or pixels.shape[0] != len(images):
+    if len(runs) != len(images) or len(per_image) != len(images):
         raise ValueError(f"the processor placed {len(runs)} images for the {len(images)} given")
     inputs = []
-    for (start, n), image_pixels in zip(runs, pixels, strict=True):
-        key = image_key(image_pixels)
+    for (start, n), image_pixels, grid in zip(runs, per_image, grids, strict=True):
+        key = image_key(image_pixels, grid)
         ids[start:start + n] = image_token_ids(key, n)
-        inputs.append(ImageInput(key=key, tokens=n, pixels=image_pixels))
+        inputs.append(ImageInput(key=key, tokens=n, pixels=image_pixels, grid=grid))
     return ids, inputs
 
 
