@@ -141,8 +141,11 @@ def test_an_image_split_across_prefill_chunks_answers_the_same(vlm: Any, split: 
     assert serve(e, "a", ids, images)[0] == reference(vlm, [picture(0)])
 
 
+@pytest.mark.parametrize("ending", ["right", "wrong"])
 def test_drafts_verified_on_an_image_prompt_answer_as_mlx_vlm_does(
-        vlm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        vlm: Any, monkeypatch: pytest.MonkeyPatch, ending: str) -> None:
+    """Drafts of mlx-vlm's own answer, whole or with a wrong last token (rejected: the
+    positions it ran leave the cache, and a hybrid's recurrent state goes back)."""
     if vlm[0].name == "gemma3":
         pytest.skip("sliding-window layers (Gemma 3) take no drafts")
     ids, images = prompt(vlm, [picture(5)])
@@ -160,12 +163,19 @@ def test_drafts_verified_on_an_image_prompt_answer_as_mlx_vlm_does(
 
         def draft(self, last: int, most: int) -> list[int]:
             answered = self.seen + 1 - len(ids)  # ``last``, the next input, is answered
-            return want[answered:answered + min(most, 4)]
+            draft = want[answered:answered + min(most, 4)]
+            if ending == "wrong" and draft:
+                draft[-1] = (draft[-1] + 1) % 100
+            return draft
 
     monkeypatch.setattr(runner, "Drafter", Foreseeing)
     e = engine(vlm, speculative="ngram")
     assert serve(e, "a", ids, images, max_tokens=24)[0] == want
-    assert e.runner.drafts > 0 and e.runner.accepted == e.runner.drafted
+    if ending == "right":
+        assert e.runner.drafts > 0 and e.runner.accepted == e.runner.drafted
+    else:
+        assert 0 < e.runner.accepted < e.runner.drafted
+        assert (e.runner.restored > 0) == vlm[0].name.startswith("qwen3_5")
 
 
 def test_four_image_prompts_at_once_and_beside_text_answer_as_alone(vlm: Any) -> None:
