@@ -11,8 +11,9 @@ kernels, OpenBLAS preloaded as ``troupe serve`` does), greedy, three workloads:
 the decode tokens/s then being all of theirs.
 
 For each, decode tokens/s (from the first token to the last) with drafts and without,
-alternating which runs first, the drafts' figures, and whether the two answers are the same
-tokens (they must be).
+alternating which runs first, the drafts' figures (with a hybrid model's, ``restored``: rows
+whose recurrent state went back after a rejected draft), and whether the two answers are the
+same tokens (they must be).
 
     .venv/bin/python benchmarks/bench_speculative.py
     .venv/bin/python benchmarks/bench_speculative.py --max-tokens 600 --reps 2
@@ -79,7 +80,8 @@ def run_once(engine: Any, prompts: list[list[int]], max_tokens: int,
     from actors.messages import SamplingParams, TokensGenerated
 
     engine.runner.speculative = drafts
-    before = (engine.runner.drafts, engine.runner.drafted, engine.runner.accepted)
+    before = (engine.runner.drafts, engine.runner.drafted, engine.runner.accepted,
+              engine.runner.restored)
     for i, prompt in enumerate(prompts):
         engine.add(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                                    ignore_eos=True))
@@ -90,11 +92,12 @@ def run_once(engine: Any, prompts: list[list[int]], max_tokens: int,
             if isinstance(ev, TokensGenerated):
                 tokens[ev.request_id] += ev.token_ids
                 times.append(time.perf_counter())
-    after = (engine.runner.drafts, engine.runner.drafted, engine.runner.accepted)
-    n_drafts, drafted, accepted = (b - a for a, b in zip(before, after, strict=True))
+    after = (engine.runner.drafts, engine.runner.drafted, engine.runner.accepted,
+             engine.runner.restored)
+    n_drafts, drafted, accepted, restored = (b - a for a, b in zip(before, after, strict=True))
     total = sum(len(t) for t in tokens.values())
     return {"tokens": tokens, "decode_tok_s": (total - len(prompts)) / (times[-1] - times[0]),
-            "drafts": n_drafts, "drafted": drafted, "accepted": accepted}
+            "drafts": n_drafts, "drafted": drafted, "accepted": accepted, "restored": restored}
 
 
 def main() -> None:
@@ -126,7 +129,7 @@ def main() -> None:
             for drafts in (False, True) if r % 2 == 0 else (True, False):
                 got = run_once(engine, prompts, args.max_tokens, drafts)
                 answers[drafts] = got.pop("tokens")
-                out["runs"].append({"rep": r, "workload": name, "drafts": drafts, **got})
+                out["runs"].append({"rep": r, "workload": name, "speculative": drafts, **got})
                 print(f"rep {r} {name:>5} drafts {'on ' if drafts else 'off'}: "
                       + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
                                   for k, v in got.items()), flush=True)
@@ -139,8 +142,8 @@ def main() -> None:
           "|---|---|---|---|---|---|---|---|")
     for name in args.workloads.split(","):
         runs = [x for x in out["runs"] if x["workload"] == name]
-        off = statistics.median(x["decode_tok_s"] for x in runs if not x["drafts"])
-        on_runs = [x for x in runs if x["drafts"]]
+        off = statistics.median(x["decode_tok_s"] for x in runs if not x["speculative"])
+        on_runs = [x for x in runs if x["speculative"]]
         on = statistics.median(x["decode_tok_s"] for x in on_runs)
         drafts = sum(x["drafts"] for x in on_runs)
         drafted = sum(x["drafted"] for x in on_runs)

@@ -29,6 +29,12 @@ EXTRA: dict[str, dict[str, Any]] = {
     "qwen3": {},  # head_dim 64 is the default model's; qwen3 adds q/k norms per head
     "gemma3_text": {"query_pre_attn_scalar": 64, "sliding_window": 512,
                     "sliding_window_pattern": 6},
+    # Qwen3.5's hybrid: three gated-delta-net layers to one of attention, its heads of 128.
+    "qwen3_5": {"linear_num_key_heads": 4, "linear_num_value_heads": 8,
+                "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
+                "rope_parameters": {"type": "default", "rope_theta": 100000.0,
+                                    "partial_rotary_factor": 0.25}},
 }
 
 

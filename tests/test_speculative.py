@@ -44,6 +44,18 @@ def test_a_draft_is_what_followed_the_latest_earlier_occurrence_of_the_longest_m
     assert d.draft(3, 0) == []
 
 
+def test_the_drafter_catches_up_with_a_rows_tokens_and_what_it_carries() -> None:
+    """A hybrid row's carried tokens (``Sequence.carried``) follow its cached ones: each is
+    indexed once, whether it arrives carried, carried again, or cached."""
+    d = Drafter()
+    d.sync([1, 2], [3, 4])
+    d.sync([1, 2], [3, 4, 1])
+    d.sync([1, 2, 3, 4, 1, 2])
+    assert d.draft(3, 3) == [4, 1, 2]
+    d.sync([1, 2, 3, 4, 1, 2, 3, 9], [4, 1])
+    assert d.draft(2, 3) == [3, 9, 4]
+
+
 def test_the_draft_length_follows_what_was_accepted() -> None:
     d = Drafter()
     assert d.length == MAX_DRAFT
@@ -197,6 +209,179 @@ def test_a_model_whose_cache_cannot_take_back_positions_decodes_without_drafts(
     got = run(e)["a"]["tokens"]
     assert e.runner.drafted == 0
     assert got[:20] == reference_tokens(model, tok, prompt, 20)[:20]
+
+
+# -- hybrid models ----------------------------------------------------------------------------
+
+# Recurrent layers (``ArraysCache``) beside attention ones: Qwen3.5's gated delta net, lfm2's
+# short convolutions. At this size (two layers, width 32) their greedy answers fall into loops
+# that the drafts predict in part: drafts are kept whole, in part, and not at all.
+HYBRIDS = ["qwen3_5", "lfm2"]
+HYBRID_TEXTS = [TEXTS[0], "a b c d e f g a b c d e f g a b c d e f g a b c", TEXTS[2], TEXTS[3]]
+
+
+@pytest.fixture(scope="module", params=HYBRIDS)
+def hybrid(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    arch = request.param
+    return load(str(make_tiny_model(tmp_path_factory.mktemp(arch) / arch, arch=arch, layers=2,
+                                    hidden=32)))
+
+
+def restores_seen(monkeypatch: pytest.MonkeyPatch) -> list[tuple[list[int], int]]:
+    """Each step's rows whose recurrent state went back (``runner._restore``), and the rows
+    decoding then."""
+    from actors.engine import runner
+
+    seen: list[tuple[list[int], int]] = []
+    restore = runner._restore
+
+    def record(recurrent: Any, before: Any, rows: list[int], n: int) -> None:
+        seen.append((list(rows), n))
+        restore(recurrent, before, rows, n)
+
+    monkeypatch.setattr(runner, "_restore", record)
+    return seen
+
+
+@pytest.mark.parametrize("n", [1, 4], ids=["alone", "batch4"])
+def test_hybrid_greedy_answers_with_drafts_are_those_without(
+        hybrid: Any, n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rejected draft's tokens went through the recurrent layers too: the row's state goes
+    back and it runs the kept tokens again in its next step, so the answers are one token a
+    step's (and mlx-lm's), with drafts proposed, kept and rejected, in a batch by some rows
+    and not others in one step."""
+    model, tok = hybrid
+    requests = {f"r{i}": (tok.encode(t), greedy(200, ignore_eos=True))
+                for i, t in enumerate(HYBRID_TEXTS[:n] if n > 1 else HYBRID_TEXTS[1:2])}
+    off, e_off = serve_all(hybrid, "off", requests)
+    e = Engine(model, tok, engine_config(speculative="ngram"))
+    seen = restores_seen(monkeypatch)
+    for rid, (prompt, sampling) in requests.items():
+        e.add(rid, prompt, sampling)
+    on = run(e)
+    assert len({tuple(r["tokens"]) for r in off.values()}) == n
+    for rid in requests:
+        assert on[rid]["tokens"] == off[rid]["tokens"]
+    first = next(iter(requests.values()))[0]
+    want = reference_tokens(model, tok, first, 200)
+    assert off["r0"]["tokens"][: len(want)] == want and len(want) > 100
+    r = e.runner
+    assert r.accepted > 0 and r.drafted > r.accepted
+    assert r.restored == sum(len(rows) for rows, _ in seen) > 0
+    if n == 1:
+        assert e.steps < e_off.steps
+    else:
+        assert any(len(rows) < rows_then for rows, rows_then in seen)
+
+
+def test_a_hybrid_cache_after_drafts_holds_the_state_of_its_tokens(hybrid: Any) -> None:
+    """Greedy and sampling rows drafting in one batch: each finished row's cache (recurrent
+    state and KV) is what one pass over the tokens it holds gives, so every draw was made
+    from the state of the tokens before it (the sampled rows' draws then follow
+    ``RowSampler.verify``'s distribution, tested above)."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+    from mlx_lm.sample_utils import greedy_sampler
+
+    from actors.engine.request import RowSampler
+    from actors.engine.runner import Runner
+
+    model, tok = hybrid
+    runner = Runner(model, engine_config(speculative="ngram"))
+    for i, t in enumerate(HYBRID_TEXTS[:3]):
+        sampler = greedy_sampler if i != 1 else RowSampler(
+            SamplingParams(max_tokens=150, temperature=0.7, ignore_eos=True))
+        runner.insert([tok.encode(t)], max_tokens=150, cache=None, done=[], sampler=sampler,
+                      processors=[], stop_ids=frozenset())
+    finished = []
+    while runner.waiting or runner.prefilling or runner.decoding:
+        out = runner.run(runner.whole_chunks())
+        finished += [s for s in out.responses if s.finish_reason is not None]
+    assert runner.accepted > 0 and runner.restored > 0 and len(finished) == 3
+    for s in finished:
+        fresh = make_prompt_cache(model)
+        model(mx.array([s.all_tokens]), cache=fresh)
+        for got, want in zip(s.prompt_cache, fresh, strict=True):
+            if isinstance(want, ArraysCache):
+                pairs = list(zip(got.cache, want.cache, strict=True))
+            else:
+                assert got.offset == want.offset == len(s.all_tokens)
+                n = got.offset
+                pairs = [(got.keys[..., :n, :], want.keys[..., :n, :]),
+                         (got.values[..., :n, :], want.values[..., :n, :])]
+            for a, b in pairs:
+                np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-5)
+
+
+def test_a_hybrid_row_runs_what_it_carries_in_a_batch_too_large_for_drafts(hybrid: Any) -> None:
+    """A row carrying kept tokens when more rows join than drafts are verified for runs them
+    in the plain step that follows, before its next input."""
+    from mlx_lm.sample_utils import greedy_sampler
+
+    from actors.engine.runner import SPECULATE_ROWS, Runner
+
+    model, tok = hybrid
+    runner = Runner(model, engine_config(speculative="ngram"))
+    prompt = tok.encode(HYBRID_TEXTS[1])
+    got: dict[int, list[int]] = {}
+
+    def add(tokens: list[int], n: int) -> None:
+        runner.insert([tokens], max_tokens=n, cache=None, done=[], sampler=greedy_sampler,
+                      processors=[], stop_ids=frozenset())
+
+    def step() -> None:
+        for s in runner.run(runner.whole_chunks()).responses:
+            got.setdefault(s.uid, []).append(s.token)
+
+    add(prompt, 200)
+    while not (runner.decoding and runner.batch.decode.seqs[0].carried):
+        step()
+    joining = [[5 + i] for i in range(SPECULATE_ROWS)]
+    for one in joining:  # one-token prompts join the decode rows in the next step
+        add(one, 20)
+    step()
+    assert runner.decoding == SPECULATE_ROWS + 1 and not runner.batch.decode.seqs[0].carried
+    while runner.decoding:
+        step()
+    want = reference_tokens(model, tok, prompt, 200)
+    assert got[0][: len(want)] == want and len(want) > 100
+    for uid, one in enumerate(joining, 1):
+        want = reference_tokens(model, tok, one, 20)
+        assert got[uid][: len(want)] == want
+
+
+def test_a_hybrid_prefix_hit_after_a_drafted_run_answers_the_same(hybrid: Any) -> None:
+    """Hybrid models keep recurrent state only at block ends, cut from a prompt's prefill: a
+    prompt prefilled in chunks while another row drafts leaves blocks that answer a repeat of
+    it as the first run did."""
+    from engine_helpers import ram_hit
+
+    from actors.engine.prefix import usable_blocks
+
+    model, tok = hybrid
+    e = Engine(model, tok, engine_config(speculative="ngram", block_size=16,
+                                         prefill_step_size=16))
+    long = tok.encode(TEXTS[0] + TEXTS[2] * 2)
+    e.add("a", tok.encode(HYBRID_TEXTS[1]), greedy(200, ignore_eos=True))
+    got: dict[str, list[int]] = {"a": [], "b": []}
+    steps, drafted = 0, 0
+    while e.has_work:
+        if steps == 60:
+            drafted = e.runner.drafts
+            e.add("b", long, greedy(40, ignore_eos=True))
+        for ev in e.step():
+            if isinstance(ev, TokensGenerated):
+                if ev.request_id == "b" and not got["b"]:
+                    assert e.runner.drafts > drafted, "the row drafted while b prefilled"
+                got[ev.request_id] += ev.token_ids
+        steps += 1
+    hit = ram_hit(e, long)
+    assert len(hit) == usable_blocks(len(long), 16) >= 3
+    e.add("c", long, greedy(40, ignore_eos=True), cached=hit)
+    again = run(e)["c"]
+    assert again["finish"].usage.cached_tokens == len(hit) * 16
+    assert again["tokens"] == got["b"]
 
 
 async def test_a_stream_with_drafts_carries_every_token_once_and_the_report_counts_them(

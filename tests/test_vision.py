@@ -8,6 +8,7 @@ files after a restart); a different image with the same text is never a hit.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -140,11 +141,13 @@ def test_an_image_split_across_prefill_chunks_answers_the_same(vlm: Any, split: 
     assert serve(e, "a", ids, images)[0] == reference(vlm, [picture(0)])
 
 
+@pytest.mark.parametrize("ending", ["right", "wrong"])
 def test_drafts_verified_on_an_image_prompt_answer_as_mlx_vlm_does(
-        vlm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    if vlm[0].name in ("gemma3", "qwen3_5", "qwen3_5_moe"):
-        pytest.skip("sliding-window (Gemma 3) and linear-attention (Qwen3.5) layers take no "
-                    "drafts")
+        vlm: Any, monkeypatch: pytest.MonkeyPatch, ending: str) -> None:
+    """Drafts of mlx-vlm's own answer, whole or with a wrong last token (rejected: the
+    positions it ran leave the cache, and a hybrid's recurrent state goes back)."""
+    if vlm[0].name == "gemma3":
+        pytest.skip("sliding-window layers (Gemma 3) take no drafts")
     ids, images = prompt(vlm, [picture(5)])
     want = reference(vlm, [picture(5)], max_tokens=24)
 
@@ -154,18 +157,25 @@ def test_drafts_verified_on_an_image_prompt_answer_as_mlx_vlm_does(
 
         seen = 0
 
-        def sync(self, tokens: list[int]) -> None:
-            super().sync(tokens)
-            self.seen = len(tokens)
+        def sync(self, tokens: list[int], more: Sequence[int] = ()) -> None:
+            super().sync(tokens, more)
+            self.seen = len(tokens) + len(more)
 
         def draft(self, last: int, most: int) -> list[int]:
             answered = self.seen + 1 - len(ids)  # ``last``, the next input, is answered
-            return want[answered:answered + min(most, 4)]
+            draft = want[answered:answered + min(most, 4)]
+            if ending == "wrong" and draft:
+                draft[-1] = (draft[-1] + 1) % 100
+            return draft
 
     monkeypatch.setattr(runner, "Drafter", Foreseeing)
     e = engine(vlm, speculative="ngram")
     assert serve(e, "a", ids, images, max_tokens=24)[0] == want
-    assert e.runner.drafts > 0 and e.runner.accepted == e.runner.drafted
+    if ending == "right":
+        assert e.runner.drafts > 0 and e.runner.accepted == e.runner.drafted
+    else:
+        assert 0 < e.runner.accepted < e.runner.drafted
+        assert (e.runner.restored > 0) == vlm[0].name.startswith("qwen3_5")
 
 
 def test_four_image_prompts_at_once_and_beside_text_answer_as_alone(vlm: Any) -> None:

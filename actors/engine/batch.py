@@ -50,6 +50,10 @@ class Sequence:
     done: int = 0  # prompt tokens of ``total`` run so far
     generated: int = 0  # tokens sampled
     next_input: int | None = None  # the token its next decode step runs
+    # A hybrid model's row after a rejected draft: the tokens it answered (and its input
+    # before them) whose recurrent state its cache lost with the draft's. Its next step runs
+    # them again, before its next input; ``tokens`` holds them only then.
+    carried: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     # The tokens its logits processors see (made when it first samples, if it has any).
     context: TokenBuffer | None = field(default=None, repr=False)

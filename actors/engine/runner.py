@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Container
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Container, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, NamedTuple
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generation_stream
-from mlx_lm.models.cache import BatchKVCache, TokenBuffer, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, TokenBuffer, make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 from mlx_lm.utils import maybe_set_recommended_wired_limit
 
@@ -43,7 +43,7 @@ from actors.engine.schedule import (
     max_decoding,
     name_tokens,
 )
-from actors.engine.speculate import Drafter
+from actors.engine.speculate import MAX_DRAFT, Drafter
 from actors.engine.vision import VisionTower, split_image_token
 from actors.mlx_lm_private import patch_models
 
@@ -132,6 +132,8 @@ class Runner:
         self.drafts = 0  # rows' drafts verified
         self.drafted = 0  # their tokens
         self.accepted = 0  # of them, kept
+        # Hybrid models: rows whose recurrent state went back after a rejected draft.
+        self.restored = 0
         self._old_wired_limit = maybe_set_recommended_wired_limit()
         self.batch = Batch(self.mixed)
 
@@ -516,6 +518,8 @@ class Runner:
         (None: none do)."""
         dec = batch.decode
         drafts = self._drafts(dec) if self.speculative else None
+        if drafts is None and any(s.carried for s in dec.seqs):
+            drafts = [[] for _ in dec.seqs]  # what rows carry runs in a pass of several tokens
         if drafts is not None:
             return self._decode_drafts(batch, ride, drafts)
         inputs = mx.array([s.next_input for s in dec.seqs], dtype=mx.uint32)
@@ -537,55 +541,73 @@ class Runner:
 
     def _drafts(self, dec: Rows) -> list[list[int]] | None:
         """Each decoding row's draft this step (``speculate.Drafter``: rows without logits
-        processors draft; the others take no draft), or None when no row drafts or
-        the step cannot verify drafts: more rows than ``SPECULATE_ROWS``, or a cache that
-        cannot take back a rejected draft's positions (anything but batched plain KV)."""
+        processors draft; the others, and a row carrying more than a draft's tokens, take no
+        draft), or None when no row drafts or the step cannot verify drafts: more rows than
+        ``SPECULATE_ROWS``, or a cache that cannot take back a rejected draft's positions
+        (anything but batched plain KV and recurrent state)."""
         seqs = dec.seqs
         if not seqs or len(seqs) > SPECULATE_ROWS or not _rewindable(dec.cache):
             return None
         drafts = []
         for s in seqs:
-            if not _verifies(s):
+            # A row that carries many tokens runs them without a draft (its carried tokens
+            # never grow past two drafts).
+            if not _verifies(s) or len(s.carried) > MAX_DRAFT:
                 drafts.append([])
                 continue
             if s.drafter is None:
                 s.drafter = Drafter()
-            s.drafter.sync(s.tokens)
+            s.drafter.sync(s.tokens, s.carried)
             # The last token it may still sample is never drafted: it is sampled.
             drafts.append(s.drafter.draft(s.next_input, s.max_tokens - s.generated - 1))
         return drafts if any(drafts) else None
 
     def _decode_drafts(self, batch: Batch, ride: _Chunk | None, drafts: list[list[int]]
                        ) -> tuple[list[Sampled], mx.array | None]:
-        """The decode step with drafts: each row runs its next input and then its draft (padded
-        to the longest draft), all in one forward pass. A greedy row keeps its draft while it
-        agrees with its own next token at each position (what one token a step gives), a
-        sampling row as its sampler's ``verify`` decides (speculative sampling: the tokens
-        distributed as one a step gives), and each answers the tokens kept and one more;
-        rows with logits processors sample their first position's logits as a plain decode
-        step does. The positions past what a row keeps leave its cache before anything reads
-        it (``_rewind``)."""
+        """The decode step with drafts: each row runs what it carries (``Sequence.carried``),
+        its next input and then its draft (padded to the longest row), all in one forward
+        pass. A greedy row keeps its draft while it agrees with its own next token at each
+        position (what one token a step gives), a sampling row as its sampler's ``verify``
+        decides (speculative sampling: the tokens distributed as one a step gives), and each
+        answers the tokens kept and one more; rows with logits processors sample their first
+        position's logits as a plain decode step does. The positions past what a row keeps
+        leave its cache before anything reads it (``_rewind``).
+
+        A hybrid model's recurrent layers cannot take positions back: they hold one state a
+        row, after the last token run. A row that kept less than it ran gets back its state
+        from before the pass (``_restore``) and drops all the pass's positions from its
+        attention layers; the tokens it kept it carries into its next step, which runs them
+        again before its next input, in the same pass as everything else (no pass of their
+        own)."""
         dec = batch.decode
         seqs = dec.seqs
-        width = 1 + max(len(d) for d in drafts)
-        rows = [[s.next_input, *d] + [s.next_input] * (width - 1 - len(d))
-                for s, d in zip(seqs, drafts, strict=True)]
+        at = [len(s.carried) for s in seqs]  # where each row's next input is
+        runs = [[*s.carried, s.next_input, *d] for s, d in zip(seqs, drafts, strict=True)]
+        lengths = [len(r) for r in runs]
+        width = max(lengths)
+        rows = [r + [r[-1]] * (width - len(r)) for r in runs]
         inputs = mx.array(rows, dtype=mx.uint32)
+        recurrent = [c for c in dec.cache if isinstance(c, ArraysCache)]
+        # The recurrent states before the pass: the layers assign new arrays, never change
+        # these, so keeping the references keeps the states (no copy).
+        before = [list(c.cache) for c in recurrent]
         ended = None
-        if self.mixed:
-            chunk = (ride.tokens, batch.prefill.cache, ride.ends) if ride else (None, None, ())
-            logits, ended = forward(self.model, inputs, dec.cache, *chunk)
-        else:
-            with self._row_shifts(seqs):
-                logits = self.model(inputs, cache=dec.cache)
+        with _masked(recurrent, lengths, width):
+            if self.mixed:
+                chunk = ((ride.tokens, batch.prefill.cache, ride.ends) if ride
+                         else (None, None, ()))
+                logits, ended = forward(self.model, inputs, dec.cache, *chunk)
+            else:
+                with self._row_shifts(seqs):
+                    logits = self.model(inputs, cache=dec.cache)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         best = mx.argmax(logprobs, axis=-1)
         others = [i for i, s in enumerate(seqs) if not _verifies(s)]
         sampled: dict[int, tuple[int, mx.array]] = {}
         if others:
-            picked, processed = self._sample([seqs[i] for i in others],
-                                             inputs[mx.array(others), 0],
-                                             logits[mx.array(others), 0, :])
+            rows_at = (mx.array(others), mx.array([at[i] for i in others]))
+            picked, processed = self._sample([seqs[i] for i in others], inputs[rows_at],
+                                             logits[rows_at])
             sampled = {i: (t, processed[e]) for e, (i, t) in enumerate(zip(others, picked,
                                                                          strict=True))}
         mx.eval(best, logprobs)
@@ -595,13 +617,14 @@ class Runner:
             if i in sampled:
                 tokens = [sampled[i][0]]
             else:
+                a = at[i]
                 if s.sampler is greedy_sampler:
                     agree = 0
-                    while agree < len(d) and d[agree] == best[i][agree]:
+                    while agree < len(d) and d[agree] == best[i][a + agree]:
                         agree += 1
-                    tokens = best[i][:agree + 1]
+                    tokens = best[i][a:a + agree + 1]
                 else:
-                    tokens = s.sampler.verify(logprobs[i, :len(d) + 1], d)
+                    tokens = s.sampler.verify(logprobs[i, a:a + len(d) + 1], d)
                     agree = len(tokens) - 1
                 if d:
                     s.drafter.verified(len(d), agree)
@@ -614,11 +637,23 @@ class Runner:
                     tokens = tokens[:n]
                     break
             emitted.append(tokens)
-        _rewind(dec.cache, [width - len(t) for t in emitted])
-        for s, row, tokens in zip(seqs, rows, emitted, strict=True):
-            s.tokens.extend(row[:len(tokens)])
+        # The positions whose state each row keeps: what it carried, its input and the draft
+        # tokens it kept.
+        kept = [a + len(t) for a, t in zip(at, emitted, strict=True)]
+        lost = [i for i in range(len(seqs)) if recurrent and kept[i] < lengths[i]]
+        if lost:
+            _restore(recurrent, before, lost, len(seqs))
+            self.restored += len(lost)
+        _rewind([c for c in dec.cache if not isinstance(c, ArraysCache)],
+                [width if i in lost else width - n for i, n in enumerate(kept)])
+        for i, (s, row, n) in enumerate(zip(seqs, rows, kept, strict=True)):
+            if i in lost:
+                s.carried = row[:n]
+            else:
+                s.tokens.extend(row[:n])
+                s.carried = []
         out = _finish_tokens(dec, emitted, lambda i, j: sampled[i][1] if i in sampled
-                             else logprobs[i, j])
+                             else logprobs[i, at[i] + j])
         batch.decode_steps += 1
         if batch.decode_steps % CLEAR_CACHE_STEPS == 0:
             mx.clear_cache()
@@ -738,9 +773,43 @@ def _verifies(s: Sequence) -> bool:
 
 def _rewindable(cache: list[Any]) -> bool:
     """Whether every layer is batched plain KV (``BatchKVCache``, or ``RaggedKVCache``
-    groups of them): positions written past what a row keeps can be taken back."""
-    return all(type(g) is BatchKVCache for c in cache
+    groups of them), whose positions written past what a row keeps can be taken back, or
+    recurrent state (``ArraysCache``: hybrid models), which ``_restore`` takes back to
+    its state before the step."""
+    return all(type(g) is BatchKVCache or isinstance(g, ArraysCache) for c in cache
                for g in (c.groups if isinstance(c, RaggedKVCache) else [c]))
+
+
+@contextmanager
+def _masked(recurrent: list[ArraysCache], lengths: list[int], width: int) -> Iterator[None]:
+    """A pass of ``width`` positions in which each row's recurrent state takes only its
+    first ``lengths[row]`` (the rest are padding): the layers' own masks for right-padded
+    rows (``ArraysCache.prepare``), set only when some row is padded."""
+    ragged = recurrent and min(lengths) < width
+    if ragged:
+        for c in recurrent:
+            c.prepare(lengths=lengths)
+    try:
+        yield
+    finally:
+        if ragged:
+            for c in recurrent:
+                c.finalize()
+
+
+def _restore(recurrent: list[ArraysCache], before: list[list[Any]], rows: list[int],
+             n: int) -> None:
+    """Give the recurrent layers' ``rows`` (of ``n``) back their states ``before`` the step:
+    the layers take those arrays whole when every row goes back, else a select of the rows."""
+    if len(rows) == n:
+        for c, states in zip(recurrent, before, strict=True):
+            for j, state in enumerate(states):
+                c[j] = state
+        return
+    back = mx.array([i in rows for i in range(n)])
+    for c, states in zip(recurrent, before, strict=True):
+        for j, (old, new) in enumerate(zip(states, c.cache, strict=True)):
+            c[j] = mx.where(back.reshape(-1, *[1] * (new.ndim - 1)), old, new)
 
 
 def _rewind(cache: list[Any], drop: list[int]) -> None:

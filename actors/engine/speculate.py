@@ -52,10 +52,16 @@ class Drafter:
                 if end >= n:
                     self._index[n][tuple(own[end - n:end])] = end
 
-    def sync(self, tokens: Sequence[int]) -> None:
-        """Catch up with ``tokens``, the sequence's tokens (a prefix of which it has seen)."""
-        if len(tokens) > len(self._tokens):
-            self.extend(tokens[len(self._tokens):])
+    def sync(self, tokens: Sequence[int], more: Sequence[int] = ()) -> None:
+        """Catch up with the sequence's tokens, ``tokens`` then ``more`` (a prefix of which
+        it has seen), without joining the two."""
+        seen = len(self._tokens)
+        if len(tokens) > seen:
+            self.extend(tokens[seen:])
+            seen = len(self._tokens)
+        past = seen - len(tokens)  # of ``more``, those seen
+        if len(more) > past:
+            self.extend(more[past:])
 
     def draft(self, last: int, most: int) -> list[int]:
         """Up to ``min(most, self.length)`` tokens expected after the indexed tokens and then
