@@ -135,6 +135,11 @@ def main() -> None:
     parser.add_argument("--servers", default="troupe,mlx-vlm")
     parser.add_argument("--out", default="bench-results/vision.json")
     args = parser.parse_args()
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from harness import blas_name, same_blas_as_troupe_serve
+
+    # Both servers inherit this process's BLAS preload (troupe serve's own choice).
+    same_blas_as_troupe_serve()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     model = Path(args.model) if args.model else make_model(out.parent / "vision-gemma3-random")
@@ -145,7 +150,8 @@ def main() -> None:
         "mlx-vlm": [py, "-m", "mlx_vlm.server", "--model", str(model), "--host", "127.0.0.1",
                     "--port", "8732"],
     }
-    results: dict[str, Any] = {"model": str(model), "cpus": os.cpu_count()}
+    results: dict[str, Any] = {"model": str(model), "cpus": os.cpu_count(),
+                               "blas": blas_name()}
     for i, name in enumerate(args.servers.split(",")):
         url = f"http://127.0.0.1:{8731 + list(servers).index(name)}"
         proc = start(servers[name], url, out.parent / f"vision-{name}.log")
