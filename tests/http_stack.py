@@ -355,6 +355,19 @@ async def real_client(
     return await aiohttp_client(app), system, handles
 
 
+async def real_client_with_room(
+    aiohttp_client: Any, config: ServeConfig, room: int
+) -> tuple[TestClient, ServingHandles]:
+    """``real_client`` under a memory limit of ``room`` bytes above what the process uses once
+    the model is loaded (the guard's 413 tests)."""
+    from actors.memory_messages import SetMemoryLimit
+
+    client, system, handles = await real_client(aiohttp_client, config)
+    usage = next(s for s in system.snapshot() if s.name == "memory_monitor").report
+    await handles.monitor.ask(SetMemoryLimit(limit=usage["usage_bytes"] + room), timeout=5.0)
+    return client, handles
+
+
 def parse_named_sse(body: str) -> list[tuple[str, dict[str, Any]]]:
     """Parse Anthropic's SSE exactly: ``event: X`` then ``data: <json>`` whose type is X."""
     assert body.endswith("\n\n"), body[-200:]

@@ -20,7 +20,7 @@ import openai
 import pytest
 from embed_models import run_job
 from encoder_models import make_encoder
-from http_stack import real_client, real_stack
+from http_stack import real_client_with_room, real_stack
 from tiny_model import make_tiny_model
 
 from actors.config import ServeConfig
@@ -33,7 +33,6 @@ from actors.engine.encoder import (
     pair_tokens,
     read_config,
 )
-from actors.memory_messages import SetMemoryLimit
 from actors.scheduler import context_length
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -238,10 +237,7 @@ async def test_the_memory_guard_counts_an_encoder_inputs_whole_attention(
     mx.clear_cache()
     config = ServeConfig.of(model=str(model_dir), cache_dir=str(tmp_path / "cache"),
                             prefill_step_size=256)
-    client, system, handles = await real_client(aiohttp_client, config)
-    usage = next(s for s in system.snapshot() if s.name == "memory_monitor").report
-    await handles.monitor.ask(SetMemoryLimit(limit=usage["usage_bytes"] + 30 * MB),
-                              timeout=5.0)
+    client, handles = await real_client_with_room(aiohttp_client, config, 30 * MB)
     refused = await client.post("/v1/embeddings", json={"input": [[5, 6, 7] * 666 + [3]]})
     error = (await refused.json())["error"]
     assert refused.status == 413 and error["code"] == "memory_limit_exceeded"

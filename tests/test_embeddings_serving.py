@@ -18,12 +18,11 @@ import numpy as np
 import openai
 import pytest
 from embed_models import QUERY_PROMPT, make_embedding_model, make_reranker_model
-from http_stack import RealStack, real_client, real_stack
+from http_stack import RealStack, real_client, real_client_with_room, real_stack
 from mlx_lm import load
 
 from actors.config import ServeConfig
 from actors.engine.embed import Embedder, EmbedJob, answer_token, read_embed_spec, rerank_tokens
-from actors.memory_messages import SetMemoryLimit
 from actors.messages import AbortRequest, AdmissionError, AdmitEmbed
 
 MB = 1 << 20
@@ -215,10 +214,7 @@ async def test_an_input_over_the_memory_limit_is_a_413_before_any_header(
     mx.clear_cache()
     config = ServeConfig.of(model=str(model_dir), cache_dir=str(tmp_path / "cache"),
                             prefill_step_size=2048)
-    client, system, handles = await real_client(aiohttp_client, config)
-    usage = next(s for s in system.snapshot() if s.name == "memory_monitor").report
-    await handles.monitor.ask(SetMemoryLimit(limit=usage["usage_bytes"] + 30 * MB),
-                              timeout=5.0)
+    client, handles = await real_client_with_room(aiohttp_client, config, 30 * MB)
     _, tok = load(str(model_dir))
     long = (tok.encode(" ".join(TEXTS)) * 200)[:2000]
     refused = await client.post("/v1/embeddings", json={"input": [[1, 2, 3]] * 2 + [long]})

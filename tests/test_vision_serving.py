@@ -17,7 +17,7 @@ import httpx
 import mlx_lm
 import openai
 import pytest
-from http_stack import RealStack, real_client, real_stack
+from http_stack import RealStack, real_client_with_room, real_stack
 from test_vision import QUESTION, chat, picture, reference
 from tiny_vlm import (
     make_tiny_gemma3_vlm,
@@ -30,7 +30,6 @@ from actors.config import ServeConfig
 from actors.engine.memory_estimate import tower_transient
 from actors.engine.vision import VisionTower
 from actors.engine.vision_prompt import image_token, load_processor, with_images
-from actors.memory_messages import SetMemoryLimit
 from actors.tool_prompt import with_tools_in_prompt
 
 MB = 1 << 20
@@ -233,10 +232,7 @@ async def test_an_image_whose_tower_would_pass_the_memory_limit_is_a_413(
     # attention scores; the limit leaves 200 MB above what is in use.
     model_dir = make_tiny_gemma3_vlm(tmp_path / "big-tower", image_size=256, patch=2)
     config = ServeConfig.of(model=str(model_dir), cache_dir=str(tmp_path / "cache"))
-    client, system, handles = await real_client(aiohttp_client, config)
-    usage = next(s for s in system.snapshot() if s.name == "memory_monitor").report
-    await handles.monitor.ask(SetMemoryLimit(limit=usage["usage_bytes"] + 200 * MB),
-                              timeout=5.0)
+    client, handles = await real_client_with_room(aiohttp_client, config, 200 * MB)
     refused = await client.post("/v1/chat/completions", json={
         "model": handles.models[0].id, "max_tokens": 4, "messages": openai_chat(0)})
     error = (await refused.json())["error"]
