@@ -13,23 +13,32 @@ from tiny_model import make_tiny_model
 QUERY_PROMPT = "Instruct: Given a question, find the passages that answer it\nQuery:"
 
 
+def write_pooling(out: Path, pooling: str, *, width: int, normalize: bool) -> None:
+    """The sentence-transformers files that name a model's pooling (``pooling``: "cls",
+    "mean" or "lasttoken"), with a Normalize module after it when ``normalize``."""
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling",
+         "type": "sentence_transformers.models.Pooling"},
+    ]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})
+    (out / "modules.json").write_text(json.dumps(modules))
+    (out / "1_Pooling").mkdir(exist_ok=True)
+    (out / "1_Pooling" / "config.json").write_text(json.dumps({
+        "word_embedding_dimension": width,
+        "pooling_mode_cls_token": pooling == "cls",
+        "pooling_mode_mean_tokens": pooling == "mean",
+        "pooling_mode_lasttoken": pooling == "lasttoken",
+    }))
+
+
 def make_embedding_model(out: Path, *, pooling: str = "lasttoken", context: int = 2048) -> Path:
     """A tiny qwen3 with sentence-transformers files: ``pooling`` "lasttoken" (the
     Qwen3-Embedding recipe) or "mean"; the query prompt ``QUERY_PROMPT``."""
     make_tiny_model(out, arch="qwen3", template="qwen3", context=context)
-    (out / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling",
-         "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize",
-         "type": "sentence_transformers.models.Normalize"},
-    ]))
-    (out / "1_Pooling").mkdir(exist_ok=True)
-    (out / "1_Pooling" / "config.json").write_text(json.dumps({
-        "word_embedding_dimension": 64,
-        "pooling_mode_mean_tokens": pooling == "mean",
-        "pooling_mode_lasttoken": pooling == "lasttoken",
-    }))
+    write_pooling(out, pooling, width=64, normalize=True)
     (out / "config_sentence_transformers.json").write_text(json.dumps({
         "prompts": {"query": QUERY_PROMPT, "document": ""},
         "default_prompt_name": None,

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import mlx.core as mx
+from embed_models import write_pooling
 from mlx.utils import tree_flatten
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
@@ -77,16 +78,5 @@ def make_encoder(out: Path, family: str = "bert", *, reranker: bool = False,
     mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (out / "config.json").write_text(json.dumps(config))
     if pooling is not None and not reranker:
-        (out / "modules.json").write_text(json.dumps([
-            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-            {"idx": 1, "name": "1", "path": "1_Pooling",
-             "type": "sentence_transformers.models.Pooling"},
-        ]))
-        (out / "1_Pooling").mkdir(exist_ok=True)
-        (out / "1_Pooling" / "config.json").write_text(json.dumps({
-            "word_embedding_dimension": 32,
-            "pooling_mode_cls_token": pooling == "cls",
-            "pooling_mode_mean_tokens": pooling == "mean",
-            "pooling_mode_lasttoken": pooling == "lasttoken",
-        }))
+        write_pooling(out, pooling, width=32, normalize=False)
     return out
