@@ -69,8 +69,8 @@ from actors.engine.memory_estimate import (
     ModelMemory,
     admission_estimate,
     idle_floor,
-    model_memory_of,
     prompt_need,
+    served_memory,
     too_large,
     tower_transient,
 )
@@ -408,7 +408,8 @@ class Admission(Actor):
         for entry in self.models.values():
             entry.tokenizer = load_tokenizer(entry.card.path)
             entry.memory = (rank_memory_of(entry.card.path, self.distributed, self.ranks)
-                            if self.distributed else model_memory_of(entry.card.path))
+                            if self.distributed
+                            else served_memory(entry.card.path, entry.card.draft_path))
             entry.tool_format = tool_format_of(entry.tokenizer)
             entry.think = think_tags_of(entry.tokenizer)
             entry.grammars = Grammars(entry.tokenizer)

@@ -209,7 +209,8 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
     """A served model. ``alias_of``: on the card admission lists for an alias (``--alias``),
     the id of the model the alias names (the rest is that model's). ``sampling_defaults``:
     the model's own, read from its directory when it is resolved. ``task``: what it serves,
-    "generate", "embed" or "rerank" (``actors.engine.embed.model_task``)."""
+    "generate", "embed" or "rerank" (``actors.engine.embed.model_task``).
+    ``draft_path``: its draft model's directory (``--draft-model``)."""
 
     id: str
     context_length: int
@@ -219,6 +220,8 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
     alias_of: str | None = None
     sampling_defaults: SamplingDefaults = SamplingDefaults()
     task: str = "generate"
+    # The draft model that drafts for it (``--draft-model``), resolved; None: none.
+    draft_path: str | None = None
 
 
 class Admitted(msgspec.Struct, frozen=True, kw_only=True):

@@ -26,13 +26,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
+import msgspec
 
 from actors.cache_index import CACHE_INDEX_THREAD, CacheIndex
 from actors.cache_lock import CacheDirLock
-from actors.engine.config import EngineConfig
+from actors.engine.config import EngineConfig, speculation
 from actors.engine.embed import model_task
 from actors.engine.encoder import check_encoder, is_encoder
-from actors.engine.memory_estimate import ModelMemory, model_memory_of
+from actors.engine.memory_estimate import ModelMemory, served_memory
 from actors.engine.prefix import model_fingerprint
 from actors.memory_messages import (
     CheckIdle,
@@ -149,6 +150,10 @@ class EnginePool(Actor):
             raise
 
     async def _start(self) -> None:
+        # The draft model (``--draft-model``) drafts for every chat model: resolved (and
+        # fetched) once, now, so that a bad spec stops the server before any model loads.
+        draft = (resolve_model(self.engine_config.draft_model)
+                 if speculation(self.engine_config) == "draft" else None)
         for position, spec in enumerate(self.specs):
             resolved = resolve_model(spec)
             if resolved.name in self.slots:
@@ -163,13 +168,15 @@ class EnginePool(Actor):
                 sampling_defaults=sampling_defaults(resolved.path),
                 task=model_task(self.engine_config, resolved.path),
             )
+            if draft is not None and card.task == "generate":
+                card = msgspec.structs.replace(card, draft_path=str(draft.path))
             if is_encoder(resolved.path):  # one it cannot serve stops the server now
                 check_encoder(resolved.path, card.task)
             names = engine_names(position, card.id)
             # A model is pinned by its id or by the spec it was given as.
             pinned = card.id in self.pin or (spec or "default") in self.pin
-            slot = EngineSlot(card=card, names=names, memory=model_memory_of(resolved.path),
-                              pinned=pinned)
+            slot = EngineSlot(card=card, names=names, pinned=pinned,
+                              memory=served_memory(card.path, card.draft_path))
             # A restarted pool adopts the actors its predecessor spawned and left running:
             # the one lookup by name, of names this pool gave.
             slot.ref = _alive(self.system.find(names.scheduler))

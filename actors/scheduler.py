@@ -55,8 +55,9 @@ from actors.cache_messages import (
 from actors.distributed.leader import STUCK_AFTER_S, Followers
 from actors.distributed.protocol import read_secret
 from actors.distributed.shards import load_shard, shard_memory
-from actors.engine.config import DEFAULTS, EngineConfig
+from actors.engine.config import DEFAULTS, EngineConfig, speculation
 from actors.engine.core import Engine, RequestError
+from actors.engine.draft_model import DraftModel, check_draft_model, vocabulary
 from actors.engine.embed import (
     Embedder,
     EmbedJob,
@@ -67,7 +68,7 @@ from actors.engine.embed import (
 )
 from actors.engine.encoder import EncoderEmbedder, encoder_positions, is_encoder, load_encoder
 from actors.engine.kv_blocks import KVBlock, from_numpy, to_numpy
-from actors.engine.memory_estimate import OK, model_memory
+from actors.engine.memory_estimate import OK, ModelMemory, model_memory, with_draft
 from actors.engine.prefix import model_fingerprint
 from actors.engine.schedule import MIN_PREFILL_CHUNK
 from actors.engine.vision import VisionTower, why_no_images
@@ -270,6 +271,11 @@ class Scheduler(Actor):
         fingerprint = model_fingerprint(resolved.path)
         weights, dtype_bytes = weights_profile(model)
         memory = model_memory(config, dtype_bytes=dtype_bytes, weights_bytes=weights)
+        draft = None
+        if (not encoder and speculation(self.config) == "draft"
+                and model_task(self.config, resolved.path) == "generate"):
+            draft, draft_memory = self._load_draft(stream, resolved.name, tokenizer)
+            memory = with_draft(memory, draft_memory)
         if self.config.distributed:  # the gate counts one rank's shard against its limit
             memory = shard_memory(memory, self.config.distributed,
                                   mx.distributed.init().size())
@@ -287,7 +293,7 @@ class Scheduler(Actor):
                              msgspec.structs.replace(self.config, block_size=0) if encoder
                              else self.config,
                              stream=stream, fingerprint=fingerprint, memory=memory,
-                             vision=vision)
+                             vision=vision, draft=draft)
         self.card = ModelCard(
             id=self.model_name,
             context_length=context_length(config),
@@ -331,6 +337,21 @@ class Scheduler(Actor):
                 self.limits = await monitor.ask(GetMemoryLimits(), timeout=LIMITS_TIMEOUT_S)
             except (AskTimeout, ActorDead):
                 pass
+
+    def _load_draft(self, stream: mx.Stream, name: str, tokenizer: Any
+                    ) -> tuple[DraftModel, ModelMemory]:
+        """The draft model (``--draft-model``) on this model's stream, checked against it
+        (``check_draft_model``: the same vocabulary, a cache that can take positions back),
+        and its memory shape."""
+        resolved = resolve_model(self.config.draft_model)
+        with mx.stream(stream):
+            model, draft_tokenizer, config = mlx_load(str(resolved.path), return_config=True)
+        check_draft_model(resolved.name, model, draft_tokenizer, name, tokenizer)
+        weights, dtype_bytes = weights_profile(model)
+        log.info("%s drafts with %s", name, resolved.name)
+        return (DraftModel(model, vocab=len(vocabulary(tokenizer)),
+                           catch_up=self.config.prefill_step_size),
+                model_memory(config, dtype_bytes=dtype_bytes, weights_bytes=weights))
 
     def _lead(self, fingerprint: str) -> None:
         """Rank 0 of a sharded model: wait for the other ranks (they load their shards
@@ -969,6 +990,9 @@ class Scheduler(Actor):
             "drafts": stats["drafts"],
             "draft_tokens": stats["draft_tokens"],
             "draft_accepted_tokens": stats["draft_accepted_tokens"],
+            # Hybrid models: rows whose recurrent state went back after a rejected draft.
+            "draft_restores": stats["draft_restores"],
+            "draft_model_passes": stats["draft_model_passes"],
             "draft_mean_accepted": round(stats["draft_accepted_tokens"] / stats["drafts"], 2)
             if stats["drafts"] else 0.0,
             "memory_limit_bytes": self.limits.limit if self.limits else 0,

@@ -19,7 +19,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, TokenBuffer, dynamic_roll
 
 from actors.engine.mrope import Placement
 from actors.engine.ragged_cache import RaggedKVCache
-from actors.engine.speculate import Drafter
+from actors.engine.speculate import DraftLength
 
 
 class Status(enum.Enum):
@@ -57,8 +57,9 @@ class Sequence:
     status: Status = Status.WAITING
     # The tokens its logits processors see (made when it first samples, if it has any).
     context: TokenBuffer | None = field(default=None, repr=False)
-    # Its n-gram drafts (speculative decoding; made when it first decodes with them on).
-    drafter: Drafter | None = field(default=None, repr=False)
+    # Its drafter (speculative decoding: n-gram lookup, or a draft model's cache of it; made
+    # when it first decodes with drafts on).
+    drafter: DraftLength | None = field(default=None, repr=False)
     speculative: bool = True  # False: the request turned drafts off
     # Its images by key (``vision.image_key``): as admission sent them (``ImageInput``) until
     # their tokens first run, then their tokens' embeddings.

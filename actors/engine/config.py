@@ -83,11 +83,15 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         "while sequences decode, run the prefill chunk and the last prompt token of joining "
         "sequences in the decode step's forward pass (one model call a step; llama-shaped "
         "models)")] = True
-    speculative: Annotated[Literal["off", "ngram"], setting(
-        "draft a decoding sequence's next tokens from its own prompt and answer (the tokens "
-        "that followed its last few before) and verify them in the step's forward pass: "
-        "greedy answers unchanged, several tokens a step where an answer repeats what it was "
-        "shown")] = "ngram"
+    speculative: Annotated[Literal["off", "ngram", "draft"] | None, setting(
+        "draft a decoding sequence's next tokens and verify them in the step's forward pass "
+        "(greedy answers unchanged; several tokens a step where the drafts are right): ngram "
+        "drafts what followed its last few tokens earlier in its prompt and answer, draft "
+        "asks --draft-model", none="draft with --draft-model, else ngram")] = None
+    draft_model: Annotated[str | None, setting(
+        "a smaller model of the same tokenizer that drafts for --speculative draft (a model "
+        "directory, .gguf file or Hugging Face repo id, as --model); plain attention layers "
+        "only", metavar="MODEL", none="no draft model")] = None
     max_queue: Annotated[int, setting(
         "requests waiting for a batch slot before 429 with Retry-After", metavar="N")] = 256
     block_size: Annotated[int, setting(
@@ -110,3 +114,18 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 DEFAULTS = EngineConfig()
+
+
+def speculation(config: EngineConfig) -> Literal["off", "ngram", "draft"]:
+    """How the engine drafts: ``speculative``, or by default from a draft model when one is
+    given and by prompt lookup otherwise. A contradiction is a ``ValueError`` naming both
+    flags."""
+    mode = config.speculative
+    if mode is None:
+        return "draft" if config.draft_model else "ngram"
+    if mode == "draft" and not config.draft_model:
+        raise ValueError("--speculative draft needs a draft model (--draft-model MODEL)")
+    if mode == "ngram" and config.draft_model:
+        raise ValueError("--draft-model drafts with --speculative draft (the default with a "
+                         "draft model), not --speculative ngram: give one or the other")
+    return mode

@@ -106,6 +106,7 @@ class Engine:
         fingerprint: str = "",
         memory: ModelMemory | None = None,
         vision: Any = None,
+        draft: Any = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -140,7 +141,8 @@ class Engine:
         self._to_cut: list[Any] = []
         # A vision-language model's tower (``vision.VisionTower``; None: text alone).
         self.vision = vision
-        self.runner = Runner(model, config, stream, vision)
+        # ``draft``: the draft model (``draft_model.DraftModel``) for --speculative draft.
+        self.runner = Runner(model, config, stream, vision, draft)
         self.requests: dict[str, Request] = {}
         self._by_uid: dict[int, Request] = {}
         self.steps = 0
@@ -800,6 +802,8 @@ class Engine:
             "drafts": self.runner.drafts,
             "draft_tokens": self.runner.drafted,
             "draft_accepted_tokens": self.runner.accepted,
+            "draft_restores": self.runner.restored,
+            "draft_model_passes": self.runner.draft.passes if self.runner.draft else 0,
         }
 
     def warm_up(self) -> float:

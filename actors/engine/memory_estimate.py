@@ -82,11 +82,25 @@ class ModelMemory(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     hidden: int
     intermediate: int
     dtype_bytes: int  # of activations and of the KV cache
-    weights_bytes: int = 0
+    weights_bytes: int = 0  # a draft model's included (``with_draft``)
+    # A draft model's cache of each drafting row (``--draft-model``): its bytes per token.
+    draft_kv_per_token: int = 0
 
     @property
     def kv_per_token(self) -> int:
-        return 2 * self.kv_layers * self.kv_heads * self.head_dim * self.dtype_bytes
+        return (2 * self.kv_layers * self.kv_heads * self.head_dim * self.dtype_bytes
+                + self.draft_kv_per_token)
+
+
+def with_draft(memory: ModelMemory, draft: ModelMemory | None) -> ModelMemory:
+    """A served model's memory shape with its draft model's (``--draft-model``): the draft's
+    weights, and its cache, which grows with every drafting row's tokens beside the served
+    model's."""
+    if draft is None:
+        return memory
+    return msgspec.structs.replace(
+        memory, weights_bytes=memory.weights_bytes + draft.weights_bytes,
+        draft_kv_per_token=memory.draft_kv_per_token + draft.kv_per_token)
 
 
 # --- reading a model's shape -----------------------------------------------------------------
@@ -205,6 +219,14 @@ def model_memory_of(model_dir: str | Path) -> ModelMemory:
 
 
 # --- what a prompt needs ---------------------------------------------------------------------
+
+
+
+def served_memory(model_dir: str | Path, draft_dir: str | Path | None = None) -> ModelMemory:
+    """``model_memory_of`` a served model, with its draft model's (``with_draft``) when it
+    has one."""
+    memory = model_memory_of(model_dir)
+    return with_draft(memory, model_memory_of(draft_dir) if draft_dir else None)
 
 
 def kv_slots(tokens: int) -> int:

@@ -77,25 +77,45 @@ class RowSampler:
             return self._plain(logprobs)
         return mx.random.categorical(self._scaled(logprobs), key=self._subkey())
 
-    def verify(self, logprobs: mx.array, draft: list[int]) -> list[int]:
+    def draw(self, logprobs: mx.array) -> tuple[int, mx.array]:
+        """A token drawn from another model's log-probabilities (a draft model's) as this
+        request draws from its own, and the distribution it was drawn from."""
+        scaled = self._scaled(logprobs)
+        return (mx.random.categorical(scaled, key=self._subkey()).item(),
+                mx.softmax(scaled, axis=-1, precise=True))
+
+    def verify(self, logprobs: mx.array, draft: list[int],
+               proposed: mx.array | None = None) -> list[int]:
         """The tokens this request takes from a draft: ``logprobs`` [len(draft) + 1, vocab]
-        are the model's at the row's input and after each draft token. Speculative sampling
-        with a draft that proposes one token for sure: draft token j is kept with its
-        probability under the row's distribution at j; the first one not kept is replaced by
-        a draw from that distribution without it; all kept, one more is drawn after them. The
+        are the model's at the row's input and after each draft token; ``proposed``
+        [len(draft), vocab'] the distributions the draft tokens were drawn from (``draw``;
+        None: each proposed for sure, as a lookup draft is). Speculative sampling: draft token
+        j is kept with probability min(1, p(x) / q(x)) under the row's distribution p at j;
+        the first one not kept is replaced by a draw from the residual max(0, p - q) (p
+        without the token, for a sure proposal); all kept, one more is drawn after them. The
         tokens are then distributed exactly as drawing one a step would give."""
         scaled = self._scaled(logprobs)
         n = len(draft)
         kept = n
+        q = None
         if n:
             probs = mx.softmax(scaled[:n], axis=-1, precise=True)
-            chance = probs[mx.arange(n), mx.array(draft)]
+            at = (mx.arange(n), mx.array(draft))
+            chance = probs[at]
+            if proposed is not None:
+                width = probs.shape[-1]
+                q = proposed[:, :width]
+                if q.shape[-1] < width:  # a draft head narrower than ours proposes none there
+                    q = mx.pad(q, [(0, 0), (0, width - q.shape[-1])])
+                chance = mx.minimum(chance / q[at], 1.0)
             u = mx.random.uniform(shape=(n,), key=self._subkey())
             mx.eval(chance, u)
             kept = next((j for j, (p, x) in enumerate(zip(chance.tolist(), u.tolist(),
                                                           strict=True)) if x >= p), n)
         row = scaled[kept]
-        if kept < n:  # the residual: the distribution without the refused token
+        if kept < n and q is not None:  # the residual of the draft's distribution
+            row = mx.log(mx.maximum(probs[kept] - q[kept], 0.0))
+        elif kept < n:  # the distribution without the refused token
             row = mx.where(mx.arange(row.shape[-1]) == draft[kept],
                            mx.array(-float("inf"), row.dtype), row)
         token = mx.random.categorical(row, key=self._subkey())

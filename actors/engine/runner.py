@@ -32,7 +32,8 @@ from actors.engine.batch import (
     roll_right_padding,
     split_last,
 )
-from actors.engine.config import EngineConfig
+from actors.engine.config import EngineConfig, speculation
+from actors.engine.draft_model import DraftModel
 from actors.engine.forward import forward, supports_mixed
 from actors.engine.memory_estimate import Member
 from actors.engine.ragged_cache import RaggedKVCache
@@ -119,7 +120,7 @@ class Runner:
     first_token_in_chunk = True
 
     def __init__(self, model: Any, config: EngineConfig, stream: Any = None,
-                 vision: VisionTower | None = None) -> None:
+                 vision: VisionTower | None = None, draft: DraftModel | None = None) -> None:
         patch_models()  # mlx-lm's batching bugs troupe fixes (actors/mlx_lm_private.py)
         self.model = model
         self.config = config
@@ -128,7 +129,12 @@ class Runner:
         # call (the one-pass step reads token ids only).
         self.vision = vision
         self.mixed = config.mixed_step and supports_mixed(model) and vision is None
-        self.speculative = config.speculative != "off"
+        mode = speculation(config)
+        self.speculative = mode != "off"
+        if mode == "draft" and draft is None:
+            raise ValueError(f"--speculative draft: draft model {config.draft_model} not loaded")
+        # The draft model (``--draft-model``); None: rows draft by prompt lookup.
+        self.draft = draft if mode == "draft" else None
         self.drafts = 0  # rows' drafts verified
         self.drafted = 0  # their tokens
         self.accepted = 0  # of them, kept
@@ -540,7 +546,8 @@ class Runner:
         return responses, ended
 
     def _drafts(self, dec: Rows) -> list[list[int]] | None:
-        """Each decoding row's draft this step (``speculate.Drafter``: rows without logits
+        """Each decoding row's draft this step (``speculate.Drafter``, or with a draft model
+        ``draft_model.ModelDrafter``: rows without logits
         processors draft; the others, and a row carrying more than a draft's tokens, take no
         draft), or None when no row drafts or the step cannot verify drafts: more rows than
         ``SPECULATE_ROWS``, or a cache that cannot take back a rejected draft's positions
@@ -556,7 +563,11 @@ class Runner:
                 drafts.append([])
                 continue
             if s.drafter is None:
-                s.drafter = Drafter()
+                # An image's tokens are no text the draft model reads: such a row drafts by
+                # lookup.
+                s.drafter = (self.draft.drafter(None if s.sampler is greedy_sampler
+                                                else s.sampler)
+                             if self.draft is not None and not s.images else Drafter())
             s.drafter.sync(s.tokens, s.carried)
             # The last token it may still sample is never drafted: it is sampled.
             drafts.append(s.drafter.draft(s.next_input, s.max_tokens - s.generated - 1))
@@ -624,7 +635,8 @@ class Runner:
                         agree += 1
                     tokens = best[i][a:a + agree + 1]
                 else:
-                    tokens = s.sampler.verify(logprobs[i, a:a + len(d) + 1], d)
+                    tokens = s.sampler.verify(logprobs[i, a:a + len(d) + 1], d,
+                                              s.drafter.proposed)
                     agree = len(tokens) - 1
                 if d:
                     s.drafter.verified(len(d), agree)

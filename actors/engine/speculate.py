@@ -14,6 +14,7 @@ tokens each step appends (a dict update per token and size).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 # The n-gram lengths looked up, longest first: a match of 3 tokens predicts better than one of
 # 2, and one token alone predicts too little to be worth a verification.
@@ -25,12 +26,16 @@ MAX_DRAFT = 6
 MAX_PAUSE = 32
 
 
-class Drafter:
-    """One sequence's n-gram index over the tokens it holds (prompt, answer so far)."""
+class DraftLength:
+    """How much a sequence drafts, adapted to how much of its last drafts was accepted: the
+    part every kind of drafter shares (prompt lookup here, a draft model in
+    ``draft_model``)."""
+
+    # The distributions the last draft's tokens were drawn from, one row each (a draft
+    # model's, for a sampling row: ``RowSampler.verify``); None: each proposed for sure.
+    proposed: Any = None
 
     def __init__(self) -> None:
-        self._index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in NGRAM_SIZES}
-        self._tokens: list[int] = []
         # Draft length, adapted to how much of the last drafts was accepted.
         self.length = MAX_DRAFT
         self.drafted = 0
@@ -40,6 +45,40 @@ class Drafter:
         # (prose), a draft is a position the step computes for nothing.
         self._misses = 0
         self._pause = 0
+
+    def allowance(self, most: int) -> int:
+        """How many tokens to draft this step, ``most`` at the most: none while paused (a
+        step of the pause passes), else up to the adapted length."""
+        if self._pause > 0:
+            self._pause -= 1
+            return 0
+        return max(0, min(most, self.length))
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        """How many of a draft's tokens the step accepted: a row whose drafts keep failing
+        drafts less (down to one token) and, after drafts of which nothing was kept, not at
+        all for 2, 4, ... up to ``MAX_PAUSE`` steps; one whose drafts are taken whole drafts
+        more."""
+        self.drafted += drafted
+        self.accepted += accepted
+        if accepted == 0:
+            self._misses += 1
+            self._pause = min(2 ** self._misses, MAX_PAUSE)
+        else:
+            self._misses = 0
+        if accepted == drafted:
+            self.length = min(MAX_DRAFT, self.length + 1)
+        else:
+            self.length = max(1, accepted + 1)
+
+
+class Drafter(DraftLength):
+    """One sequence's n-gram index over the tokens it holds (prompt, answer so far)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in NGRAM_SIZES}
+        self._tokens: list[int] = []
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Append tokens (the sequence's next ones): each n-gram that now has a follower is
@@ -67,10 +106,7 @@ class Drafter:
         """Up to ``min(most, self.length)`` tokens expected after the indexed tokens and then
         ``last`` (the row's next input): what followed the latest earlier occurrence of the
         longest n-gram ending in ``last``."""
-        most = min(most, self.length)
-        if self._pause > 0:
-            self._pause -= 1
-            return []
+        most = self.allowance(most)
         if most <= 0:
             return []
         own = self._tokens
@@ -85,20 +121,3 @@ class Drafter:
                 cut = next((i for i, t in enumerate(draft) if t < 0), len(draft))
                 return draft[:cut]
         return []
-
-    def verified(self, drafted: int, accepted: int) -> None:
-        """How many of a draft's tokens the step accepted: a row whose drafts keep failing
-        drafts less (down to one token) and, after drafts of which nothing was kept, not at
-        all for 2, 4, ... up to ``MAX_PAUSE`` steps; one whose drafts are taken whole drafts
-        more."""
-        self.drafted += drafted
-        self.accepted += accepted
-        if accepted == 0:
-            self._misses += 1
-            self._pause = min(2 ** self._misses, MAX_PAUSE)
-        else:
-            self._misses = 0
-        if accepted == drafted:
-            self.length = min(MAX_DRAFT, self.length + 1)
-        else:
-            self.length = max(1, accepted + 1)
