@@ -1,4 +1,4 @@
-"""Speculative decoding (``--speculative ngram``) against one token a step, one stream.
+"""Speculative decoding (``--speculative ngram`` or ``draft``) against one token a step.
 
 Through troupe's ``Engine`` with ``troupe serve``'s defaults on the default model (troupe's CPU
 kernels, OpenBLAS preloaded as ``troupe serve`` does), greedy, three workloads:
@@ -8,7 +8,9 @@ kernels, OpenBLAS preloaded as ``troupe serve`` does), greedy, three workloads:
 - ``prose``: a story (little to look up).
 
 ``--streams N`` runs N such requests at once (the edit of each renames another function),
-the decode tokens/s then being all of theirs.
+the decode tokens/s then being all of theirs. ``--draft-model DIR`` drafts with that model
+instead of prompt lookup; ``--draft-layers N`` with a copy of the served model cut to its
+first N layers (its own final norm and head: a draft model of the same tokenizer at hand).
 
 For each, decode tokens/s (from the first token to the last) with drafts and without,
 alternating which runs first, the drafts' figures (with a hybrid model's, ``restored``: rows
@@ -18,6 +20,7 @@ same tokens (they must be).
     .venv/bin/python benchmarks/bench_speculative.py
     .venv/bin/python benchmarks/bench_speculative.py --max-tokens 600 --reps 2
     .venv/bin/python benchmarks/bench_speculative.py --streams 4 --workloads edit,prose
+    .venv/bin/python benchmarks/bench_speculative.py --draft-layers 8 --reps 2
 """
 
 from __future__ import annotations
@@ -73,6 +76,20 @@ WORKLOADS = {
 }
 
 
+def load_draft(model_dir: str, layers: int | None, tok: Any) -> Any:
+    """A draft model (``draft_model.DraftModel``) from ``model_dir``, cut to its first
+    ``layers`` layers when given, checked against the served model's tokenizer."""
+    from actors.config import ServeConfig
+    from actors.engine.draft_model import DraftModel, check_draft_model, vocabulary
+
+    model, draft_tok = load_ceiling(model_dir)
+    if layers:
+        model.model.layers = model.model.layers[:layers]
+    check_draft_model(model_dir, model, draft_tok, "the served model", tok)
+    return DraftModel(model, vocab=len(vocabulary(tok)),
+                      catch_up=ServeConfig().engine.prefill_step_size)
+
+
 def run_once(engine: Any, prompts: list[list[int]], max_tokens: int,
              drafts: bool) -> dict[str, Any]:
     """The prompts at once, greedy, to ``max_tokens`` each: their tokens, and the decode
@@ -80,8 +97,7 @@ def run_once(engine: Any, prompts: list[list[int]], max_tokens: int,
     from actors.messages import SamplingParams, TokensGenerated
 
     engine.runner.speculative = drafts
-    before = (engine.runner.drafts, engine.runner.drafted, engine.runner.accepted,
-              engine.runner.restored)
+    before = _counts(engine)
     for i, prompt in enumerate(prompts):
         engine.add(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                                    ignore_eos=True))
@@ -92,12 +108,19 @@ def run_once(engine: Any, prompts: list[list[int]], max_tokens: int,
             if isinstance(ev, TokensGenerated):
                 tokens[ev.request_id] += ev.token_ids
                 times.append(time.perf_counter())
-    after = (engine.runner.drafts, engine.runner.drafted, engine.runner.accepted,
-             engine.runner.restored)
-    n_drafts, drafted, accepted, restored = (b - a for a, b in zip(before, after, strict=True))
+    n_drafts, drafted, accepted, restored, passes = (
+        b - a for a, b in zip(before, _counts(engine), strict=True))
     total = sum(len(t) for t in tokens.values())
     return {"tokens": tokens, "decode_tok_s": (total - len(prompts)) / (times[-1] - times[0]),
-            "drafts": n_drafts, "drafted": drafted, "accepted": accepted, "restored": restored}
+            "drafts": n_drafts, "drafted": drafted, "accepted": accepted, "restored": restored,
+            "draft_passes": passes}
+
+
+def _counts(engine: Any) -> tuple[int, ...]:
+    """The runner's draft counters: drafts, their tokens, those kept, hybrid restores, and
+    the draft model's passes."""
+    r = engine.runner
+    return (r.drafts, r.drafted, r.accepted, r.restored, r.draft.passes if r.draft else 0)
 
 
 def main() -> None:
@@ -108,14 +131,21 @@ def main() -> None:
     p.add_argument("--streams", type=int, default=1,
                    help="requests of the workload at once (each renames another function)")
     p.add_argument("--reps", type=int, default=1)
+    p.add_argument("--draft-model", metavar="DIR",
+                   help="draft with this model (--speculative draft), not by prompt lookup")
+    p.add_argument("--draft-layers", type=int, metavar="N",
+                   help="draft with the served model's first N layers (or --draft-model's)")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = p.parse_args()
     same_blas_as_troupe_serve()
 
     from actors.messages import SamplingParams
 
-    model, tok = load_ceiling(args.model or resolve_default_model())
-    engine = served_engine(model, tok, SamplingParams(max_tokens=1, temperature=0.0))
+    model_dir = args.model or resolve_default_model()
+    model, tok = load_ceiling(model_dir)
+    draft = (load_draft(args.draft_model or model_dir, args.draft_layers, tok)
+             if args.draft_model or args.draft_layers else None)
+    engine = served_engine(model, tok, SamplingParams(max_tokens=1, temperature=0.0), draft)
     out: dict[str, Any] = {"blas": blas_name(), "args": vars(args), "runs": []}
     print(f"BLAS: {out['blas']}", flush=True)
     for r in range(args.reps):
@@ -137,7 +167,8 @@ def main() -> None:
             print(f"  same tokens: {answers[True] == answers[False]} "
                   f"({sum(len(t) for t in answers[True].values())} tokens)", flush=True)
     engine.close()
-    print("\n| workload | decode tok/s, off | decode tok/s, ngram | speed-up | drafts | "
+    mode = "draft" if draft is not None else "ngram"
+    print(f"\n| workload | decode tok/s, off | decode tok/s, {mode} | speed-up | drafts | "
           "accepted / drafted tokens | accepted per draft | same tokens |\n"
           "|---|---|---|---|---|---|---|---|")
     for name in args.workloads.split(","):

@@ -19,16 +19,20 @@ def prompts(tok: Any, n: int, key: str) -> list[list[int]]:
             for i in range(n)]
 
 
-def served_engine(model: Any, tok: Any, sampling: Any) -> Any:
+def served_engine(model: Any, tok: Any, sampling: Any, draft: Any = None) -> Any:
     """troupe's ``Engine`` with ``troupe serve``'s defaults, its chat template already cached
-    by one request (as a server that has answered before)."""
+    by one request (as a server that has answered before); ``draft``: a draft model
+    (``draft_model.DraftModel``) drafting for it, as ``--draft-model`` gives."""
     import mlx.core as mx
+    import msgspec
 
     from actors.config import ServeConfig
     from actors.engine.core import Engine
 
-    cfg = ServeConfig()
-    engine = Engine(model, tok, cfg.engine, stream=mx.default_stream(mx.cpu))
+    cfg = ServeConfig().engine
+    if draft is not None:
+        cfg = msgspec.structs.replace(cfg, draft_model="draft")
+    engine = Engine(model, tok, cfg, stream=mx.default_stream(mx.cpu), draft=draft)
     engine.add("warm-up", prompts(tok, 1, f"warm-{time.time()}")[0], sampling)
     while engine.has_work:
         engine.step()
