@@ -30,6 +30,11 @@ ATTRIBUTES: tuple[tuple[str, str, str], ...] = (
     ("TokenizerWrapper", "_tokenizer",
      "the Hugging Face tokenizer llguidance builds its token table from "
      "(actors/engine/grammar.py)"),
+    ("BatchRotatingKVCache", "_temporal_order",
+     "a drafts' verify pass (several positions) on a sliding window that wrapped while the "
+     "rows decoded a token a step: ``make_mask`` reads the wrapped write index before "
+     "``update_and_fetch`` puts the buffer back in order, and masks a left-padded row one "
+     "position off; put in order first, the two agree (actors/engine/runner.py)"),
 )
 
 
@@ -96,6 +101,12 @@ def download(repo_id: str) -> str:
     from mlx_lm.utils import _download
 
     return _download(repo_id)
+
+
+def in_temporal_order(cache: Any) -> None:
+    """``BatchRotatingKVCache._temporal_order``: a wrapped window's buffer rolled back into
+    the order of its positions (see ``ATTRIBUTES``)."""
+    cache._temporal_order()
 
 
 def hf_tokenizer(wrapper: Any) -> Any:

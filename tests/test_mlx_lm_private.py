@@ -18,8 +18,10 @@ def test_each_private_function_listed_exists(module: str, name: str) -> None:
 
 
 def test_each_private_attribute_listed_exists(loaded) -> None:
+    from mlx_lm.models.cache import BatchRotatingKVCache
+
     _, tok = loaded
-    instances = {"TokenizerWrapper": tok}
+    instances = {"TokenizerWrapper": tok, "BatchRotatingKVCache": BatchRotatingKVCache(8, [0])}
     missing = [f"{cls}.{attr}" for cls, attr, _ in ATTRIBUTES
                if not hasattr(instances[cls], attr)]
     assert not missing, f"mlx-lm no longer has {missing}: update actors/mlx_lm_private.py"

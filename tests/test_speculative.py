@@ -13,7 +13,7 @@ from typing import Any
 
 import http_stack
 import pytest
-from engine_helpers import engine_config, greedy, run
+from engine_helpers import engine_config, greedy, ram_hit, run
 from mlx_lm import load
 from reference import reference_tokens
 from tiny_model import make_tiny_model
@@ -198,17 +198,93 @@ def test_an_abort_between_drafting_steps_leaves_the_others_answers(tiny: Any) ->
     assert got["r1"] == off["r1"]["tokens"][: len(got["r1"])]
 
 
-def test_a_model_whose_cache_cannot_take_back_positions_decodes_without_drafts(
-        tmp_path: Path) -> None:
-    """Sliding-window layers (a rotating cache) cannot drop a rejected draft's positions:
-    such a model decodes one token a step, with the same answers."""
-    model, tok = load(str(make_tiny_model(tmp_path / "g", arch="gemma3_text", layers=4)))
-    prompt = tok.encode(TEXTS[0])
-    e = Engine(model, tok, engine_config(speculative="ngram"))
-    e.add("a", prompt, greedy(60, ignore_eos=True))
-    got = run(e)["a"]["tokens"]
-    assert e.runner.drafted == 0
-    assert got[:20] == reference_tokens(model, tok, prompt, 20)[:20]
+# -- sliding windows --------------------------------------------------------------------------
+
+# Sliding-window layers (a rotating cache) beside global ones; at these sizes (windows of 8 to
+# 18 tokens) every answer runs far past its window.
+SLIDING = ["gemma3_text", "mistral", "gpt_oss", "gemma4_text"]
+
+
+@pytest.fixture(scope="module", params=SLIDING)
+def sliding(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    arch = request.param
+    return load(str(make_tiny_model(tmp_path_factory.mktemp(arch) / arch, arch=arch,
+                                    layers=4)))
+
+
+def foreseeing(prompts: dict[str, list[int]], answers: dict[str, list[int]],
+               wrong: bool) -> type[Drafter]:
+    """A drafter that drafts each row's answer (decoding without drafts gives it) in runs of
+    five steps with drafts and five without, so the windows wrap while the rows decode a
+    token a step and then take a pass of several positions; ``wrong``: each draft's last
+    token wrong (rejected), and every third row-step drafts nothing beside drafting rows."""
+
+    class Foreseeing(Drafter):
+        def sync(self, tokens: list[int], more: Any = ()) -> None:
+            self.context = [*tokens, *more]
+
+        def draft(self, last: int, most: int) -> list[int]:
+            context = [*self.context, last]
+            if (len(context) // 5) % 2 or (wrong and len(context) % 3 == 0):
+                return []
+            for rid, prompt in prompts.items():
+                whole = prompt + answers[rid]
+                if whole[:len(context)] == context:
+                    draft = whole[len(context):len(context) + min(most, 4)]
+                    if wrong and draft:
+                        draft[-1] = (draft[-1] + 1) % 300
+                    return draft
+            return []
+
+    return Foreseeing
+
+
+@pytest.mark.parametrize("wrong", [False, True], ids=["right", "wrong"])
+def test_sliding_window_models_take_drafts_with_the_same_answers(
+        sliding: Any, monkeypatch: pytest.MonkeyPatch, wrong: bool) -> None:
+    """Rows of different lengths (left padding) whose windows wrapped, drafts kept whole and
+    in part, rows drafting beside rows that do not: the answers of decoding without drafts,
+    and mlx-lm's own."""
+    from actors.engine import runner
+
+    model, tok = sliding
+    prompts = {f"r{i}": tok.encode(t) for i, t in enumerate(TEXTS)}
+    requests = {rid: (p, greedy(90, ignore_eos=True)) for rid, p in prompts.items()}
+    off, _ = serve_all(sliding, "off", requests)
+    answers = {rid: off[rid]["tokens"] for rid in requests}
+    assert len(set(map(tuple, answers.values()))) == 4
+    want = reference_tokens(model, tok, prompts["r0"], 90)  # cut at an end of sequence
+    assert answers["r0"][:len(want)] == want
+    monkeypatch.setattr(runner, "Drafter", foreseeing(prompts, answers, wrong))
+    on, e = serve_all(sliding, "ngram", requests)
+    for rid in requests:
+        assert on[rid]["tokens"] == answers[rid], rid
+    assert e.runner.accepted > 0
+    assert (e.runner.accepted < e.runner.drafted) == wrong
+
+
+def test_a_sliding_window_prefix_hit_after_a_drafted_run_answers_the_same(
+        sliding: Any) -> None:
+    """The blocks cut from a window whose rejected positions were rolled out hold the
+    window's tokens: a RAM hit on them answers as the first run did."""
+    model, tok = sliding
+    long = tok.encode(TEXTS[0] + TEXTS[2])
+    e = Engine(model, tok, engine_config(speculative="ngram", block_size=16))
+    e.add("a", long, greedy(60, ignore_eos=True))
+    first = run(e)["a"]
+    want = reference_tokens(model, tok, long, 60)  # cut at an end of sequence
+    assert first["tokens"][:len(want)] == want
+    again = long + first["tokens"][:40]
+    e.add("b", again, greedy(30, ignore_eos=True))
+    b = run(e)["b"]
+    hit = ram_hit(e, again)
+    assert hit
+    e.add("c", again, greedy(30, ignore_eos=True), cached=hit)
+    c = run(e)["c"]
+    assert c["finish"].usage.cached_tokens >= len(hit) * 16
+    assert c["tokens"] == b["tokens"]
+    want = reference_tokens(model, tok, again, 30)
+    assert b["tokens"][:len(want)] == want
 
 
 # -- hybrid models ----------------------------------------------------------------------------

@@ -146,8 +146,6 @@ def test_drafts_verified_on_an_image_prompt_answer_as_mlx_vlm_does(
         vlm: Any, monkeypatch: pytest.MonkeyPatch, ending: str) -> None:
     """Drafts of mlx-vlm's own answer, whole or with a wrong last token (rejected: the
     positions it ran leave the cache, and a hybrid's recurrent state goes back)."""
-    if vlm[0].name == "gemma3":
-        pytest.skip("sliding-window layers (Gemma 3) take no drafts")
     ids, images = prompt(vlm, [picture(5)])
     want = reference(vlm, [picture(5)], max_tokens=24)
 

@@ -19,7 +19,13 @@ from typing import Any, NamedTuple
 import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generation_stream
-from mlx_lm.models.cache import ArraysCache, BatchKVCache, TokenBuffer, make_prompt_cache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    BatchKVCache,
+    BatchRotatingKVCache,
+    TokenBuffer,
+    make_prompt_cache,
+)
 from mlx_lm.sample_utils import greedy_sampler
 from mlx_lm.utils import maybe_set_recommended_wired_limit
 
@@ -46,7 +52,7 @@ from actors.engine.schedule import (
 )
 from actors.engine.speculate import MAX_DRAFT, Drafter
 from actors.engine.vision import VisionTower, split_image_token
-from actors.mlx_lm_private import patch_models
+from actors.mlx_lm_private import in_temporal_order, patch_models
 
 # Every this many decode steps MLX's allocator cache is given back (as mlx-lm's generator).
 CLEAR_CACHE_STEPS = 512
@@ -551,7 +557,7 @@ class Runner:
         processors draft; the others, and a row carrying more than a draft's tokens, take no
         draft), or None when no row drafts or the step cannot verify drafts: more rows than
         ``SPECULATE_ROWS``, or a cache that cannot take back a rejected draft's positions
-        (anything but batched plain KV and recurrent state)."""
+        (anything but batched plain KV, sliding windows and recurrent state)."""
         seqs = dec.seqs
         if not seqs or len(seqs) > SPECULATE_ROWS or not _rewindable(dec.cache):
             return None
@@ -599,6 +605,12 @@ class Runner:
         rows = [r + [r[-1]] * (width - len(r)) for r in runs]
         inputs = mx.array(rows, dtype=mx.uint32)
         recurrent = [c for c in dec.cache if isinstance(c, ArraysCache)]
+        for c in dec.cache:
+            # A window that wrapped while the rows decoded a token a step: in order before a
+            # pass of several positions, or its mask and its update disagree
+            # (actors/mlx_lm_private.py).
+            if type(c) is BatchRotatingKVCache and c.rotated:
+                in_temporal_order(c)
         # The recurrent states before the pass: the layers assign new arrays, never change
         # these, so keeping the references keeps the states (no copy).
         before = [list(c.cache) for c in recurrent]
@@ -785,11 +797,12 @@ def _verifies(s: Sequence) -> bool:
 
 def _rewindable(cache: list[Any]) -> bool:
     """Whether every layer is batched plain KV (``BatchKVCache``, or ``RaggedKVCache``
-    groups of them), whose positions written past what a row keeps can be taken back, or
-    recurrent state (``ArraysCache``: hybrid models), which ``_restore`` takes back to
-    its state before the step."""
-    return all(type(g) is BatchKVCache or isinstance(g, ArraysCache) for c in cache
-               for g in (c.groups if isinstance(c, RaggedKVCache) else [c]))
+    groups of them) or a batched sliding window (``BatchRotatingKVCache``), whose positions
+    written past what a row keeps can be taken back (``_rewind``), or recurrent state
+    (``ArraysCache``: hybrid models), which ``_restore`` takes back to its state before the
+    step."""
+    return all(type(g) in (BatchKVCache, BatchRotatingKVCache) or isinstance(g, ArraysCache)
+               for c in cache for g in (c.groups if isinstance(c, RaggedKVCache) else [c]))
 
 
 @contextmanager
@@ -827,10 +840,19 @@ def _restore(recurrent: list[ArraysCache], before: list[list[Any]], rows: list[i
 def _rewind(cache: list[Any], drop: list[int]) -> None:
     """Take back each row's last ``drop[row]`` positions from every layer: the positions all
     rows of a group drop are trimmed (no copy); the rest become left padding of their rows
-    (``roll_right_padding``, a copy of the group's positions in use)."""
+    (``roll_right_padding``, a copy of the group's positions in use).
+
+    A sliding window's cache (``BatchRotatingKVCache``) is never trimmed: a pass of several
+    positions wrote them after the window's last ``max_size - 1`` positions, in order, so a
+    row's dropped positions are what a chunk's right padding is to it, rolled to the left of
+    the row by the cache's own ``prepare``/``finalize`` (its window stays whole)."""
     if not any(drop):
         return
     for c in cache:
+        if type(c) is BatchRotatingKVCache:
+            c.prepare(lengths=[-n for n in drop], right_padding=drop)
+            c.finalize()
+            continue
         spans = c.spans() if isinstance(c, RaggedKVCache) else [(0, len(drop), c)]
         for first, end, g in spans:
             part = drop[first:end]
