@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from actors.engine.config import DEFAULTS, EngineConfig, Setting, setting, settings_of
+from actors.engine.config import DEFAULTS, EngineConfig, Setting, setting, settings_of, speculation
 from actors.images import MAX_IMAGE_PIXELS
 
 # Seconds a chat template may take to render one request's conversation (admission's bound).
@@ -172,3 +172,13 @@ def api_keys(config: ServeConfig) -> list[str]:
             raise ValueError(f"--api-keys-file {path} holds no key (one a line, # comments)")
         keys += found
     return list(dict.fromkeys(key for key in keys if key))
+
+
+def check_drafting(config: ServeConfig) -> None:
+    """Refuse flags that contradict each other on drafting (``speculation``), and a draft
+    model with ``--distributed`` (the other ranks would need it too), with a ValueError
+    naming them: before any model loads."""
+    speculation(config.engine)
+    if config.engine.distributed and config.engine.draft_model:
+        raise ValueError("--draft-model is not served with --distributed (the other ranks "
+                         "would need it too)")

@@ -21,8 +21,14 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, Union, get_args, get_origin
 
-from actors.config import ServeConfig, Setting, api_keys, model_specs, serve_settings
-from actors.engine.config import speculation
+from actors.config import (
+    ServeConfig,
+    Setting,
+    api_keys,
+    check_drafting,
+    model_specs,
+    serve_settings,
+)
 from api.server import HttpServer, serve_http
 from runtime import ActorSystem
 
@@ -125,10 +131,7 @@ def _serve(args: argparse.Namespace) -> int:
     _setup_logging(config.log_level)
     try:
         api_keys(config)  # a keys file that cannot be read fails now, not after a model load
-        speculation(config.engine)  # contradicting flags, too
-        if config.engine.distributed and config.engine.draft_model:
-            raise ValueError("--draft-model is not served with --distributed (the other "
-                             "ranks would need it too)")
+        check_drafting(config)  # contradicting flags, too
     except ValueError as exc:
         log.error("troupe serve: %s", exc)
         return 1

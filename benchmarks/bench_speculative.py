@@ -7,6 +7,11 @@ kernels, OpenBLAS preloaded as ``troupe serve`` does), greedy, three workloads:
 - ``json``: a record of 40 fields, asked back with two of them changed;
 - ``prose``: a story (little to look up).
 
+``--peer llama.cpp`` also runs the workloads on llama.cpp's own server (xllamacpp, ``make
+bench-peers`` installs it) with the default model's GGUF, one slot, its speculation off and
+``--peer-speculative`` (``ngram_simple`` by default) alternating, over HTTP (decode tokens/s
+from the first streamed token to the last), for the speed-ups side by side.
+
 ``--streams N`` runs N such requests at once (the edit of each renames another function),
 the decode tokens/s then being all of theirs. ``--draft-model DIR`` drafts with that model
 instead of prompt lookup; ``--draft-layers N`` with a copy of the served model cut to its
@@ -21,6 +26,7 @@ same tokens (they must be).
     .venv/bin/python benchmarks/bench_speculative.py --max-tokens 600 --reps 2
     .venv/bin/python benchmarks/bench_speculative.py --streams 4 --workloads edit,prose
     .venv/bin/python benchmarks/bench_speculative.py --draft-layers 8 --reps 2
+    .venv/bin/python benchmarks/bench_speculative.py --reps 2 --peer llama.cpp
 """
 
 from __future__ import annotations
@@ -116,6 +122,68 @@ def run_once(engine: Any, prompts: list[list[int]], max_tokens: int,
             "draft_passes": passes}
 
 
+def llamacpp_runs(workloads: list[str], max_tokens: int, reps: int, kind: str
+                  ) -> list[dict[str, Any]]:
+    """Each workload on llama.cpp's server, its speculation off and ``kind``, alternating
+    which runs first: decode tokens/s, its draft figures and the answer's text."""
+    import asyncio
+    import subprocess
+
+    import sessions_peers as peers
+    from harness import free_port, wait_healthy
+
+    runs = []
+    for r in range(reps):
+        for spec in ("none", kind) if r % 2 == 0 else (kind, "none"):
+            port = free_port()
+            base = f"http://127.0.0.1:{port}"
+            proc = subprocess.Popen(
+                [str(peers.xllamacpp_python()), str(Path(__file__).with_name("sessions_peers.py")),
+                 "serve-llamacpp", "--gguf", str(peers.bundled_gguf()), "--port", str(port),
+                 "--slots", "1", "--speculative", spec],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            try:
+                asyncio.run(wait_healthy(base, proc))
+                asyncio.run(_llamacpp_once(base, "Hello", 8))  # its first request warms it
+                for name in workloads:
+                    got = asyncio.run(_llamacpp_once(base, WORKLOADS[name](), max_tokens))
+                    runs.append({"rep": r, "workload": name, "speculative": spec != "none",
+                                 **got})
+                    print(f"rep {r} {name:>5} llama.cpp {spec}: decode_tok_s "
+                          f"{got['decode_tok_s']:.2f}, tokens {got['tokens']}, drafted "
+                          f"{got['drafted']}, accepted {got['accepted']}", flush=True)
+            finally:
+                proc.terminate()
+                proc.wait(timeout=60)
+    return runs
+
+
+async def _llamacpp_once(base: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    """One streamed greedy answer of ``max_tokens`` from llama.cpp's server."""
+    import aiohttp
+
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}, "timings_per_token": False}
+    text, times, usage, timings = "", [], {}, {}
+    async with aiohttp.ClientSession() as session, session.post(
+            f"{base}/v1/chat/completions", json=body) as resp:
+        async for line in resp.content:
+            line = line.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            delta = (chunk.get("choices") or [{}])[0].get("delta", {}).get("content")
+            if delta:
+                text += delta
+                times.append(time.perf_counter())
+            usage = chunk.get("usage") or usage
+            timings = chunk.get("timings") or timings
+    n = usage.get("completion_tokens", 0)
+    return {"text": text, "tokens": n, "decode_tok_s": (n - 1) / (times[-1] - times[0]),
+            "drafted": timings.get("draft_n", 0), "accepted": timings.get("draft_n_accepted", 0)}
+
+
 def _counts(engine: Any) -> tuple[int, ...]:
     """The runner's draft counters: drafts, their tokens, those kept, hybrid restores, and
     the draft model's passes."""
@@ -135,6 +203,10 @@ def main() -> None:
                    help="draft with this model (--speculative draft), not by prompt lookup")
     p.add_argument("--draft-layers", type=int, metavar="N",
                    help="draft with the served model's first N layers (or --draft-model's)")
+    p.add_argument("--peer", choices=["llama.cpp"],
+                   help="also run the workloads on llama.cpp's server, speculation off and on")
+    p.add_argument("--peer-speculative", default="ngram_simple",
+                   help="llama.cpp's speculative type for --peer (ngram_simple, ngram_mod, ...)")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = p.parse_args()
     same_blas_as_troupe_serve()
@@ -183,6 +255,20 @@ def main() -> None:
         print(f"| {name} | {off:.1f} | {on:.1f} | {on / off:.2f}x | {drafts} | "
               f"{accepted} / {drafted} | {accepted / drafts if drafts else 0:.2f} | "
               f"{'yes' if same else 'NO'} |")
+    if args.peer:
+        runs = llamacpp_runs(args.workloads.split(","), args.max_tokens, args.reps,
+                             args.peer_speculative)
+        out["peer_runs"] = runs
+        print(f"\n| workload | llama.cpp tok/s, off | llama.cpp tok/s, {args.peer_speculative} "
+              "| speed-up | accepted / drafted tokens | same text |\n|---|---|---|---|---|---|")
+        for name in args.workloads.split(","):
+            mine = [x for x in runs if x["workload"] == name]
+            off = statistics.median(x["decode_tok_s"] for x in mine if not x["speculative"])
+            on = statistics.median(x["decode_tok_s"] for x in mine if x["speculative"])
+            texts = {x["text"] for x in mine}
+            print(f"| {name} | {off:.1f} | {on:.1f} | {on / off:.2f}x | "
+                  f"{sum(x['accepted'] for x in mine)} / {sum(x['drafted'] for x in mine)} | "
+                  f"{'yes' if len(texts) == 1 else 'NO'} |")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
 

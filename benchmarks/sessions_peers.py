@@ -132,11 +132,17 @@ def install(peers: list[str]) -> int:
     return 1 if failed == len(peers) else 0
 
 
-def serve_llamacpp(gguf: str, port: int, slots: int, ctx_per_slot: int, threads: int) -> None:
-    """llama.cpp's own HTTP server (OpenAI routes) on 127.0.0.1:``port`` until SIGTERM."""
+def serve_llamacpp(gguf: str, port: int, slots: int, ctx_per_slot: int, threads: int,
+                   speculative: str = "none") -> None:
+    """llama.cpp's own HTTP server (OpenAI routes) on 127.0.0.1:``port`` until SIGTERM;
+    ``speculative``: its speculative decoding type (``ngram_simple``, ``ngram_mod``, ...:
+    ``common_speculative_type`` without its prefix), none by default."""
     import xllamacpp as xlc
 
     params = xlc.CommonParams()
+    if speculative != "none":
+        kind = f"COMMON_SPECULATIVE_TYPE_{speculative.upper()}"
+        params.speculative.types = [getattr(xlc.common_speculative_type, kind)]
     params.model.path = gguf
     params.port = port
     params.n_parallel = slots
@@ -164,10 +170,13 @@ def main() -> None:
     srv.add_argument("--slots", type=int, default=1)
     srv.add_argument("--ctx-per-slot", type=int, default=8192)
     srv.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    srv.add_argument("--speculative", default="none",
+                     help="llama.cpp's speculative type: none, ngram_simple, ngram_mod, ...")
     args = p.parse_args()
     if args.command == "install":
         sys.exit(install(args.peers.split(",")))
-    serve_llamacpp(args.gguf, args.port, args.slots, args.ctx_per_slot, args.threads)
+    serve_llamacpp(args.gguf, args.port, args.slots, args.ctx_per_slot, args.threads,
+                   args.speculative)
 
 
 if __name__ == "__main__":
