@@ -582,7 +582,7 @@ def ceiling_level(model: Any, tok: Any, messages: list[Messages], concurrency: i
                                 sampler=greedy_sampler, processors=[], stop_ids=stop_ids)
             streams[uid] = Stream(sent=time.perf_counter())
             live += 1
-        responses = runner.run(runner.whole_chunks()).responses
+        responses = runner.execute(runner.whole_chunks()).responses
         now = time.perf_counter()
         for resp in responses:
             s = streams[resp.uid]

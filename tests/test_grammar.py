@@ -670,7 +670,7 @@ def test_a_constrained_row_in_a_batch_follows_its_grammar_and_leaves_the_others_
     tokens: dict[int, list[int]] = {u: [] for u in uids}
     finish: dict[int, str] = {}
     while len(finish) < len(uids):
-        for r in runner.run(runner.whole_chunks()).responses:
+        for r in runner.execute(runner.whole_chunks()).responses:
             if r.finish_reason != "stop":
                 tokens[r.uid].append(r.token)
             if r.finish_reason is not None:

@@ -372,7 +372,7 @@ def test_a_hybrid_cache_after_drafts_holds_the_state_of_its_tokens(hybrid: Any) 
                       processors=[], stop_ids=frozenset())
     finished = []
     while runner.waiting or runner.prefilling or runner.decoding:
-        out = runner.run(runner.whole_chunks())
+        out = runner.execute(runner.whole_chunks())
         finished += [s for s in out.responses if s.finish_reason is not None]
     assert runner.accepted > 0 and runner.restored > 0 and len(finished) == 3
     for s in finished:
@@ -407,7 +407,7 @@ def test_a_hybrid_row_runs_what_it_carries_in_a_batch_too_large_for_drafts(hybri
                       processors=[], stop_ids=frozenset())
 
     def step() -> None:
-        for s in runner.run(runner.whole_chunks()).responses:
+        for s in runner.execute(runner.whole_chunks()).responses:
             got.setdefault(s.uid, []).append(s.token)
 
     add(prompt, 200)
@@ -497,6 +497,8 @@ async def test_a_stream_with_drafts_carries_every_token_once_and_the_report_coun
             assert sched["draft_accepted_tokens"] > 0 and sched["draft_mean_accepted"] > 0
             metrics = await (await client.get("/metrics")).text()
             assert "draft_accepted_tokens" in metrics
+            # A hybrid's restores, and a draft model's passes, are counted there too.
+            assert "draft_restores" in metrics and "draft_model_passes" in metrics
         else:
             assert sched["drafts"] == 0
         await system.__aexit__(None, None, None)

@@ -22,6 +22,7 @@ from mlx_lm.sample_utils import (
 
 from actors.engine.agent_output import OutputParser
 from actors.engine.config import DEFAULTS, EngineConfig
+from actors.engine.draft_model import DraftModel
 from actors.engine.grammar import GrammarProcessor, thinking_budget_processor
 from actors.engine.kv_blocks import (
     ARRAYS,
@@ -43,7 +44,7 @@ from actors.engine.output import StopStringFilter, delta, token_logprobs
 from actors.engine.prefix import block_hashes, chain_hash, namespace_root, usable_blocks
 from actors.engine.prefix_cache import PrefixCache
 from actors.engine.request import Request, make_request_sampler
-from actors.engine.runner import Runner, StepOutput
+from actors.engine.runner import ModelOutput, Runner
 from actors.engine.schedule import (
     Memory,
     Pending,
@@ -106,7 +107,7 @@ class Engine:
         fingerprint: str = "",
         memory: ModelMemory | None = None,
         vision: Any = None,
-        draft: Any = None,
+        draft: DraftModel | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -424,7 +425,7 @@ class Engine:
         if not self.requests:
             return events
         try:
-            out = self.runner.run(plan)
+            out = self.runner.execute(plan)
         except Exception as exc:  # the model step failed: no request in it can go on
             return events + self._step_failed(exc)
         self._measured(out, plan)
@@ -450,7 +451,7 @@ class Engine:
             self.mirror.reset(f"rank 0's step failed: {exc}")
         return self.reset(f"engine step failed: {exc}")
 
-    def update(self, out: StepOutput) -> list[Event]:
+    def update(self, out: ModelOutput) -> list[Event]:
         """The step's results as events: each sampled token appended to its request (text,
         stop strings, tool calls, finishing); the blocks its prefill completed are cut after
         the tokens are answered (``cut_pending``)."""
@@ -522,7 +523,7 @@ class Engine:
             decode_s=self._decode_s, token_s=self._token_s, memory=memory,
             decode_uids=runner.decode_uids, first_token_in_chunk=runner.first_token_in_chunk)
 
-    def _measured(self, out: StepOutput, plan: SchedulerOutput) -> None:
+    def _measured(self, out: ModelOutput, plan: SchedulerOutput) -> None:
         """Count the step and learn its timings."""
         self.steps += 1
         self.last_digest = _digest(out.responses)

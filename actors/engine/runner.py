@@ -83,7 +83,7 @@ class Sampled(NamedTuple):
     all_tokens: list[int] | None
 
 
-class StepOutput(NamedTuple):
+class ModelOutput(NamedTuple):
     """What one step did: the prefilling sequences' progress, the tokens sampled, the prompt
     tokens it ran through the model, how many sequences decoded, and its wall time in
     seconds."""
@@ -118,7 +118,7 @@ class Batch:
 
 class Runner:
     """The batch on the MLX thread: sequences join (``insert``), leave (``remove``), and
-    step (``run``) under a plan."""
+    step (``execute``) under a plan."""
 
     # With mixed steps, a prompt's first token is sampled from the chunk that runs its last
     # prompt token (False: that token waits for a decode step, one step later; for
@@ -281,14 +281,14 @@ class Runner:
 
     # -- the step --------------------------------------------------------------------------
 
-    def run(self, plan: SchedulerOutput) -> StepOutput:
+    def execute(self, plan: SchedulerOutput) -> ModelOutput:
         """One step under ``plan``: the waiting sequences it names in ``start`` start
         prefilling, and each sequence runs the tokens ``plan.tokens`` gives it."""
         decoding = len(self.batch.decode)
         began = time.perf_counter()
         with mx.stream(self.stream):
             prompt_responses, responses, prefilled = self._step(self.batch, plan)
-        return StepOutput(prompt_responses, responses, prefilled, decoding,
+        return ModelOutput(prompt_responses, responses, prefilled, decoding,
                           time.perf_counter() - began)
 
     def whole_chunks(self) -> SchedulerOutput:
