@@ -993,6 +993,8 @@ class Scheduler(Actor):
             # Hybrid models: rows whose recurrent state went back after a rejected draft.
             "draft_restores": stats["draft_restores"],
             "draft_model_passes": stats["draft_model_passes"],
+            # Tokens new rows took from an earlier row's draft cache (an agent's next turn).
+            "draft_model_reused_tokens": stats["draft_model_reused_tokens"],
             "draft_mean_accepted": round(stats["draft_accepted_tokens"] / stats["drafts"], 2)
             if stats["drafts"] else 0.0,
             "memory_limit_bytes": self.limits.limit if self.limits else 0,

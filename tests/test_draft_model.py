@@ -149,6 +149,34 @@ def test_a_long_prompt_is_caught_up_over_steps(main: Any, dirs: dict[str, Path])
     assert on["a"]["tokens"] == off["a"]["tokens"] and e.runner.accepted > 0
 
 
+def test_a_next_turn_starts_from_the_last_turns_draft_cache(main: Any,
+                                                             dirs: dict[str, Path]) -> None:
+    """A conversation's next turn (its prompt: the last one, its answer and more) starts
+    from a copy of the last turn's draft cache: the draft model runs only what is new, and
+    the answers are those without drafts. A row beside it that shares nothing starts empty."""
+    _, tok = main
+    first = tok.encode(TEXTS[0])
+    off1, _ = serve_all(main, {"a": (first, greedy(30, ignore_eos=True))})
+    second = first + off1["a"]["tokens"] + tok.encode(TEXTS[2])
+    other = tok.encode(TEXTS[1])
+    off2, _ = serve_all(main, {"b": (second, greedy(30, ignore_eos=True)),
+                               "c": (other, greedy(30, ignore_eos=True))})
+    draft = draft_of(dirs["main"], tok)
+    model, _ = main
+    e = Engine(model, tok, engine_config(draft_model="draft"), draft=draft)
+    e.add("a", first, greedy(30, ignore_eos=True))
+    assert run(e)["a"]["tokens"] == off1["a"]["tokens"]
+    assert draft.reused == 0
+    e.add("b", second, greedy(30, ignore_eos=True))
+    e.add("c", other, greedy(30, ignore_eos=True))
+    got = run(e)
+    assert got["b"]["tokens"] == off2["b"]["tokens"]
+    assert got["c"]["tokens"] == off2["c"]["tokens"]
+    # What the first turn's row had run: its prompt and its answer but the last token.
+    assert draft.reused >= len(first) + 25
+    assert draft.reused < len(first) + 30 + 5
+
+
 def test_a_prefix_hit_and_an_abort_beside_draft_model_rows(main: Any,
                                                            dirs: dict[str, Path]) -> None:
     """A prompt served from the prefix cache (the draft model runs it whole: its cache is its

@@ -805,6 +805,7 @@ class Engine:
             "draft_accepted_tokens": self.runner.accepted,
             "draft_restores": self.runner.restored,
             "draft_model_passes": self.runner.draft.passes if self.runner.draft else 0,
+            "draft_model_reused_tokens": self.runner.draft.reused if self.runner.draft else 0,
         }
 
     def warm_up(self) -> float:

@@ -5,7 +5,10 @@ nothing to draft; a small model of the same family (Qwen3-0.6B for Qwen3-32B, Ll
 Llama-3.3-70B) guesses the next tokens of most text well. Each decoding row that drafts has a
 ``ModelDrafter``: the draft model's own cache of that row's tokens, which follows the row
 whatever happens to it (a prefix-cache hit, a rejected draft, tokens a hybrid row carries) by
-keeping the longest prefix it shares with the row's tokens and running the rest.
+keeping the longest prefix it shares with the row's tokens and running the rest. A new row
+starts from a copy of the cache of the latest rows' (``DraftModel.KEEP``) that shares the
+longest prefix with it: an agent's next turn repeats the conversation so far, which the draft
+model then does not run again.
 
 A greedy row's draft is the draft model's greedy continuation, and the row keeps what its own
 argmax agrees with. A sampling row's draft is drawn from the draft model under the row's own
@@ -17,10 +20,12 @@ answers are what decoding without drafts gives (greedy) or are distributed as it
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
+from mlx.utils import tree_map
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from actors.engine.speculate import DraftLength
@@ -62,16 +67,45 @@ class DraftModel:
     draft cache takes in one step (its prompt, the first time), so that a long prompt's catch
     up spreads over steps as a prefill's chunks do; the row drafts once caught up."""
 
+    # The latest rows' drafters whose caches a new row may start from (their memory is held
+    # until newer rows push them out).
+    KEEP = 4
+
     def __init__(self, model: Any, *, vocab: int, catch_up: int) -> None:
         self.model = model
         self.vocab = vocab
         self.catch_up = max(1, catch_up)
         self.passes = 0  # the draft model's forward passes
+        self.reused = 0  # tokens new rows took from an earlier row's cache
+        self._recent: deque[ModelDrafter] = deque(maxlen=self.KEEP)
 
     def drafter(self, sampler: Any = None) -> ModelDrafter:
         """A row's drafter; ``sampler``: a sampling row's (``RowSampler``), whose draws the
         draft model's make (None: a greedy row, drafted greedily)."""
-        return ModelDrafter(self, sampler)
+        drafter = ModelDrafter(self, sampler)
+        self._recent.append(drafter)
+        return drafter
+
+    def start(self, drafter: ModelDrafter, context: list[int]) -> None:
+        """A new row's drafter takes a copy of the cache of the latest row's that shares the
+        longest prefix with ``context`` (the part past it is trimmed when the row drafts)."""
+        best, shared = None, 0
+        for other in self._recent:
+            if other is drafter or not other.fed:
+                continue
+            n = _shared(other.fed, context)
+            if n > shared:
+                best, shared = other, n
+        if best is None:
+            return
+        # Slices are new arrays: the other row's later writes into its buffers do not reach
+        # the copy.
+        drafter.cache = make_prompt_cache(self.model)
+        for mine, theirs in zip(drafter.cache, best.cache, strict=True):
+            mine.state = tree_map(lambda x: x[...] if isinstance(x, mx.array) else x,
+                                  theirs.state)
+        drafter.fed = list(best.fed)
+        self.reused += min(shared, len(context) - 1)
 
     def run(self, tokens: list[int], cache: list[Any]) -> mx.array:
         """``tokens`` through the draft model after what ``cache`` holds; the logits of the
@@ -105,6 +139,8 @@ class ModelDrafter(DraftLength):
         if most <= 0:
             return []
         context = [*self._tokens, *self._more, last]
+        if not self.fed:
+            self._draft.start(self, context)
         todo = self._follow(context)
         draft = self._draft
         if len(todo) > draft.catch_up:
@@ -138,11 +174,17 @@ class ModelDrafter(DraftLength):
         least the last token to run, whose logits the draft starts from); the tokens of
         ``context`` it does not hold."""
         fed = self.fed
-        limit = min(len(fed), len(context) - 1)
-        common = 0
-        while common < limit and fed[common] == context[common]:
-            common += 1
+        common = min(_shared(fed, context), len(context) - 1)
         if len(fed) > common:
             trim_prompt_cache(self.cache, len(fed) - common)
             del fed[common:]
         return context[common:]
+
+
+def _shared(a: Sequence[int], b: Sequence[int]) -> int:
+    """The length of the longest common prefix of ``a`` and ``b``."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
