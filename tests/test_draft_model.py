@@ -149,6 +149,28 @@ def test_a_long_prompt_is_caught_up_over_steps(main: Any, dirs: dict[str, Path])
     assert on["a"]["tokens"] == off["a"]["tokens"] and e.runner.accepted > 0
 
 
+def test_the_draft_model_keeps_pace_with_a_prefill(main: Any, dirs: dict[str, Path]) -> None:
+    """A prompt prefilled in chunks runs through the draft model chunk by chunk too: the row
+    drafts from its first decode step (not after catching up then), with the same answer."""
+    model, tok = main
+    prompt = tok.encode(TEXTS[0] + TEXTS[2])
+    assert len(prompt) > 4 * 16
+    off, _ = serve_all(main, {"a": (prompt, greedy(20, ignore_eos=True))},
+                       prefill_step_size=16)
+    draft = draft_of(dirs["main"], tok, catch_up=16)
+    e = Engine(model, tok, engine_config(draft_model="draft", prefill_step_size=16),
+               draft=draft)
+    e.add("a", prompt, greedy(20, ignore_eos=True))
+    got: list[int] = []
+    while not got:
+        got += [t for ev in e.step() if isinstance(ev, TokensGenerated) for t in ev.token_ids]
+    assert draft.passes >= len(prompt) // 16 and e.runner.drafts == 0
+    got += [t for ev in e.step() if isinstance(ev, TokensGenerated) for t in ev.token_ids]
+    assert e.runner.drafts == 1 and len(got) > 2
+    got += run(e)["a"]["tokens"]
+    assert got == off["a"]["tokens"]
+
+
 def test_a_next_turn_starts_from_the_last_turns_draft_cache(main: Any,
                                                              dirs: dict[str, Path]) -> None:
     """A conversation's next turn (its prompt: the last one, its answer and more) starts

@@ -105,7 +105,6 @@ class DraftModel:
             mine.state = tree_map(lambda x: x[...] if isinstance(x, mx.array) else x,
                                   theirs.state)
         drafter.fed = list(best.fed)
-        self.reused += min(shared, len(context) - 1)
 
     def run(self, tokens: list[int], cache: list[Any]) -> mx.array:
         """``tokens`` through the draft model after what ``cache`` holds; the logits of the
@@ -139,15 +138,10 @@ class ModelDrafter(DraftLength):
         if most <= 0:
             return []
         context = [*self._tokens, *self._more, last]
-        if not self.fed:
-            self._draft.start(self, context)
-        todo = self._follow(context)
-        draft = self._draft
-        if len(todo) > draft.catch_up:
-            draft.run(todo[:draft.catch_up], self.cache)
-            mx.eval([c.state for c in self.cache])
-            self.fed += todo[:draft.catch_up]
+        todo = self._catch_up(context)
+        if todo is None:
             return []
+        draft = self._draft
         logits = draft.run(todo, self.cache)
         self.fed += todo
         out: list[int] = []
@@ -169,12 +163,42 @@ class ModelDrafter(DraftLength):
         self.proposed = mx.stack(proposed) if proposed and out else None
         return out
 
-    def _follow(self, context: list[int]) -> list[int]:
-        """Trim the draft cache to the longest prefix it shares with ``context`` (keeping at
-        least the last token to run, whose logits the draft starts from); the tokens of
-        ``context`` it does not hold."""
+    def keep_pace(self) -> None:
+        """While the row prefills: run what the draft cache lacks of the row's tokens (at
+        most ``DraftModel.catch_up`` a step), so that the row drafts from its first decode
+        step."""
+        todo = self._catch_up([*self._tokens, *self._more], last=False)
+        if todo:
+            self._draft.run(todo, self.cache)
+            mx.eval([c.state for c in self.cache])
+            self.fed += todo
+
+    def _catch_up(self, context: list[int], last: bool = True) -> list[int] | None:
+        """Follow ``context`` (``_follow``; ``last``: keeping its last token to run, whose
+        logits a draft starts from); when more than ``catch_up`` tokens are left to run, run
+        that many and return None (not caught up), else return what is left."""
+        if not context:
+            return None
+        draft = self._draft
+        fresh = not self.fed
+        if fresh:
+            draft.start(self, context)
+        todo = self._follow(context, last)
+        if fresh:
+            draft.reused += len(self.fed)
+        if len(todo) <= draft.catch_up:
+            return todo
+        draft.run(todo[:draft.catch_up], self.cache)
+        mx.eval([c.state for c in self.cache])
+        self.fed += todo[:draft.catch_up]
+        return None
+
+    def _follow(self, context: list[int], last: bool = True) -> list[int]:
+        """Trim the draft cache to the longest prefix it shares with ``context`` (``last``:
+        keeping at least the last token to run, whose logits the draft starts from); the
+        tokens of ``context`` it does not hold."""
         fed = self.fed
-        common = min(_shared(fed, context), len(context) - 1)
+        common = min(_shared(fed, context), len(context) - last)
         if len(fed) > common:
             trim_prompt_cache(self.cache, len(fed) - common)
             del fed[common:]

@@ -333,6 +333,7 @@ class Runner:
         if not self.mixed:
             responses = self._decode(batch, None)[0] if len(dec) else []
             self._prefill(pre, prompts, plan.chunk)
+            self._draft_keeps_pace(batch)
             return progress, responses, prefilled
         ride = self._ride(pre, prompts, ends) if prompts else None
         responses: list[Sampled] = []
@@ -350,6 +351,7 @@ class Runner:
                     roll_right_padding(c, ride.padding)
         if ends:
             responses += self._first_tokens(batch, ends, ended)
+        self._draft_keeps_pace(batch)
         return progress, responses, prefilled
 
     def _admit(self, batch: Batch, start: list[int]) -> None:
@@ -569,15 +571,35 @@ class Runner:
                 drafts.append([])
                 continue
             if s.drafter is None:
-                # An image's tokens are no text the draft model reads: such a row drafts by
-                # lookup.
-                s.drafter = (self.draft.drafter(None if s.sampler is greedy_sampler
-                                                else s.sampler)
-                             if self.draft is not None and not s.images else Drafter())
+                s.drafter = self._drafter(s)
             s.drafter.sync(s.tokens, s.carried)
             # The last token it may still sample is never drafted: it is sampled.
             drafts.append(s.drafter.draft(s.next_input, s.max_tokens - s.generated - 1))
         return drafts if any(drafts) else None
+
+    def _draft_keeps_pace(self, batch: Batch) -> None:
+        """With a draft model, the prefilling rows that will draft (a batch small enough to
+        verify drafts in) run their new prompt tokens through it too, so that they draft from
+        their first decode step instead of catching up then."""
+        pre = batch.prefill
+        if (self.draft is None or not pre.seqs
+                or len(pre.seqs) + len(batch.decode) > SPECULATE_ROWS):
+            return
+        for s in pre.seqs:
+            if not _verifies(s) or s.images:
+                continue
+            if s.drafter is None:
+                s.drafter = self._drafter(s)
+            s.drafter.sync(s.tokens)
+            s.drafter.keep_pace()
+
+    def _drafter(self, s: Sequence) -> Any:
+        """A row's drafter: the draft model's (a sampling row's drawn under its sampler), or
+        prompt lookup (without a draft model, and for a row with images, whose tokens are no
+        text the draft model reads)."""
+        if self.draft is not None and not s.images:
+            return self.draft.drafter(None if s.sampler is greedy_sampler else s.sampler)
+        return Drafter()
 
     def _decode_drafts(self, batch: Batch, ride: _Chunk | None, drafts: list[list[int]]
                        ) -> tuple[list[Sampled], mx.array | None]:
