@@ -77,7 +77,7 @@ ARCHS = [
     Arch("mistral", 2, True, False, "a sliding window (as llama with layer_types)"),
     Arch("phi3", 2, True, False, "fused qkv and gate/up projections"),
     Arch("qwen3_moe", 2, True, True, "a mixture of experts"),
-    Arch("gpt_oss", 2, True, False, "attention sinks, sliding window, experts"),
+    Arch("gpt_oss", 2, True, True, "attention sinks, sliding window, experts"),
     Arch("lfm2", 4, True, False, "hybrid: convolution and attention layers"),
     Arch("qwen3_next", 4, True, False, "hybrid: gated delta-net and attention layers, experts"),
     Arch("qwen3_5", 4, True, False, "hybrid: gated delta-net and attention layers, dense"),

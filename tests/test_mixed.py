@@ -3,12 +3,15 @@ ragged decode caches."""
 
 from __future__ import annotations
 
+import json
+
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from engine_helpers import encode, engine_config, fix_budget, greedy, run
 from mlx_lm import load
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+from mlx_lm.models.rope_utils import YarnRoPE
 from reference import PROMPTS, reference_tokens
 from tiny_model import make_tiny_model
 
@@ -297,7 +300,7 @@ def test_prompts_finishing_at_different_steps_beside_decoders_match_mlx_lm(reque
     assert (early + got["d"])[: len(want)] == want
 
 
-# -- gemma3_text: sliding-window layers (RotatingKVCache) between global ones ----------------
+# -- sliding-window layers (RotatingKVCache) between global ones: gemma3_text, gpt_oss -------
 
 
 @pytest.fixture(scope="module")
@@ -309,23 +312,45 @@ def loaded_gemma3(tmp_path_factory: pytest.TempPathFactory):
     return load(str(model_dir))
 
 
-def test_gemma3_takes_the_one_pass_step(loaded_gemma3):
-    model, _ = loaded_gemma3
+@pytest.fixture(scope="module")
+def loaded_gpt_oss(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny gpt_oss: layers 0 and 2 attend over a window of 8 tokens, 1 and 3 over
+    everything; a random sink per head, biased experts, and YaRN rope scaled as the released
+    checkpoints' configs scale it (the architecture matrix runs its plain rope)."""
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("tiny-gpt-oss") / "m", arch="gpt_oss",
+                                layers=4, context=32 * 4096)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                              "beta_slow": 1.0, "original_max_position_embeddings": 4096,
+                              "truncate": False}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    model, tok = load(str(model_dir))
+    assert isinstance(model.model.layers[0].self_attn.rope, YarnRoPE)
+    return model, tok
+
+
+WINDOWED = ["loaded_gemma3", "loaded_gpt_oss"]
+
+
+@pytest.mark.parametrize("name", WINDOWED)
+def test_sliding_window_models_take_the_one_pass_step(request, name):
+    model, _ = request.getfixturevalue(name)
     assert supports_mixed(model)
     assert Runner(model, engine_config()).mixed
 
 
+@pytest.mark.parametrize("name", WINDOWED)
 @pytest.mark.parametrize(("decoding", "prior", "chunk", "steps"), [
     ([4, 25], 10, 12, 0),  # a row inside the window and one past it; the chunk crosses it
     ([4, 25], 0, 30, 16),  # both rows decoded past the window; a chunk longer than it
     ([30], 40, 1, 3),  # a one-token chunk, written in place, wrapping round a full window
 ])
-def test_a_gemma3_mixed_forward_computes_what_two_calls_do_across_the_window(
-        loaded_gemma3, decoding, prior, chunk, steps):
+def test_a_windowed_mixed_forward_computes_what_two_calls_do_across_the_window(
+        request, name, decoding, prior, chunk, steps):
     """Decode rows and a prefill chunk at positions on both sides of the sliding window: the
     logits, and every layer's cache (rotating ones as mlx-lm writes them: same order, same
-    padding), are those of the model's own two calls."""
-    model, tok = loaded_gemma3
+    padding), are those of the model's own two calls (gpt_oss's with its sinks and YaRN)."""
+    model, tok = request.getfixturevalue(name)
     window = model.args.sliding_window
     text = tok.encode(" ".join(PROMPTS) * 2)
     rows = [text[i * 7:i * 7 + n] for i, n in enumerate(decoding)]
@@ -357,15 +382,16 @@ def test_a_gemma3_mixed_forward_computes_what_two_calls_do_across_the_window(
         assert a.left_padding.tolist() == b.left_padding.tolist()
 
 
+@pytest.mark.parametrize("name", WINDOWED)
 @pytest.mark.parametrize("mixed", [True, False], ids=["mixed", "separate-calls"])
-def test_gemma3_takes_one_forward_pass_a_step_while_a_prompt_is_prefilled(
-        loaded_gemma3, monkeypatch, mixed):
+def test_a_windowed_model_takes_one_forward_pass_a_step_while_a_prompt_is_prefilled(
+        request, name, monkeypatch, mixed):
     """Two streams decode past the sliding window while a prompt of six windows is prefilled
     in chunks of 16 tokens (straddling the window's edges): a mixed step is one forward pass
     (mlx-lm's: two), every request gets mlx-lm's tokens alone, and the decode batch stays one
     group (mlx-lm's batch caches: in a RaggedKVCache, the rotating layers, whose sizes stop at
     the window, would group the rows unlike the global ones)."""
-    model, tok = loaded_gemma3
+    model, tok = request.getfixturevalue(name)
     window = model.args.sliding_window
     passes = count_passes(monkeypatch, model)
     engine = Engine(model, tok, engine_config(prefill_step_size=16, prefill_interleave=1.0,

@@ -23,7 +23,12 @@ and only attention, which needs each sequence's own cache and mask, runs per gro
   makes them, once per kind of layer (global, windowed) from the group's cache at the first
   layer of that kind, and the caches are written by their own ``update_and_fetch``, as in
   mlx-lm. The decode batch of such a model is one group (mlx-lm's batch caches, not
-  ``RaggedKVCache``: see ``actors/engine/batch.py``).
+  ``RaggedKVCache``: see ``actors/engine/batch.py``);
+- gpt_oss's: llama's layer with biased projections and a mixture of experts as the MLP, its
+  own names for the head counts and scale, a learned logit per head in each softmax
+  (attention sinks, passed to the attention as the model passes them), its rope (YaRN in the
+  released checkpoints) and sliding-window and global layers as its ``layer_types`` name
+  them, masked per kind as gemma3_text's.
 """
 
 from __future__ import annotations
@@ -40,11 +45,14 @@ from actors.engine.ragged_cache import RaggedKVCache
 # Model types whose decoder layer is exactly: x + attn(norm(x)), then h + mlp(norm(h)), or
 # (SANDWICH_MODEL_TYPES) gemma3's x + norm(attn(norm(x))), then h + norm(mlp(norm(h))).
 MIXED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "glm4_moe",
-                               "gemma3_text"})
+                               "gemma3_text", "gpt_oss"})
 # Those whose attention norms each head's queries and keys (q_norm, k_norm) before the rope.
 QK_NORM_MODEL_TYPES = frozenset({"qwen3", "qwen3_moe", "gemma3_text"})
 # Gemma 3's layer: four norms, embeddings scaled by sqrt(hidden size), sliding-window layers.
 SANDWICH_MODEL_TYPES = frozenset({"gemma3_text"})
+# gpt_oss's attention: sinks, its sizes named num_attention_heads, num_key_value_heads and
+# sm_scale, sliding-window layers named by ``layer_types``.
+SINK_MODEL_TYPES = frozenset({"gpt_oss"})
 
 
 def supports_mixed(model: Any) -> bool:
@@ -53,7 +61,14 @@ def supports_mixed(model: Any) -> bool:
     inner = getattr(model, "model", None)
     if args is None or inner is None or getattr(args, "model_type", None) not in MIXED_MODEL_TYPES:
         return False
-    if getattr(inner, "swa_idx", None) is not None or getattr(inner, "sliding_window", None):
+    sinks = args.model_type in SINK_MODEL_TYPES
+    if sinks:
+        kinds = getattr(inner, "layer_types", None)
+        if (kinds is None or len(kinds) != len(inner.layers)
+                or not set(kinds) <= {"sliding_attention", "full_attention"}
+                or not getattr(inner, "window_size", None)):
+            return False
+    elif getattr(inner, "swa_idx", None) is not None or getattr(inner, "sliding_window", None):
         return False
     if getattr(args, "sliding_window", None) and getattr(args, "model_type", "") == "mistral":
         return False
@@ -63,7 +78,9 @@ def supports_mixed(model: Any) -> bool:
     needed = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
     if sandwich:
         needed += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
-    attn = ("q_proj", "k_proj", "v_proj", "o_proj", "rope", "n_heads", "n_kv_heads", "scale")
+    attn = ("q_proj", "k_proj", "v_proj", "o_proj", "rope")
+    attn += (("num_attention_heads", "num_key_value_heads", "sm_scale", "sinks") if sinks
+             else ("n_heads", "n_kv_heads", "scale"))
     # glm4_moe norms them when its config says so.
     qk_norm = args.model_type in QK_NORM_MODEL_TYPES or bool(getattr(args, "use_qk_norm", False))
     return all(
@@ -78,6 +95,9 @@ def supports_mixed(model: Any) -> bool:
 def _windows(model: Any) -> list[int | None]:
     """Each layer's attention window as the model's own call masks it (None: global)."""
     inner = model.model
+    if model.args.model_type in SINK_MODEL_TYPES:
+        return [inner.window_size if kind == "sliding_attention" else None
+                for kind in inner.layer_types]
     if model.args.model_type not in SANDWICH_MODEL_TYPES:
         return [None] * len(inner.layers)
     # gemma3_text: every pattern-th layer global, the others local.
@@ -112,21 +132,31 @@ def _attend(attn: Any, q: mx.array, k: mx.array, v: mx.array, batch: int, length
     """The attention of one group, as the layer's own ``Attention.__call__`` computes it after
     its projections. q/k/v: [batch * length, features]; returns [batch * length, features].
     ``offset``: the group's positions before this step (default: the cache's own)."""
-    q = q.reshape(batch, length, attn.n_heads, -1)
-    k = k.reshape(batch, length, attn.n_kv_heads, -1)
+    heads, kv_heads, scale, sinks = head_sizes(attn)
+    q = q.reshape(batch, length, heads, -1)
+    k = k.reshape(batch, length, kv_heads, -1)
     if hasattr(attn, "q_norm"):  # qwen3: each head's queries and keys normed, as the layer does
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
-    v = v.reshape(batch, length, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    v = v.reshape(batch, length, kv_heads, -1).transpose(0, 2, 1, 3)
     offset = cache.offset if offset is None else offset
     q = attn.rope(q, offset=offset)
     k = attn.rope(k, offset=offset)
     k, v = cache.update_and_fetch(k, v)
-    if 1 < length <= FOLD_ROWS and _foldable(q, k, mask):
-        out = chunk_attention(q, k, v, scale=attn.scale, mask=mask)
+    if 1 < length <= FOLD_ROWS and sinks is None and _foldable(q, k, mask):
+        out = chunk_attention(q, k, v, scale=scale, mask=mask)
     else:
-        out = scaled_dot_product_attention(q, k, v, cache=cache, scale=attn.scale, mask=mask)
+        out = scaled_dot_product_attention(q, k, v, cache=cache, scale=scale, mask=mask,
+                                           sinks=sinks)
     return out.transpose(0, 2, 1, 3).reshape(batch * length, -1)
+
+
+def head_sizes(attn: Any) -> tuple[int, int, float, mx.array | None]:
+    """An attention layer's query heads, key/value heads, scale and sinks (None: none), under
+    its model's own names."""
+    if hasattr(attn, "sinks"):  # gpt_oss
+        return attn.num_attention_heads, attn.num_key_value_heads, attn.sm_scale, attn.sinks
+    return attn.n_heads, attn.n_kv_heads, attn.scale, None
 
 
 # A prefill chunk of at most this many tokens (riding in a decode step) attends with each KV
