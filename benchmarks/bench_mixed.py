@@ -81,7 +81,7 @@ def main() -> None:
         sys.exit(f"{model_dir}: not a model mixed steps take")
     rng = random.Random(0)
     # Token ids within the vocabulary (MLX does not check an embedding's index).
-    vocab = model.args.vocab_size
+    vocab = model.model.embed_tokens.weight.shape[0]
     lo, hi = min(1000, vocab // 2), min(20000, vocab)
     # Each layer's cache kind and shapes, from one token run through the model's own caches:
     # attention layers get random keys and values (a rotating cache for a sliding-window
