@@ -26,6 +26,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -55,10 +56,22 @@ def main() -> None:
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.models.base import create_attention_mask
-    from mlx_lm.models.cache import BatchKVCache
+    from mlx_lm.models.cache import (
+        ArraysCache,
+        BatchKVCache,
+        BatchRotatingKVCache,
+        KVCache,
+        RotatingKVCache,
+        make_prompt_cache,
+    )
 
     from actors.engine import cpu_kernels
-    from actors.engine.forward import chunk_attention, mixed_forward, supports_mixed
+    from actors.engine.forward import (
+        chunk_attention,
+        head_sizes,
+        mixed_forward,
+        supports_mixed,
+    )
     from actors.models.store import troupe_home
 
     cpu_kernels.enable(args.kernels, troupe_home())
@@ -68,24 +81,40 @@ def main() -> None:
         sys.exit(f"{model_dir}: not a model mixed steps take")
     rng = random.Random(0)
     # Token ids within the vocabulary (MLX does not check an embedding's index).
-    vocab = model.args.vocab_size
+    vocab = model.model.embed_tokens.weight.shape[0]
     lo, hi = min(1000, vocab // 2), min(20000, vocab)
-    attn0 = model.model.layers[0].self_attn
-    n_heads, n_kv = attn0.n_heads, attn0.n_kv_heads
-    head_dim = model.model.layers[0].self_attn.o_proj.weight.shape[1] // n_heads
+    # Each layer's cache kind and shapes, from one token run through the model's own caches:
+    # attention layers get random keys and values (a rotating cache for a sliding-window
+    # layer), recurrent ones (hybrid models) random state.
+    probe = make_prompt_cache(model)
+    model(mx.array([[lo]]), cache=probe)
+    attn0 = next(layer.self_attn for layer in model.model.layers if hasattr(layer, "self_attn"))
+    n_heads, n_kv, scale, sinks = head_sizes(attn0)
+    full = next(i for i, c in enumerate(probe) if type(c) is KVCache)  # a global layer
+    head_dim = probe[full].keys.shape[-1]
 
-    def kv(rows: int, length: int) -> list[tuple[mx.array, mx.array]]:
-        shape = (rows, n_kv, length, head_dim)
-        out = [(mx.random.normal(shape) * 0.5, mx.random.normal(shape)) for _ in
-               model.model.layers]
+    def kv(rows: int, length: int) -> list[Any]:
+        out = []
+        for c in probe:
+            if isinstance(c, ArraysCache):
+                out.append([mx.random.normal((rows, *a.shape[1:])) * 0.1 for a in c.cache])
+            else:
+                shape = (rows, c.keys.shape[1], length, c.keys.shape[-1])
+                out.append((mx.random.normal(shape) * 0.5, mx.random.normal(shape)))
         mx.eval(out)
         return out
 
-    def caches(src: list[tuple[mx.array, mx.array]], rows: int) -> list[BatchKVCache]:
+    def caches(src: list[Any], rows: int) -> list[Any]:
         out = []
-        for k, v in src:
-            c = BatchKVCache([0] * rows)
-            c.update_and_fetch(k, v)
+        for kind, state in zip(probe, src, strict=True):
+            if isinstance(kind, ArraysCache):
+                c = ArraysCache(len(state))
+                for j, a in enumerate(state):
+                    c[j] = a
+            else:
+                c = (BatchRotatingKVCache(kind.max_size, [0] * rows)
+                     if isinstance(kind, RotatingKVCache) else BatchKVCache([0] * rows))
+                c.update_and_fetch(*state)
             out.append(c)
         mx.eval([c.state for c in out])
         return out
@@ -124,16 +153,16 @@ def main() -> None:
                 one.append(timed(lambda: mx.eval(
                     mixed_forward(model, decode_in, dc, chunk_in, pc),  # noqa: B023
                     [c.state for c in pc])))  # noqa: B023
-                if chunk > 1:
-                    c = caches(prompt_kv[:1], 1)[0]
+                if chunk > 1 and sinks is None:  # (chunk_attention takes no sinks)
+                    c = caches(prompt_kv, 1)[full]
                     mask = create_attention_mask(mx.zeros((1, chunk, 1)), c)
                     q = mx.random.normal((1, n_heads, chunk, head_dim)) * 0.5
-                    k, v = c.update_and_fetch(*kv(1, chunk)[0])
+                    k, v = c.update_and_fetch(*kv(1, chunk)[full])
                     mx.eval(q, k, v, mask)
                     sdpa.append(timed(lambda: mx.eval(mx.fast.scaled_dot_product_attention(
-                        q, k, v, scale=attn0.scale, mask=mask))))  # noqa: B023
+                        q, k, v, scale=scale, mask=mask))))  # noqa: B023
                     stacked.append(timed(lambda: mx.eval(chunk_attention(
-                        q, k, v, scale=attn0.scale, mask=mask))))  # noqa: B023
+                        q, k, v, scale=scale, mask=mask))))  # noqa: B023
             med = statistics.median
             row = {"context": ctx, "chunk": chunk, "decode_ms": med(alone),
                    "two_calls_ms": med(two), "mixed_ms": med(one),

@@ -3,12 +3,15 @@ ragged decode caches."""
 
 from __future__ import annotations
 
+import json
+
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from engine_helpers import encode, engine_config, fix_budget, greedy, run
 from mlx_lm import load
-from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, make_prompt_cache
+from mlx_lm.models.rope_utils import YarnRoPE
 from reference import PROMPTS, reference_tokens
 from tiny_model import make_tiny_model
 
@@ -65,17 +68,75 @@ def loaded_qwen3(tmp_path_factory: pytest.TempPathFactory):
     return load(str(make_tiny_model(tmp_path_factory.mktemp("tiny-qwen3") / "m", arch="qwen3")))
 
 
-def test_qwen3_takes_the_one_pass_step(loaded_qwen3):
-    model, _ = loaded_qwen3
+@pytest.fixture(scope="module")
+def loaded_qwen3_5(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny qwen3_5 (hybrid: layers 0 and 2 gated delta-net, 1 and 3 gated attention)."""
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("qwen3_5") / "m", arch="qwen3_5",
+                                layers=4)
+    return load(str(model_dir))
+
+
+@pytest.fixture(scope="module")
+def loaded_qwen3_5_moe(tmp_path_factory: pytest.TempPathFactory):
+    """The same with routed and shared experts."""
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("qwen3_5_moe") / "m",
+                                arch="qwen3_5_moe", layers=4)
+    return load(str(model_dir))
+
+
+# The fixture of each architecture the step tests below run.
+LOADED = {"llama": "loaded", "qwen3": "loaded_qwen3", "qwen3_5": "loaded_qwen3_5",
+          "qwen3_5_moe": "loaded_qwen3_5_moe"}
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_qwen3_and_its_hybrids_take_the_one_pass_step(request, arch):
+    model, _ = request.getfixturevalue(LOADED[arch])
     assert supports_mixed(model)
     assert Runner(model, engine_config()).mixed
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize(("decoding", "prior", "chunk"), [
+    ([4, 25], 10, 12),  # rows of two lengths; a chunk after a prompt's first tokens
+    ([4, 25], 0, 30),  # a prompt's first chunk (no recurrent state yet)
+    ([30], 40, 1),  # a one-token chunk
+])
+def test_a_hybrid_mixed_forward_computes_what_two_calls_do(request, arch, decoding, prior,
+                                                           chunk):
+    """qwen3_5's recurrent layers (convolution and delta-rule state per group) and gated
+    attention layers: the decode rows' logits and every layer's cache, recurrent state
+    included, are those of the model's own two calls."""
+    model, tok = request.getfixturevalue(LOADED[arch])
+    text = tok.encode(" ".join(PROMPTS) * 2)
+    rows = [text[i * 7:i * 7 + n] for i, n in enumerate(decoding)]
+    prompt, piece = text[:prior], text[prior:prior + chunk]
+    nxt = mx.array([[t] for t in text[-len(decoding):]])
+
+    d_sep, p_sep = batch_cache(model, rows), batch_cache(model, [prompt])
+    want = model(nxt, cache=d_sep)
+    model(mx.array([piece]), cache=p_sep)
+    d_mix, p_mix = batch_cache(model, rows), batch_cache(model, [prompt])
+    got = mixed_forward(model, nxt, d_mix, mx.array([piece]), p_mix)
+    mx.eval(want, got)
+    assert mx.allclose(got, want, atol=1e-4).item()
+    assert mx.array_equal(got.argmax(-1), want.argmax(-1)).item()
+    kinds = set()
+    for a, b in zip(d_sep + p_sep, d_mix + p_mix, strict=True):
+        assert type(a) is type(b)
+        kinds.add(type(a))
+        ours = b.cache if isinstance(b, ArraysCache) else b.keys_and_values()
+        theirs = a.cache if isinstance(a, ArraysCache) else a.keys_and_values()
+        for x, y in zip(theirs, ours, strict=True):
+            assert x.shape == y.shape and mx.allclose(x, y, atol=1e-5).item()
+    assert kinds == {ArraysCache, BatchKVCache}
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_a_mixed_forward_computes_what_two_calls_do(request, arch):
     """The decode rows' logits and the prefill rows' cache are those of separate calls (to
     float rounding: a matrix product's rows may round differently with more rows)."""
-    model, tok = request.getfixturevalue("loaded" if arch == "llama" else "loaded_qwen3")
+    model, tok = request.getfixturevalue(LOADED[arch])
     decoding = [encode(tok, p) for p in PROMPTS[:3]]
     chunk = encode(tok, PROMPTS[5])[:12]
     prior = encode(tok, PROMPTS[4])
@@ -228,11 +289,12 @@ def test_a_long_prompt_joining_short_decoders_gets_its_own_group(loaded):
     assert got["long"] == reference_tokens(model, tok, long_prompt, 12)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
 @pytest.mark.parametrize("mixed", [True, False], ids=["mixed", "separate-calls"])
-def test_one_forward_pass_a_step_while_a_prompt_is_prefilled(loaded, monkeypatch, mixed):
+def test_one_forward_pass_a_step_while_a_prompt_is_prefilled(request, monkeypatch, arch, mixed):
     """While streams decode and a prompt is prefilled in chunks, a mixed step is one forward
     pass; mlx-lm's step is two (and a third as the prompt's last token joins)."""
-    model, tok = loaded
+    model, tok = request.getfixturevalue(LOADED[arch])
     passes = count_passes(monkeypatch, model)
     engine = Engine(model, tok, engine_config(prefill_step_size=16, prefill_interleave=1.0,
                                               mixed_step=mixed))
@@ -274,11 +336,11 @@ def test_a_request_aborted_before_its_first_token_leaves_the_batch_clean(loaded)
     assert got == full[len(full) - len(got):]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_5"])
 def test_prompts_finishing_at_different_steps_beside_decoders_match_mlx_lm(request, arch):
     """A short and a long prompt prefilled together while a stream decodes: the short one
     joins the decode batch first (split out of the prompt batch), the long one goes on."""
-    model, tok = request.getfixturevalue("loaded" if arch == "llama" else "loaded_qwen3")
+    model, tok = request.getfixturevalue(LOADED[arch])
     engine = Engine(model, tok, engine_config(prefill_step_size=64, prefill_interleave=1.0))
     fix_budget(engine, 16)
     engine.add("d", encode(tok, PROMPTS[0]), greedy(80, ignore_eos=True))
@@ -297,7 +359,7 @@ def test_prompts_finishing_at_different_steps_beside_decoders_match_mlx_lm(reque
     assert (early + got["d"])[: len(want)] == want
 
 
-# -- gemma3_text: sliding-window layers (RotatingKVCache) between global ones ----------------
+# -- sliding-window layers (RotatingKVCache) between global ones: gemma3_text, gpt_oss -------
 
 
 @pytest.fixture(scope="module")
@@ -309,23 +371,45 @@ def loaded_gemma3(tmp_path_factory: pytest.TempPathFactory):
     return load(str(model_dir))
 
 
-def test_gemma3_takes_the_one_pass_step(loaded_gemma3):
-    model, _ = loaded_gemma3
+@pytest.fixture(scope="module")
+def loaded_gpt_oss(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny gpt_oss: layers 0 and 2 attend over a window of 8 tokens, 1 and 3 over
+    everything; a random sink per head, biased experts, and YaRN rope scaled as the released
+    checkpoints' configs scale it (the architecture matrix runs its plain rope)."""
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("tiny-gpt-oss") / "m", arch="gpt_oss",
+                                layers=4, context=32 * 4096)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                              "beta_slow": 1.0, "original_max_position_embeddings": 4096,
+                              "truncate": False}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    model, tok = load(str(model_dir))
+    assert isinstance(model.model.layers[0].self_attn.rope, YarnRoPE)
+    return model, tok
+
+
+WINDOWED = ["loaded_gemma3", "loaded_gpt_oss"]
+
+
+@pytest.mark.parametrize("name", WINDOWED)
+def test_sliding_window_models_take_the_one_pass_step(request, name):
+    model, _ = request.getfixturevalue(name)
     assert supports_mixed(model)
     assert Runner(model, engine_config()).mixed
 
 
+@pytest.mark.parametrize("name", WINDOWED)
 @pytest.mark.parametrize(("decoding", "prior", "chunk", "steps"), [
     ([4, 25], 10, 12, 0),  # a row inside the window and one past it; the chunk crosses it
     ([4, 25], 0, 30, 16),  # both rows decoded past the window; a chunk longer than it
     ([30], 40, 1, 3),  # a one-token chunk, written in place, wrapping round a full window
 ])
-def test_a_gemma3_mixed_forward_computes_what_two_calls_do_across_the_window(
-        loaded_gemma3, decoding, prior, chunk, steps):
+def test_a_windowed_mixed_forward_computes_what_two_calls_do_across_the_window(
+        request, name, decoding, prior, chunk, steps):
     """Decode rows and a prefill chunk at positions on both sides of the sliding window: the
     logits, and every layer's cache (rotating ones as mlx-lm writes them: same order, same
-    padding), are those of the model's own two calls."""
-    model, tok = loaded_gemma3
+    padding), are those of the model's own two calls (gpt_oss's with its sinks and YaRN)."""
+    model, tok = request.getfixturevalue(name)
     window = model.args.sliding_window
     text = tok.encode(" ".join(PROMPTS) * 2)
     rows = [text[i * 7:i * 7 + n] for i, n in enumerate(decoding)]
@@ -357,15 +441,16 @@ def test_a_gemma3_mixed_forward_computes_what_two_calls_do_across_the_window(
         assert a.left_padding.tolist() == b.left_padding.tolist()
 
 
+@pytest.mark.parametrize("name", WINDOWED)
 @pytest.mark.parametrize("mixed", [True, False], ids=["mixed", "separate-calls"])
-def test_gemma3_takes_one_forward_pass_a_step_while_a_prompt_is_prefilled(
-        loaded_gemma3, monkeypatch, mixed):
+def test_a_windowed_model_takes_one_forward_pass_a_step_while_a_prompt_is_prefilled(
+        request, name, monkeypatch, mixed):
     """Two streams decode past the sliding window while a prompt of six windows is prefilled
     in chunks of 16 tokens (straddling the window's edges): a mixed step is one forward pass
     (mlx-lm's: two), every request gets mlx-lm's tokens alone, and the decode batch stays one
     group (mlx-lm's batch caches: in a RaggedKVCache, the rotating layers, whose sizes stop at
     the window, would group the rows unlike the global ones)."""
-    model, tok = loaded_gemma3
+    model, tok = request.getfixturevalue(name)
     window = model.args.sliding_window
     passes = count_passes(monkeypatch, model)
     engine = Engine(model, tok, engine_config(prefill_step_size=16, prefill_interleave=1.0,

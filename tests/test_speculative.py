@@ -436,8 +436,10 @@ def test_a_hybrid_prefix_hit_after_a_drafted_run_answers_the_same(hybrid: Any) -
     from actors.engine.prefix import usable_blocks
 
     model, tok = hybrid
+    # Two calls a step: b's first token waits for a decode step, where b drafts from its
+    # prompt (on the one-pass step it comes from its last chunk, and a drafts only later).
     e = Engine(model, tok, engine_config(speculative="ngram", block_size=16,
-                                         prefill_step_size=16))
+                                         prefill_step_size=16, mixed_step=False))
     long = tok.encode(TEXTS[0] + TEXTS[2] * 2)
     e.add("a", tok.encode(HYBRID_TEXTS[1]), greedy(200, ignore_eos=True))
     got: dict[str, list[int]] = {"a": [], "b": []}
