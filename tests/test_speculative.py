@@ -427,25 +427,32 @@ def test_a_hybrid_row_runs_what_it_carries_in_a_batch_too_large_for_drafts(hybri
         assert got[uid][: len(want)] == want
 
 
-def test_a_hybrid_prefix_hit_after_a_drafted_run_answers_the_same(hybrid: Any) -> None:
+@pytest.mark.parametrize("mixed", [True, False], ids=["one-pass", "two-calls"])
+def test_a_hybrid_prefix_hit_after_a_drafted_run_answers_the_same(
+        hybrid: Any, monkeypatch: pytest.MonkeyPatch, mixed: bool) -> None:
     """Hybrid models keep recurrent state only at block ends, cut from a prompt's prefill: a
-    prompt prefilled in chunks while another row drafts leaves blocks that answer a repeat of
-    it as the first run did."""
+    prompt prefilled in chunks while another row drafts (drafts kept and rejected, its
+    recurrent state restored) leaves blocks that answer a repeat of it as the first run
+    did."""
     from engine_helpers import ram_hit
 
+    from actors.engine import runner
     from actors.engine.prefix import usable_blocks
 
     model, tok = hybrid
-    # Two calls a step: b's first token waits for a decode step, where b drafts from its
-    # prompt (on the one-pass step it comes from its last chunk, and a drafts only later).
+    a = tok.encode(HYBRID_TEXTS[1])
+    off, _ = serve_all(hybrid, "off", {"a": (a, greedy(200, ignore_eos=True))})
+    # Row a drafts its own answer (a wrong last token each time) in runs of five steps.
+    monkeypatch.setattr(runner, "Drafter", foreseeing({"a": a}, {"a": off["a"]["tokens"]},
+                                                      wrong=True))
     e = Engine(model, tok, engine_config(speculative="ngram", block_size=16,
-                                         prefill_step_size=16, mixed_step=False))
+                                         prefill_step_size=16, mixed_step=mixed))
     long = tok.encode(TEXTS[0] + TEXTS[2] * 2)
-    e.add("a", tok.encode(HYBRID_TEXTS[1]), greedy(200, ignore_eos=True))
+    e.add("a", a, greedy(200, ignore_eos=True))
     got: dict[str, list[int]] = {"a": [], "b": []}
     steps, drafted = 0, 0
     while e.has_work:
-        if steps == 60:
+        if steps == 20:
             drafted = e.runner.drafts
             e.add("b", long, greedy(40, ignore_eos=True))
         for ev in e.step():
@@ -454,6 +461,7 @@ def test_a_hybrid_prefix_hit_after_a_drafted_run_answers_the_same(hybrid: Any) -
                     assert e.runner.drafts > drafted, "the row drafted while b prefilled"
                 got[ev.request_id] += ev.token_ids
         steps += 1
+    assert got["a"] == off["a"]["tokens"] and e.runner.restored > 0
     hit = ram_hit(e, long)
     assert len(hit) == usable_blocks(len(long), 16) >= 3
     e.add("c", long, greedy(40, ignore_eos=True), cached=hit)
