@@ -74,7 +74,7 @@ ARCHS = [
     Arch("qwen2", 2, True, True, "q/k/v biases"),
     Arch("qwen3", 2, True, True, "q/k norms"),
     Arch("gemma3_text", 4, True, True, "sliding-window and global layers, four norms a layer"),
-    Arch("mistral", 2, True, False, "a sliding window (as llama with layer_types)"),
+    Arch("mistral", 2, True, True, "a sliding window (as llama with layer_types)"),
     Arch("phi3", 2, True, False, "fused qkv and gate/up projections"),
     Arch("qwen3_moe", 2, True, True, "a mixture of experts"),
     Arch("gpt_oss", 2, True, True, "attention sinks, sliding window, experts"),

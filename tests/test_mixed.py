@@ -359,7 +359,7 @@ def test_prompts_finishing_at_different_steps_beside_decoders_match_mlx_lm(reque
     assert (early + got["d"])[: len(want)] == want
 
 
-# -- sliding-window layers (RotatingKVCache) between global ones: gemma3_text, gpt_oss -------
+# -- sliding-window layers (RotatingKVCache) between global ones: gemma3_text, gpt_oss, mistral
 
 
 @pytest.fixture(scope="module")
@@ -388,7 +388,18 @@ def loaded_gpt_oss(tmp_path_factory: pytest.TempPathFactory):
     return model, tok
 
 
-WINDOWED = ["loaded_gemma3", "loaded_gpt_oss"]
+@pytest.fixture(scope="module")
+def loaded_mistral(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny mistral (mlx-lm's llama): layers 0 and 2 attend over a window of 8 tokens, 1 and
+    3 over everything, as its config's ``layer_types`` name them."""
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("tiny-mistral") / "m", arch="mistral",
+                                layers=4)
+    model, tok = load(str(model_dir))
+    assert [layer.use_sliding for layer in model.model.layers] == [True, False, True, False]
+    return model, tok
+
+
+WINDOWED = ["loaded_gemma3", "loaded_gpt_oss", "loaded_mistral"]
 
 
 @pytest.mark.parametrize("name", WINDOWED)

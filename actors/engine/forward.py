@@ -10,9 +10,10 @@ and only attention, which needs each sequence's own cache and mask, runs per gro
 
 ``supports_mixed`` says which models it takes (anything else keeps mlx-lm's two calls):
 
-- decoder layers of the llama shape (llama, mistral without a sliding window, qwen2: one
-  ``self_attn`` with q/k/v/o projections and a rope, one ``mlp``, two RMS norms, plain KV
-  caches), and qwen3's, which is that shape with a norm of each head's queries and keys
+- decoder layers of the llama shape (llama, mistral, qwen2: one ``self_attn`` with q/k/v/o
+  projections and a rope, one ``mlp``, two RMS norms, plain KV caches; a mistral's layers
+  that its ``layer_types`` name sliding attend over its window, masked per kind as
+  gemma3_text's below), and qwen3's, which is that shape with a norm of each head's queries and keys
   before the rope; qwen3_moe's and glm4_moe's are those shapes with a mixture of experts as
   the MLP (the token-wise MoE takes the rows like any MLP; glm4_moe ropes part of each head
   and norms queries and keys when its config says so);
@@ -67,6 +68,9 @@ SANDWICH_MODEL_TYPES = frozenset({"gemma3_text"})
 SINK_MODEL_TYPES = frozenset({"gpt_oss"})
 # Qwen3.5's hybrid layers: recurrent (gated delta-net) ones and gated attention ones.
 HYBRID_MODEL_TYPES = frozenset({"qwen3_5", "qwen3_5_moe"})
+# Those whose layers each say whether they attend over the model's sliding window
+# (``use_sliding``, from the config's ``layer_types``): mistral with a window.
+LAYER_WINDOW_MODEL_TYPES = frozenset({"llama", "mistral"})
 # The kind of layer (beside an attention window, or None: global) of a recurrent layer.
 RECURRENT = "recurrent"
 
@@ -86,9 +90,15 @@ def supports_mixed(model: Any) -> bool:
                 or not set(kinds) <= {"sliding_attention", "full_attention"}
                 or not getattr(inner, "window_size", None)):
             return False
+    elif args.model_type in LAYER_WINDOW_MODEL_TYPES:
+        # Each layer global or windowed by its own ``use_sliding`` (mlx-lm's llama, which
+        # runs mistral too), masked per kind as the model's own call masks them.
+        if not all(hasattr(layer, "use_sliding") for layer in inner.layers):
+            return False
+        if (any(layer.use_sliding for layer in inner.layers)
+                and not getattr(inner, "sliding_window", None)):
+            return False
     elif getattr(inner, "swa_idx", None) is not None or getattr(inner, "sliding_window", None):
-        return False
-    if getattr(args, "sliding_window", None) and getattr(args, "model_type", "") == "mistral":
         return False
     sandwich = args.model_type in SANDWICH_MODEL_TYPES
     if sandwich and not all(hasattr(inner, n) for n in ("window_size", "sliding_window_pattern")):
@@ -145,6 +155,8 @@ def _windows(model: Any) -> list[int | str | None]:
     if model.args.model_type in SINK_MODEL_TYPES:
         return [inner.window_size if kind == "sliding_attention" else None
                 for kind in inner.layer_types]
+    if model.args.model_type in LAYER_WINDOW_MODEL_TYPES:
+        return [inner.sliding_window if layer.use_sliding else None for layer in inner.layers]
     if model.args.model_type not in SANDWICH_MODEL_TYPES:
         return [None] * len(inner.layers)
     # gemma3_text: every pattern-th layer global, the others local.
