@@ -823,15 +823,17 @@ class Scheduler(Actor):
             pass  # busy (the step that leaves it idle reminds it again), or stopping
 
     def _release_if_idle(self) -> None:
-        """Give back what an idle engine does not use: MLX's buffer cache and the C heap's free
-        pages. The model, the prefix cache's blocks and its hot caches stay: they are within
-        their own budgets. Not while requests run, nor before IDLE_RELEASE_S of quiet."""
+        """Give back what an idle engine does not use: the draft model's caches of finished
+        rows, MLX's buffer cache and the C heap's free pages. The model, the prefix cache's
+        blocks and its hot caches stay: they are within their own budgets. Not while requests
+        run, nor before IDLE_RELEASE_S of quiet."""
         if self._in_flight() or self._unsaved:
             return  # the step that leaves it idle again arms a new reminder
         quiet = time.monotonic() - self._last_active
         if quiet < IDLE_RELEASE_S:
             self._arm_release(IDLE_RELEASE_S - quiet)
             return
+        self.engine.release_idle()
         mx.clear_cache()
         trim_heap()
         self.memory_releases += 1

@@ -197,6 +197,12 @@ def test_a_next_turn_starts_from_the_last_turns_draft_cache(main: Any,
     # What the first turn's row had run: its prompt and its answer but the last token.
     assert draft.reused >= len(first) + 25
     assert draft.reused < len(first) + 30 + 5
+    # An idle engine lets the finished rows' caches go: a third turn starts afresh.
+    e.release_idle()
+    before = draft.reused
+    e.add("d", second, greedy(5, ignore_eos=True))
+    run(e)
+    assert draft.reused == before
 
 
 def test_a_prefix_hit_and_an_abort_beside_draft_model_rows(main: Any,

@@ -404,6 +404,12 @@ class Engine:
         """Requests not yet in a batch."""
         return self.runner.waiting
 
+    def release_idle(self) -> None:
+        """What an idle engine gives back beside MLX's buffer cache: the draft model's
+        caches of finished rows (kept for a conversation's next turn)."""
+        if self.runner.draft is not None:
+            self.runner.draft.forget()
+
     # -- the step ------------------------------------------------------------------------
 
     def step(self, limit: int | None = None, floor: int = 0,

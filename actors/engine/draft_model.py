@@ -67,8 +67,8 @@ class DraftModel:
     draft cache takes in one step (its prompt, the first time), so that a long prompt's catch
     up spreads over steps as a prefill's chunks do; the row drafts once caught up."""
 
-    # The latest rows' drafters whose caches a new row may start from (their memory is held
-    # until newer rows push them out).
+    # The latest rows' drafters whose caches a new row may start from: a finished row's
+    # cache is held until newer rows push it out or the engine idles (``forget``).
     KEEP = 4
 
     def __init__(self, model: Any, *, vocab: int, catch_up: int) -> None:
@@ -85,6 +85,11 @@ class DraftModel:
         drafter = ModelDrafter(self, sampler)
         self._recent.append(drafter)
         return drafter
+
+    def forget(self) -> None:
+        """Let go of the finished rows' caches (an idle engine gives its memory back); the
+        rows still decoding hold their own."""
+        self._recent.clear()
 
     def start(self, drafter: ModelDrafter, context: list[int]) -> None:
         """A new row's drafter takes a copy of the cache of the latest row's that shares the
