@@ -376,9 +376,11 @@ async def wait_healthy(base: str, proc: subprocess.Popen, deadline_s: float = 60
 def server_command(name: str, model_dir: str, port: int, cache_dir: str,
                    args: argparse.Namespace) -> list[str]:
     if name in (TROUPE, BASELINE):
+        extra = (args.baseline_args if name == BASELINE and args.baseline_args is not None
+                 else args.troupe_args)
         return [sys.executable, "-m", "api.cli", "serve", "--model", model_dir, "--port",
                 str(port), "--cache-dir", cache_dir, "--log-level", "warning",
-                *shlex.split(args.troupe_args)]
+                *shlex.split(extra)]
     return [sys.executable, "-m", "mlx_lm", "server", "--model", model_dir, "--port",
             str(port), "--log-level", "WARNING", *shlex.split(args.peer_args)]
 
@@ -813,6 +815,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "add DIR REV), in the same run: before and after, side by side")
     p.add_argument("--troupe-args", default="",
                    help="extra `troupe serve` flags, with '=': --troupe-args='--block-size 0'")
+    p.add_argument("--baseline-args", default=None,
+                   help="the baseline's `troupe serve` flags instead of --troupe-args, with "
+                        "'=': with --baseline at the same commit, a setting against another "
+                        "(--baseline-args='--speculative off')")
     p.add_argument("--peer-args", default="",
                    help="extra mlx_lm.server flags, with '=': --peer-args='--temp 0'")
     p.add_argument("--profile", action="store_true",
