@@ -40,6 +40,19 @@ def run(engine: Engine, max_steps: int = 1000) -> dict[str, dict]:
     return results
 
 
+def run_aborting(engine: Engine, victim: str, after: int) -> dict[str, list[int]]:
+    """Step until every request finished, aborting ``victim`` once it has ``after`` tokens;
+    each request's tokens (its requests' ids must be in ``engine.requests`` when called)."""
+    got: dict[str, list[int]] = {rid: [] for rid in engine.requests}
+    while engine.has_work:
+        if len(got[victim]) >= after and victim in engine.requests:
+            engine.abort(victim)
+        for ev in engine.step():
+            if isinstance(ev, TokensGenerated):
+                got[ev.request_id] += ev.token_ids
+    return got
+
+
 def fix_budget(engine: Engine, tokens: int) -> None:
     """Fixed step timings (a prompt token 10 ms, a decode step ``tokens`` of them, never
     re-measured), so that with ``prefill_interleave=1.0`` a step's prefill budget is

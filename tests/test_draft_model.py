@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_helpers import engine_config, greedy, ram_hit, run
+from engine_helpers import engine_config, greedy, ram_hit, run, run_aborting
 from mlx_lm import load
 from reference import reference_tokens
 from tiny_model import make_tiny_model, write_tokenizer
@@ -217,13 +217,7 @@ def test_a_prefix_hit_and_an_abort_beside_draft_model_rows(main: Any,
                draft=draft_of(dirs["other"], tok))
     for rid, (prompt, sampling) in requests.items():
         e.add(rid, prompt, sampling)
-    got: dict[str, list[int]] = {rid: [] for rid in requests}
-    while e.has_work:
-        if len(got["r1"]) >= 20 and "r1" in e.requests:
-            e.abort("r1")
-        for ev in e.step():
-            if isinstance(ev, TokensGenerated):
-                got[ev.request_id] += ev.token_ids
+    got = run_aborting(e, "r1", 20)
     for rid in ("r0", "r2", "r3"):
         assert got[rid] == off[rid]["tokens"]
     assert got["r1"] == off["r1"]["tokens"][:len(got["r1"])]

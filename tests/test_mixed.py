@@ -4,6 +4,7 @@ ragged decode caches."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -96,6 +97,20 @@ def test_qwen3_and_its_hybrids_take_the_one_pass_step(request, arch):
     assert Runner(model, engine_config()).mixed
 
 
+def two_calls_and_one_pass(model: Any, caches: Any, nxt: mx.array, piece: list[int]) -> Any:
+    """The decode rows' logits from the model's own two calls (the decode step, then the
+    chunk ``piece``) and from one ``mixed_forward``, each on fresh caches from ``caches()``
+    (the decode rows', the prompt's): (the two calls' logits, the one pass's, the two calls'
+    caches, the one pass's caches)."""
+    d_sep, p_sep = caches()
+    want = model(nxt, cache=d_sep)
+    model(mx.array([piece]), cache=p_sep)
+    d_mix, p_mix = caches()
+    got = mixed_forward(model, nxt, d_mix, mx.array([piece]), p_mix)
+    mx.eval(want, got)
+    return want, got, (d_sep, p_sep), (d_mix, p_mix)
+
+
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
 @pytest.mark.parametrize(("decoding", "prior", "chunk"), [
     ([4, 25], 10, 12),  # rows of two lengths; a chunk after a prompt's first tokens
@@ -113,12 +128,8 @@ def test_a_hybrid_mixed_forward_computes_what_two_calls_do(request, arch, decodi
     prompt, piece = text[:prior], text[prior:prior + chunk]
     nxt = mx.array([[t] for t in text[-len(decoding):]])
 
-    d_sep, p_sep = batch_cache(model, rows), batch_cache(model, [prompt])
-    want = model(nxt, cache=d_sep)
-    model(mx.array([piece]), cache=p_sep)
-    d_mix, p_mix = batch_cache(model, rows), batch_cache(model, [prompt])
-    got = mixed_forward(model, nxt, d_mix, mx.array([piece]), p_mix)
-    mx.eval(want, got)
+    want, got, (d_sep, p_sep), (d_mix, p_mix) = two_calls_and_one_pass(
+        model, lambda: (batch_cache(model, rows), batch_cache(model, [prompt])), nxt, piece)
     assert mx.allclose(got, want, atol=1e-4).item()
     assert mx.array_equal(got.argmax(-1), want.argmax(-1)).item()
     kinds = set()
@@ -142,12 +153,8 @@ def test_a_mixed_forward_computes_what_two_calls_do(request, arch):
     prior = encode(tok, PROMPTS[4])
     nxt = mx.array([[7], [9], [11]])
 
-    d_sep, p_sep = batch_cache(model, decoding), batch_cache(model, [prior])
-    want = model(nxt, cache=d_sep)
-    model(mx.array([chunk]), cache=p_sep)
-    d_mix, p_mix = batch_cache(model, decoding), batch_cache(model, [prior])
-    got = mixed_forward(model, nxt, d_mix, mx.array([chunk]), p_mix)
-    mx.eval(want, got)
+    want, got, (_, p_sep), (_, p_mix) = two_calls_and_one_pass(
+        model, lambda: (batch_cache(model, decoding), batch_cache(model, [prior])), nxt, chunk)
     assert got.shape == want.shape
     assert mx.allclose(got, want, atol=1e-4).item()
     assert mx.array_equal(got.argmax(-1), want.argmax(-1)).item()
@@ -433,12 +440,8 @@ def test_a_windowed_mixed_forward_computes_what_two_calls_do_across_the_window(
             model(mx.array([[text[s]]] * len(rows)), cache=d)
         return d, p
 
-    d_sep, p_sep = caches()
-    want = model(nxt, cache=d_sep)
-    model(mx.array([piece]), cache=p_sep)
-    d_mix, p_mix = caches()
-    got = mixed_forward(model, nxt, d_mix, mx.array([piece]), p_mix)
-    mx.eval(want, got)
+    want, got, (d_sep, p_sep), (d_mix, p_mix) = two_calls_and_one_pass(model, caches, nxt,
+                                                                       piece)
     assert max(decoding) + steps > window or prior + chunk > window
     assert mx.allclose(got, want, atol=1e-4).item()
     assert mx.array_equal(got.argmax(-1), want.argmax(-1)).item()

@@ -13,7 +13,7 @@ from typing import Any
 
 import http_stack
 import pytest
-from engine_helpers import engine_config, greedy, ram_hit, run
+from engine_helpers import engine_config, greedy, ram_hit, run, run_aborting
 from mlx_lm import load
 from reference import reference_tokens
 from tiny_model import make_tiny_model
@@ -186,13 +186,7 @@ def test_an_abort_between_drafting_steps_leaves_the_others_answers(tiny: Any) ->
     e = Engine(model, tok, engine_config(speculative="ngram"))
     for rid, (prompt, sampling) in requests.items():
         e.add(rid, prompt, sampling)
-    got: dict[str, list[int]] = {rid: [] for rid in requests}
-    while e.has_work:
-        if len(got["r1"]) >= 40 and "r1" in e.requests:
-            e.abort("r1")
-        for ev in e.step():
-            if isinstance(ev, TokensGenerated):
-                got[ev.request_id] += ev.token_ids
+    got = run_aborting(e, "r1", 40)
     for rid in ("r0", "r2", "r3"):
         assert got[rid] == off[rid]["tokens"]
     assert got["r1"] == off["r1"]["tokens"][: len(got["r1"])]
