@@ -63,13 +63,12 @@ from actors.engine.embed import (
     answer_token,
     model_task,
     read_embed_spec,
-    step_tokens,
 )
 from actors.engine.encoder import EncoderEmbedder, encoder_positions, is_encoder, load_encoder
 from actors.engine.kv_blocks import KVBlock, from_numpy, to_numpy
 from actors.engine.memory_estimate import OK, model_memory
 from actors.engine.prefix import model_fingerprint
-from actors.engine.schedule import MIN_PREFILL_CHUNK
+from actors.engine.schedule import embed_budget
 from actors.engine.vision import VisionTower, why_no_images
 from actors.memory_messages import (
     DescribeLoad,
@@ -301,14 +300,14 @@ class Scheduler(Actor):
             raise ValueError("embedding and reranker models are served by one process, "
                              "not sharded with --distributed")
         if encoder:
-            self.embedder = EncoderEmbedder(model, tokenizer, config)
+            self.embedder = EncoderEmbedder(model, tokenizer, config, memory=memory)
         elif self.card.task != "generate":
             yes_no = ((answer_token(tokenizer, "yes"), answer_token(tokenizer, "no"))
                       if self.card.task == "rerank" else (0, 0))
             self.embedder = Embedder(model, read_embed_spec(resolved.path),
                                      yes_id=yes_no[0], no_id=yes_no[1],
                                      max_shared=self.config.prefill_step_size,
-                                     engine=self.engine)
+                                     engine=self.engine, memory=memory)
         if self.config.distributed:
             self._lead(fingerprint)
         # The run-time compiled kernels are built now, not in the first request's time.
@@ -452,7 +451,9 @@ class Scheduler(Actor):
             reply = self._embed_answers.pop(msg.request_id, None)
             if reply is None:
                 return
-            if error is not None:
+            if isinstance(error, AdmissionError):  # the memory gate's
+                reply.fail(error)
+            elif error is not None:
                 reply.fail(AdmissionError("internal", f"the embedding step failed: {error}"))
             else:
                 reply.send(Embedded(results=results))
@@ -761,16 +762,19 @@ class Scheduler(Actor):
             self._arm_release(IDLE_RELEASE_S)
 
     def _embed_step(self) -> None:
-        """One step of embedding work: at most a prefill chunk's tokens (padding included),
-        the most admission's memory estimate counts a step to take, and about
-        ``step_budget_ms`` of work (``step_tokens``)."""
+        """One step of embedding work, of the tokens ``schedule.embed_budget`` gives it (a
+        chat prefill chunk's, within ``step_budget_ms``), if it fits in memory (the per-step
+        gate: else the jobs in it fail)."""
         embedder = self.embedder
         for rid in [rid for rid, a in self._embed_answers.items() if a.consumer_gone]:
             embedder.abort(rid)
             self._embed_answers.pop(rid).close()
         if not embedder.has_work:
             return
-        embedder.step(step_tokens(self.config, embedder.token_s, MIN_PREFILL_CHUNK))
+        limits = self.limits
+        embedder.step(embed_budget(self.config, embedder.token_s),
+                      limit=limits.limit if limits and limits.guard else None,
+                      floor=limits.floor if limits else 0)
         self._last_active = time.monotonic()
 
     def _tell_ranks_memory(self) -> None:

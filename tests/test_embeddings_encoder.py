@@ -33,6 +33,7 @@ from actors.engine.encoder import (
     pair_tokens,
     read_config,
 )
+from actors.engine.memory_estimate import embed_step_need, model_memory
 from actors.scheduler import context_length
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -123,6 +124,26 @@ def test_an_aborted_encoder_job_leaves_the_queue_unanswered(dirs: dict[str, Path
     while embedder.has_work:
         embedder.step(512)
     assert len(answers) == 1 and answers[0] != "gone" and embedder.inputs_done == 1
+
+
+def test_the_memory_gate_fails_an_encoder_step_counting_its_whole_attention(
+    dirs: dict[str, Path]
+) -> None:
+    model, tok, config = load_encoder(dirs["bert-mean"], "embed")
+    memory = model_memory(config)
+    long, short = tok.encode(" ".join(TEXTS * 3)), tok.encode("a")
+    embedder, got = EncoderEmbedder(model, tok, config, memory=memory), {}
+    embedder.add(EmbedJob("long", "embed", [long], lambda r, e: got.update(long=e)))
+    embedder.add(EmbedJob("short", "embed", [short], lambda r, e: got.update(short=r)))
+    mx.clear_cache()
+    # Room for the short input's step, not for the long one's attention over all of it.
+    limit = mx.get_active_memory() + embed_step_need(memory, rows=1, tokens=len(short),
+                                                     context=len(short)) + 4096
+    assert embed_step_need(memory, rows=1, tokens=len(long), context=len(long)) > 4096
+    while embedder.has_work:  # a budget of the long input alone: two steps
+        embedder.step(len(long), limit=limit)
+    assert got["long"].code in ("memory_busy", "memory_limit_exceeded")
+    assert len(got["short"]) == 1
 
 
 @pytest.mark.parametrize("name", ["xlm-roberta-rerank", "bert-rerank"])
