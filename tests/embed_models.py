@@ -47,11 +47,12 @@ def make_embedding_model(out: Path, *, pooling: str = "lasttoken", context: int 
     return out
 
 
-def make_reranker_model(root: Path) -> Path:
+def make_reranker_model(root: Path, *, context: int = 2048,
+                        name: str = "tiny-qwen3-reranker") -> Path:
     """A tiny qwen3 named as a reranker (its untied head gives "yes" and "no" their own
     rows)."""
-    return make_tiny_model(root / "tiny-qwen3-reranker", arch="qwen3", template="qwen3",
-                           eos_head=6.0)
+    return make_tiny_model(root / name, arch="qwen3", template="qwen3", eos_head=6.0,
+                           context=context)
 
 
 def run_job(embedder: Any, kind: str, inputs: list[list[int]], budget: int = 512) -> list[Any]:

@@ -186,6 +186,38 @@ async def test_rerank_sorts_documents_by_the_models_scores(
     assert plain.json()["results"] == full["results"]
 
 
+async def test_rerank_cuts_a_document_over_the_context_unless_truncate_is_false(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TROUPE_HOME", str(tmp_path))
+    model_dir = make_reranker_model(tmp_path / "models", context=320)
+    _, tok = load(str(model_dir))
+    long = tok.decode(list(range(300, 400)) * 4)
+    docs = ["the fox is quick", long]
+    assert len(rerank_tokens(tok, "what does the fox do?", long)) > 320
+    async with real_stack(model_dir) as stack, \
+            httpx.AsyncClient(base_url=stack.server.url) as http:
+        cut = await http.post("/v1/rerank", json={"query": "what does the fox do?",
+                                                  "documents": docs})
+        refused = await http.post("/v1/rerank", json={"query": "what does the fox do?",
+                                                      "documents": docs, "truncate": False})
+    assert cut.status_code == 200
+    model, _ = load(str(model_dir))
+    yes, no = answer_token(tok, "yes"), answer_token(tok, "no")
+    alone = Embedder(model, read_embed_spec(model_dir), yes_id=yes, no_id=no)
+    got: list[Any] = []
+    alone.add(EmbedJob("one", "rerank", [rerank_tokens(tok, "what does the fox do?", long,
+                                                       limit=320)], lambda r, e: got.extend(r)))
+    while alone.has_work:
+        alone.step(512)
+    assert len({r["relevance_score"] for r in cut.json()["results"]}) == 2
+    score = next(r["relevance_score"] for r in cut.json()["results"] if r["index"] == 1)
+    assert score == pytest.approx(got[0], abs=1e-5)
+    error = refused.json()["error"]
+    assert refused.status_code == 400 and error["param"] == "documents[1]"
+    assert error["code"] == "context_length_exceeded"
+
+
 async def test_concurrent_requests_and_64_inputs_get_each_inputs_own_vector(
     embed_stack: RealStack, embedding_dir: Path
 ) -> None:
