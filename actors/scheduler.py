@@ -57,6 +57,7 @@ from actors.distributed.protocol import read_secret
 from actors.distributed.shards import load_shard, shard_memory
 from actors.engine.config import DEFAULTS, EngineConfig
 from actors.engine.core import Engine, RequestError
+from actors.engine.dense import read_dense
 from actors.engine.embed import (
     Embedder,
     EmbedJob,
@@ -299,15 +300,18 @@ class Scheduler(Actor):
         if self.card.task != "generate" and self.config.distributed:
             raise ValueError("embedding and reranker models are served by one process, "
                              "not sharded with --distributed")
+        with mx.stream(stream):  # sentence-transformers' Dense modules: an embedder's own
+            dense = read_dense(resolved.path) if self.card.task == "embed" else []
         if encoder:
-            self.embedder = EncoderEmbedder(model, tokenizer, config, memory=memory)
+            self.embedder = EncoderEmbedder(model, tokenizer, config, memory=memory,
+                                            dense=dense)
         elif self.card.task != "generate":
             yes_no = ((answer_token(tokenizer, "yes"), answer_token(tokenizer, "no"))
                       if self.card.task == "rerank" else (0, 0))
             self.embedder = Embedder(model, read_embed_spec(resolved.path),
                                      yes_id=yes_no[0], no_id=yes_no[1],
                                      max_shared=self.config.prefill_step_size,
-                                     engine=self.engine, memory=memory)
+                                     engine=self.engine, memory=memory, dense=dense)
         if self.config.distributed:
             self._lead(fingerprint)
         # The run-time compiled kernels are built now, not in the first request's time.

@@ -10,11 +10,18 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
-from embed_models import QUERY_PROMPT, make_embedding_model, make_reranker_model, run_job
+from embed_models import (
+    QUERY_PROMPT,
+    make_embedding_model,
+    make_reranker_model,
+    run_job,
+    write_dense,
+)
 from mlx_lm import load
 from mlx_lm.utils import load_config
 
 from actors.engine.config import EngineConfig
+from actors.engine.dense import read_dense
 from actors.engine.embed import (
     RERANK_SUFFIX,
     Embedder,
@@ -264,3 +271,31 @@ def test_a_long_inputs_embedding_steps_keep_to_what_a_chat_chunk_gets(
         assert steps[-1] <= (STEP_BUDGET_FLOOR if chat is None else chat)
     assert steps[0] == STEP_BUDGET_FLOOR and len(steps) > 2 and sum(steps) == len(ids)
     np.testing.assert_allclose(job["r"][0], _reference(model, ids, "mean"), atol=1e-4)
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_a_dense_module_applies_after_pooling_and_before_normalisation(
+    tmp_path: Path, pooling: str
+) -> None:
+    model_dir = make_embedding_model(tmp_path / "dense",
+                                     pooling="lasttoken" if pooling == "last" else "mean")
+    weight, bias = write_dense(model_dir, 64, 24, "torch.nn.modules.activation.Tanh")
+    model, tok = load(str(model_dir))
+    embedder = Embedder(model, read_embed_spec(model_dir), dense=read_dense(model_dir))
+    inputs = [tok.encode(t) for t in TEXTS]
+    got = run_job(embedder, "embed", inputs)
+    for vec, ids in zip(got, inputs, strict=True):
+        h = np.array(model.model(mx.array([ids]))[0].astype(mx.float32))
+        ref = np.tanh(weight @ (h[-1] if pooling == "last" else h.mean(axis=0)) + bias)
+        np.testing.assert_allclose(vec, ref / np.linalg.norm(ref), atol=1e-5)
+    assert len(got[0]) == 24 and not np.allclose(got[0], got[1], atol=1e-3)
+
+
+def test_a_dense_modules_pickled_weights_are_refused_by_name(tmp_path: Path) -> None:
+    model_dir = make_embedding_model(tmp_path / "pickled")
+    write_dense(model_dir, 64, 24, "torch.nn.modules.linear.Identity")
+    (model_dir / "2_Dense" / "model.safetensors").rename(
+        model_dir / "2_Dense" / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="2_Dense/pytorch_model.bin"):
+        read_dense(model_dir)
+    assert read_dense(tmp_path) == []  # no sentence-transformers files: no Dense

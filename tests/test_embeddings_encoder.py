@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 import openai
 import pytest
-from embed_models import run_job
+from embed_models import run_job, write_dense
 from encoder_models import make_encoder
 from http_stack import real_client_with_room, real_stack
 from tiny_model import make_tiny_model
@@ -206,6 +206,26 @@ def test_serving_an_encoder_without_mlx_vlm_fails_at_start_naming_the_extra(
                           text=True, timeout=60)
     assert done.returncode == 1
     assert "pip install 'mlx-troupe[vision]'" in done.stderr, done.stderr[-2000:]
+
+
+async def test_an_encoders_dense_module_applies_after_pooling_over_http(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TROUPE_HOME", str(tmp_path))
+    model_dir = make_encoder(tmp_path / "tiny-bert-dense", "bert", pooling="mean")
+    weight, bias = write_dense(model_dir, 32, 16, "torch.nn.modules.activation.Tanh")
+    model, tok, _ = load_encoder(model_dir, "embed")
+    async with real_stack(model_dir) as stack:
+        oai = openai.AsyncOpenAI(base_url=f"{stack.server.url}/v1", api_key="x", max_retries=0)
+        try:
+            got = await oai.embeddings.create(model=stack.model, input=TEXTS)
+        finally:
+            await oai.close()
+    for data, text in zip(got.data, TEXTS, strict=True):
+        h = np.array(model(mx.array([tok.encode(text)])).last_hidden_state[0]
+                     .astype(mx.float32)).mean(axis=0)
+        ref = np.tanh(weight @ h + bias)
+        np.testing.assert_allclose(data.embedding, ref / np.linalg.norm(ref), atol=1e-5)
+    assert len(got.data[0].embedding) == 16
 
 
 async def test_the_openai_client_embeds_with_an_encoder_over_http(

@@ -2,7 +2,8 @@
 
 An embedding input runs through the model's body (``model.model``: mlx-lm's decoder families
 return the last hidden states, after the final norm, before the head), is pooled (the last
-token's state, or the mean over its tokens) and L2-normalised. A rerank input (a query and a
+token's state, or the mean over its tokens), put through the model's Dense modules where it
+has any (``dense.py``) and L2-normalised. A rerank input (a query and a
 document under the reranker's prompt format) is scored from the head's logits of "yes" and
 "no" at its last position (the Qwen3-Reranker recipe). Neither holds a decode slot: inputs wait
 in ``Embedder``'s queue, short ones run together in one forward pass, a long one in chunks over
@@ -27,6 +28,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from actors.engine.config import EngineConfig
+from actors.engine.dense import Dense, apply_dense
 from actors.engine.embed_gate import StepShape, gate_step
 from actors.engine.encoder import encoder_task, read_config
 from actors.engine.kv_blocks import build_cache, cut_blocks
@@ -233,7 +235,7 @@ class Embedder:
 
     def __init__(self, model: Any, spec: EmbedSpec, *, yes_id: int = 0, no_id: int = 0,
                  max_shared: int = 512, engine: Any = None,
-                 memory: ModelMemory | None = None) -> None:
+                 memory: ModelMemory | None = None, dense: list[Dense] | None = None) -> None:
         if not callable(getattr(model, "model", None)):
             raise ValueError(f"{type(model).__module__} keeps no decoder body at `model.model`: "
                              "it cannot embed or rerank")
@@ -246,6 +248,7 @@ class Embedder:
         # its cache off: each request runs its prefix).
         self.engine = engine
         self.memory = memory  # the model's memory shape, for the per-step gate
+        self.dense = dense or []  # sentence-transformers' Dense modules, after pooling
         self.cached_tokens = 0  # shared-prefix tokens read from the prefix cache
         self._queue: deque[tuple[EmbedJob, int]] = deque()
         self._long: tuple[EmbedJob, int, _Long] | None = None
@@ -437,7 +440,7 @@ class Embedder:
             logits = head_logits(self.model, last).astype(mx.float32)
             pair = logits[:, [self.yes_id, self.no_id]].tolist()
             return [rerank_score(yes, no) for yes, no in pair]
-        return l2_normalize(pooled.astype(mx.float32)).tolist()
+        return l2_normalize(apply_dense(self.dense, pooled.astype(mx.float32))).tolist()
 
     def _done(self, job: EmbedJob, i: int, out: Any) -> None:
         self.inputs_done += 1

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+from actors.engine.dense import Dense, apply_dense, dense_folders
 from actors.engine.embed_gate import StepShape, gate_step
 from actors.engine.memory_estimate import ModelMemory
 
@@ -136,7 +137,10 @@ def load_encoder(path: str | Path, task: Task) -> tuple[Any, Any, dict[str, Any]
         if task == "rerank":
             model = load_sequence_classification_model(path, config=family)
         else:
-            model = load_encoder_model(path, model_remapping={}, config=family)
+            # mlx-vlm's loader takes every subfolder's safetensors as the encoder's own: a
+            # Dense module's too, which it has no layer for (troupe applies it, dense.py).
+            model = load_encoder_model(path, model_remapping={}, config=family,
+                                       strict=not dense_folders(path))
             # mlx-vlm's encoders pool by this attribute (its own server sets it so).
             model.pooling_config = read_pooling_config(path)
     except (FileNotFoundError, ValueError) as exc:
@@ -171,9 +175,10 @@ class EncoderEmbedder:
     cache to run it in chunks. The interface is ``Embedder``'s (actors/engine/embed.py)."""
 
     def __init__(self, model: Any, tokenizer: Any, config: dict[str, Any], *,
-                 memory: ModelMemory | None = None) -> None:
+                 memory: ModelMemory | None = None, dense: list[Dense] | None = None) -> None:
         self.model = model
         self.memory = memory  # the model's memory shape, for the per-step gate
+        self.dense = dense or []  # sentence-transformers' Dense modules, after pooling
         self.pad_id = int(config.get("pad_token_id") or 0)
         # BERT's cross-encoders tell the query from the document by token type: 1 after the
         # pair's first separator. Models with one token type have none to tell.
@@ -258,7 +263,13 @@ class EncoderEmbedder:
             types = self._types(rows, longest)
             logits = self.model(ids, attention_mask=mask, token_type_ids=types).logits
             return mx.sigmoid(logits.astype(mx.float32)[:, 0]).tolist()
-        return self.model(ids, attention_mask=mask).text_embeds.astype(mx.float32).tolist()
+        out = self.model(ids, attention_mask=mask)
+        if not self.dense:  # mlx-vlm's own vectors: pooled and normalised
+            return out.text_embeds.astype(mx.float32).tolist()
+        from mlx_vlm.models.pooling import normalize_embeddings, pool_by_config
+
+        pooled = pool_by_config(out.last_hidden_state, mask, self.model.pooling_config)
+        return normalize_embeddings(apply_dense(self.dense, pooled.astype(mx.float32))).tolist()
 
     def _types(self, rows: list[list[int]], longest: int) -> mx.array | None:
         """Token types of pairs (0 to the first separator, 1 after it), for models that read
