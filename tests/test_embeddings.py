@@ -120,6 +120,23 @@ def test_the_task_is_read_from_the_model_files(embedding_dir: Path, reranker_dir
     assert detect_task(tiny_model_dir) == "generate"
 
 
+def test_a_decoders_model_card_pipeline_tag_names_its_task(tmp_path: Path) -> None:
+    def card(model_dir: Path, tag: str) -> Path:
+        (model_dir / "README.md").write_text(
+            f"---\nlicense: apache-2.0\nlibrary_name: transformers\npipeline_tag: {tag}\n---"
+            "\n# A model\n\npipeline_tag: text-generation (not front matter)\n")
+        return model_dir
+
+    ranking = make_reranker_model(tmp_path, name="tiny-qwen3-ranking")
+    assert detect_task(ranking) == "generate"  # neither its name nor its files tell
+    assert detect_task(card(ranking, "text-ranking")) == "rerank"
+    plain = make_reranker_model(tmp_path, name="tiny-qwen3-vectors")
+    assert detect_task(card(plain, "feature-extraction")) == "embed"
+    # A tag that names no embedding task leaves the files to tell.
+    embedder = make_embedding_model(tmp_path / "tiny-qwen3-embedding")
+    assert detect_task(card(embedder, "text-generation")) == "embed"
+
+
 def test_rerank_scores_are_the_yes_probability_of_the_models_own_logits(
     reranker_dir: Path,
 ) -> None:

@@ -97,17 +97,46 @@ def read_embed_spec(path: str | Path) -> EmbedSpec:
     return EmbedSpec(pooling=pooling, query_prefix=query if isinstance(query, str) else "")
 
 
+# A model card's ``pipeline_tag`` (the Hugging Face task its README's front matter names) that
+# says what a decoder serves: Qwen3-Reranker's card says text-ranking, Qwen3-Embedding's
+# feature-extraction or sentence-similarity.
+CARD_TASKS: dict[str, Task] = {"text-ranking": "rerank", "feature-extraction": "embed",
+                               "sentence-similarity": "embed"}
+
+
+def card_pipeline_tag(path: str | Path) -> str | None:
+    """The ``pipeline_tag`` of the model card (``README.md``'s front matter) in ``path``."""
+    try:
+        text = (Path(path) / "README.md").read_text(errors="replace")
+    except OSError:
+        return None
+    lines = text.splitlines()
+    if not lines or lines[0].strip() != "---":
+        return None
+    for line in lines[1:]:
+        if line.strip() == "---":
+            break
+        key, _, value = line.partition(":")
+        if key.strip() == "pipeline_tag":
+            return value.strip().strip("'\"") or None
+    return None
+
+
 def detect_task(path: str | Path) -> Task:
     """What a model directory serves: an encoder (BERT family), reranking when its config is
-    a ``*ForSequenceClassification`` (a cross-encoder), else embeddings; a decoder, embeddings
-    when it carries sentence-transformers files (``modules.json``,
-    ``config_sentence_transformers.json``, ``1_Pooling/``), reranking when its name says
-    reranker (the Qwen3-Reranker checkpoints are plain causal LMs: nothing else in their files
-    tells them apart), chat otherwise."""
+    a ``*ForSequenceClassification`` (a cross-encoder), else embeddings. A decoder: what its
+    model card's ``pipeline_tag`` says (``CARD_TASKS``: text-ranking reranks); else
+    reranking when its directory name says reranker (Qwen3-Reranker checkpoints are plain
+    causal LMs: a conversion that left its card behind has nothing else that tells); else
+    embeddings when it carries sentence-transformers files (``modules.json``,
+    ``config_sentence_transformers.json``, ``1_Pooling/``); chat otherwise."""
     path = Path(path)
     encoder = encoder_task(read_config(path))
     if encoder is not None:
         return encoder
+    card = CARD_TASKS.get(card_pipeline_tag(path) or "")
+    if card is not None:
+        return card
     if "reranker" in path.name.lower():
         return "rerank"
     if any((path / name).exists() for name in
