@@ -139,6 +139,13 @@ def context_length(config: dict[str, Any]) -> int:
     return 4096
 
 
+# Requests each model's scheduler has in flight, by scheduler. Every scheduler runs on the one
+# MLX thread, which runs the models' steps in turn: an embedding model's step keeps to the step
+# budget while another model has requests waiting on it (``schedule.embed_budget``). Each
+# scheduler writes its own entry, on that thread, after every message it handles.
+_IN_FLIGHT: dict[int, int] = {}
+
+
 class ReleaseMemory(Message, frozen=True, kw_only=True):
     """The scheduler's note to itself: it may have been idle for IDLE_RELEASE_S."""
 
@@ -364,6 +371,7 @@ class Scheduler(Actor):
         self.followers = self.engine.mirror = followers
 
     async def on_stop(self, error: BaseException | None) -> None:
+        _IN_FLIGHT.pop(id(self), None)
         if self._release_timer is not None:
             self._release_timer.cancel()
         if error is None and self._unsaved:
@@ -430,6 +438,7 @@ class Scheduler(Actor):
                 return self.retired
             case _:
                 raise TypeError(f"scheduler cannot handle {type(msg).__name__}")
+        _IN_FLIGHT[id(self)] = self._in_flight()
         self._queue_step()
         return None
 
@@ -767,8 +776,8 @@ class Scheduler(Actor):
 
     def _embed_step(self) -> None:
         """One step of embedding work, of the tokens ``schedule.embed_budget`` gives it (a
-        chat prefill chunk's, within ``step_budget_ms``), if it fits in memory (the per-step
-        gate: else the jobs in it fail)."""
+        chat prefill chunk's: within ``step_budget_ms`` while another model's requests wait
+        on the MLX thread), if it fits in memory (the per-step gate: else its jobs fail)."""
         embedder = self.embedder
         for rid in [rid for rid, a in self._embed_answers.items() if a.consumer_gone]:
             embedder.abort(rid)
@@ -776,7 +785,8 @@ class Scheduler(Actor):
         if not embedder.has_work:
             return
         limits = self.limits
-        embedder.step(embed_budget(self.config, embedder.token_s),
+        others = any(n for key, n in _IN_FLIGHT.items() if key != id(self))
+        embedder.step(embed_budget(self.config, embedder.token_s, others_waiting=others),
                       limit=limits.limit if limits and limits.guard else None,
                       floor=limits.floor if limits else 0)
         self._last_active = time.monotonic()

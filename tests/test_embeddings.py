@@ -280,7 +280,7 @@ def test_a_long_inputs_embedding_steps_keep_to_what_a_chat_chunk_gets(
     steps = []
     while embedder.has_work:
         token_s, before = embedder.token_s, embedder.tokens_run
-        embedder.step(embed_budget(config, token_s))
+        embedder.step(embed_budget(config, token_s, others_waiting=True))
         chat = step_budget(StepState(config=config, mixed=False, decoding=1, decode_len=8,
                                      prefilling=[], waiting=[], decode_s=0.0,
                                      token_s=token_s), [])

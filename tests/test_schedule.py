@@ -190,16 +190,20 @@ def test_an_embedding_step_gets_what_the_step_budget_gives_a_chunk_streams_wait_
     for token_s in (1e-6, 1e-4, 0.001, 0.0037, 0.01, 1.0):
         chat = step_budget(state(config=BUDGET, decoding=1, decode_s=0.0, token_s=token_s),
                            [seq(1, 6000)])
-        assert embed_budget(BUDGET, token_s) == chat
-    assert embed_budget(BUDGET, 0.001) == 192  # 200 ms at 1 ms a token, whole blocks
-    assert embed_budget(BUDGET, 1e-6) == 512  # never past the chunk
-    assert embed_budget(BUDGET, 1.0) == STEP_BUDGET_FLOOR  # never under the floor
+        assert embed_budget(BUDGET, token_s, others_waiting=True) == chat
+    assert embed_budget(BUDGET, 0.001, others_waiting=True) == 192  # 200 ms at 1 ms, blocks
+    assert embed_budget(BUDGET, 1e-6, others_waiting=True) == 512  # never past the chunk
+    assert embed_budget(BUDGET, 1.0, others_waiting=True) == STEP_BUDGET_FLOOR
 
 
-def test_an_embedding_step_runs_the_floor_until_timed_and_whole_chunks_with_no_budget():
-    assert embed_budget(BUDGET, None) == STEP_BUDGET_FLOOR
+def test_an_embedding_step_runs_whole_chunks_unless_others_wait_and_the_floor_until_timed():
+    # Nobody waits: whole chunks, as a lone chat prefill (step_budget gives it no bound).
+    assert step_budget(state(config=BUDGET, token_s=0.001), [seq(1, 6000)]) is None
+    assert embed_budget(BUDGET, 0.001, others_waiting=False) == 512
+    assert embed_budget(BUDGET, None, others_waiting=True) == STEP_BUDGET_FLOOR
     off = EngineConfig(prefill_step_size=512, block_size=64, step_budget_ms=0.0)
-    assert embed_budget(off, None) == embed_budget(off, 1.0) == 512
+    assert embed_budget(off, None, others_waiting=True) == 512
+    assert embed_budget(off, 1.0, others_waiting=True) == 512
 
 
 def test_the_memory_gate_fails_and_admits_as_plan_step_says_by_uid():

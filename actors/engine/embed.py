@@ -19,7 +19,7 @@ import json
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -475,7 +475,7 @@ class Embedder:
         self.inputs_done += 1
         job.record(i, out, self.jobs)
 
-    def _fail_jobs(self, jobs: Any, exc: Exception) -> None:
+    def _fail_jobs(self, jobs: Iterable[EmbedJob], exc: Exception) -> None:
         """``jobs`` leave the queue with ``exc`` as their answer: those of a step that does
         not fit in memory, or every job when a forward pass failed (it says nothing of which
         input caused it)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import time
 from collections import deque
+from collections.abc import Iterable
 from functools import lru_cache
 from importlib.util import find_spec
 from pathlib import Path
@@ -286,7 +287,7 @@ class EncoderEmbedder:
         self.inputs_done += 1
         job.record(i, out, self.jobs)
 
-    def _fail_jobs(self, jobs: Any, exc: Exception) -> None:
+    def _fail_jobs(self, jobs: Iterable[EmbedJob], exc: Exception) -> None:
         """``jobs`` leave the queue with ``exc`` as their answer: those of a step that does
         not fit in memory, or every job when a forward pass failed (it says nothing of which
         input caused it)."""

@@ -295,14 +295,15 @@ def budget_tokens(config: EngineConfig, token_s: float, spare_s: float) -> int:
     return tokens
 
 
-def embed_budget(config: EngineConfig, token_s: float | None) -> int:
-    """Tokens (padding included) the next embedding or rerank step of a model runs: what
-    ``step_budget`` gives a prefill chunk that streams wait on, with no decode step of its
-    own to leave room for (an embedding model serves no streams; those that wait are other
-    models' on the same MLX thread, which cannot be seen from here, so the bound always
-    holds). Whole chunks with ``step_budget_ms`` 0; ``STEP_BUDGET_FLOOR`` before a token is
-    timed (the first step after a load), a step short enough to time one by."""
-    if config.step_budget_ms <= 0:
+def embed_budget(config: EngineConfig, token_s: float | None, *,
+                 others_waiting: bool) -> int:
+    """Tokens (padding included) the next embedding or rerank step of a model runs, as a
+    prefill chunk gets them (``step_budget``): whole chunks while nobody waits on the step;
+    while others do (``others_waiting``: other models' streams or prompts on the same MLX
+    thread; an embedding model serves none of its own, so no decode step to leave room for),
+    what fills ``step_budget_ms`` at ``token_s`` a token, ``STEP_BUDGET_FLOOR`` before a
+    token is timed (a step short enough to time one by)."""
+    if config.step_budget_ms <= 0 or not others_waiting:
         return config.prefill_step_size
     if token_s is None:
         return min(STEP_BUDGET_FLOOR, config.prefill_step_size)
