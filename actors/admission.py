@@ -641,7 +641,7 @@ class Admission(Actor):
                         param=f"{param}[{i}]", code="context_length_exceeded")
                 inputs[i] = ids[:limit]
         # The job's worst step is what must fit (its model's per-step gate counts each step
-        # the same way, actors/engine/embed.py).
+        # the same way, actors/engine/embed_gate.py).
         longest, encoder = max(len(ids) for ids in inputs), is_encoder(entry.card.path)
         shared = (shared_prefix(inputs, self.prefill_step_size)
                   if task == "rerank" and not encoder else 0)

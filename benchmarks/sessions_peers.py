@@ -132,11 +132,17 @@ def install(peers: list[str]) -> int:
     return 1 if failed == len(peers) else 0
 
 
-def serve_llamacpp(gguf: str, port: int, slots: int, ctx_per_slot: int, threads: int) -> None:
-    """llama.cpp's own HTTP server (OpenAI routes) on 127.0.0.1:``port`` until SIGTERM."""
+def serve_llamacpp(gguf: str, port: int, slots: int, ctx_per_slot: int, threads: int,
+                   pooling: str | None = None) -> None:
+    """llama.cpp's own HTTP server (OpenAI routes) on 127.0.0.1:``port`` until SIGTERM; with
+    ``pooling`` (mean, last, cls), its embedding server (``--embeddings --pooling``)."""
     import xllamacpp as xlc
 
     params = xlc.CommonParams()
+    if pooling:
+        params.embedding = True
+        params.pooling_type = getattr(xlc.llama_pooling_type,
+                                      f"LLAMA_POOLING_TYPE_{pooling.upper()}")
     params.model.path = gguf
     params.port = port
     params.n_parallel = slots
@@ -164,10 +170,13 @@ def main() -> None:
     srv.add_argument("--slots", type=int, default=1)
     srv.add_argument("--ctx-per-slot", type=int, default=8192)
     srv.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    srv.add_argument("--pooling", choices=["mean", "last", "cls"],
+                     help="serve embeddings (/v1/embeddings) pooled so, not chat")
     args = p.parse_args()
     if args.command == "install":
         sys.exit(install(args.peers.split(",")))
-    serve_llamacpp(args.gguf, args.port, args.slots, args.ctx_per_slot, args.threads)
+    serve_llamacpp(args.gguf, args.port, args.slots, args.ctx_per_slot, args.threads,
+                   args.pooling)
 
 
 if __name__ == "__main__":
