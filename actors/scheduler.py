@@ -231,6 +231,7 @@ class Scheduler(Actor):
         # answers of its jobs by request id.
         self.embedder: Embedder | EncoderEmbedder | None = None
         self._embed_answers: dict[str, Reply] = {}
+        self._embed_budget = 0  # the tokens the last embedding step was given
         self.card: ModelCard | None = None
         self._replies: dict[str, Reply] = {}
         self._loading: dict[str, _Loading] = {}
@@ -786,7 +787,8 @@ class Scheduler(Actor):
             return
         limits = self.limits
         others = any(n for key, n in _IN_FLIGHT.items() if key != id(self))
-        embedder.step(embed_budget(self.config, embedder.token_s, others_waiting=others),
+        self._embed_budget = embed_budget(self.config, embedder.token_s, others_waiting=others)
+        embedder.step(self._embed_budget,
                       limit=limits.limit if limits and limits.guard else None,
                       floor=limits.floor if limits else 0)
         self._last_active = time.monotonic()
@@ -1003,7 +1005,8 @@ class Scheduler(Actor):
             **({"task": self.card.task, "embed_jobs": len(self._embed_answers),
                 "embedded_inputs": self.embedder.inputs_done,
                 "embedded_tokens": self.embedder.tokens_run,
-                "embed_cached_tokens": self.embedder.cached_tokens}
+                "embed_cached_tokens": self.embedder.cached_tokens,
+                "embed_step_tokens": self._embed_budget}
                if self.embedder is not None else {}),
         }
 
