@@ -61,13 +61,14 @@ from actors.engine.agent_output import (
     think_tags_of,
     tool_format_of,
 )
-from actors.engine.embed import read_embed_spec, rerank_tokens
+from actors.engine.embed import read_embed_spec, rerank_tokens, shared_prefix
 from actors.engine.encoder import is_encoder, pair_tokens, text_tokens
 from actors.engine.grammar import Constraint, GrammarError, Grammars
 from actors.engine.memory_estimate import (
     HARD,
     ModelMemory,
     admission_estimate,
+    embed_need,
     idle_floor,
     prompt_need,
     served_memory,
@@ -640,10 +641,15 @@ class Admission(Actor):
                         f"context of {limit}: shorten it, or send \"truncate\": true to cut it",
                         param=f"{param}[{i}]", code="context_length_exceeded")
                 inputs[i] = ids[:limit]
-        # Inputs run one prefill chunk at a time at most (an encoder's, whole): the longest is
-        # what must fit.
-        self._check_memory(entry, max(len(ids) for ids in inputs), param,
-                           whole=is_encoder(entry.card.path))
+        # The job's worst step is what must fit (its model's per-step gate counts each step
+        # the same way, actors/engine/embed_gate.py).
+        longest, encoder = max(len(ids) for ids in inputs), is_encoder(entry.card.path)
+        shared = (shared_prefix(inputs, self.prefill_step_size)
+                  if task == "rerank" and not encoder else 0)
+        need = None if entry.memory is None else embed_need(
+            entry.memory, longest=longest, step=self.prefill_step_size, shared=shared,
+            whole=encoder)
+        self._check_memory(entry, longest, param, need=need)
         msg = EmbedInputs(request_id=request_id, task=task, inputs=inputs,
                           cache_namespace=namespace)
         self._embedding[request_id] = entry
@@ -780,11 +786,11 @@ class Admission(Actor):
                                events=TrackedEvents(events, entry.drain))
 
     def _check_memory(self, entry: ModelEntry, n_tokens: int, prompt_param: str, *,
-                      whole: bool = False, tower: int = 0) -> None:
+                      tower: int = 0, need: int | None = None) -> None:
         """The prefill guard: refuse before any header what the memory limit cannot take.
-        ``whole``: the input runs in one forward pass, uncached (an encoder's): all of its
-        attention at once, and no prefix-cache blocks. ``tower``: the vision tower's
-        temporaries for the prompt's largest image."""
+        ``tower``: the vision tower's temporaries for the prompt's largest image. ``need``:
+        the new memory the work needs when it is no chat prompt's (an embedding job's,
+        ``embed_need``)."""
         limits = self.limits
         if limits is None or entry.memory is None:
             return
@@ -798,13 +804,13 @@ class Admission(Actor):
         if not limits.guard:
             return
         memory = entry.memory
-        block_size = 0 if whole else self.block_size
-        step = n_tokens if whole else self.prefill_step_size
-        need = prompt_need(memory, prompt_tokens=n_tokens, step=step, block_size=block_size,
-                           tower=tower)
+        step = self.prefill_step_size
+        if need is None:
+            need = prompt_need(memory, prompt_tokens=n_tokens, step=step,
+                               block_size=self.block_size, tower=tower)
         estimate = admission_estimate(memory, high_water=limits.high_water,
-                                      prompt_tokens=n_tokens, step=step,
-                                      block_size=block_size, loaded=entry.loaded, tower=tower)
+                                      prompt_tokens=n_tokens, step=step, loaded=entry.loaded,
+                                      need=need)
         self.last_estimate = estimate
         floor = idle_floor(memory, limits.floor, loaded=entry.loaded)
         if too_large(need, limit=limits.limit, idle=floor):

@@ -165,14 +165,16 @@ class AdmitEmbed(Message, frozen=True, kw_only=True):
 
 class AdmitRerank(Message, frozen=True, kw_only=True):
     """Score each of ``documents`` against ``query`` with a reranker; ``ask`` answers
-    ``EmbedAnswer`` (one relevance score per document, in their order)."""
+    ``EmbedAnswer`` (one relevance score per document, in their order). ``truncate`` cuts a
+    pair over the context (the default, as Cohere's and Jina's rerank do) instead of
+    refusing it."""
 
     request_id: str
     model: str
     query: str
     documents: list[str]
     instruction: str | None = None
-    truncate: bool = False
+    truncate: bool = True
     # Whose prefix-cache blocks the query's prefix may read and write ("": the shared one).
     cache_namespace: str = ""
 

@@ -57,6 +57,7 @@ from actors.distributed.protocol import read_secret
 from actors.distributed.shards import load_shard, shard_memory
 from actors.engine.config import DEFAULTS, EngineConfig, speculation
 from actors.engine.core import Engine, RequestError
+from actors.engine.dense import read_dense
 from actors.engine.draft_model import DraftModel, check_draft_model, vocabulary
 from actors.engine.embed import (
     Embedder,
@@ -64,13 +65,12 @@ from actors.engine.embed import (
     answer_token,
     model_task,
     read_embed_spec,
-    step_tokens,
 )
 from actors.engine.encoder import EncoderEmbedder, encoder_positions, is_encoder, load_encoder
 from actors.engine.kv_blocks import KVBlock, from_numpy, to_numpy
 from actors.engine.memory_estimate import OK, ModelMemory, model_memory, with_draft
 from actors.engine.prefix import model_fingerprint
-from actors.engine.schedule import MIN_PREFILL_CHUNK
+from actors.engine.schedule import embed_budget
 from actors.engine.vision import VisionTower, why_no_images
 from actors.memory_messages import (
     DescribeLoad,
@@ -138,6 +138,13 @@ def context_length(config: dict[str, Any]) -> int:
             if isinstance(cfg.get(key), int):
                 return cfg[key]
     return 4096
+
+
+# Requests each model's scheduler has in flight, by scheduler. Every scheduler runs on the one
+# MLX thread, which runs the models' steps in turn: an embedding model's step keeps to the step
+# budget while another model has requests waiting on it (``schedule.embed_budget``). Each
+# scheduler writes its own entry, on that thread, after every message it handles.
+_IN_FLIGHT: dict[int, int] = {}
 
 
 class ReleaseMemory(Message, frozen=True, kw_only=True):
@@ -225,6 +232,7 @@ class Scheduler(Actor):
         # answers of its jobs by request id.
         self.embedder: Embedder | EncoderEmbedder | None = None
         self._embed_answers: dict[str, Reply] = {}
+        self._embed_budget = 0  # the tokens the last embedding step was given
         self.card: ModelCard | None = None
         self._replies: dict[str, Reply] = {}
         self._loading: dict[str, _Loading] = {}
@@ -306,15 +314,18 @@ class Scheduler(Actor):
         if self.card.task != "generate" and self.config.distributed:
             raise ValueError("embedding and reranker models are served by one process, "
                              "not sharded with --distributed")
+        with mx.stream(stream):  # sentence-transformers' Dense modules: an embedder's own
+            dense = read_dense(resolved.path) if self.card.task == "embed" else []
         if encoder:
-            self.embedder = EncoderEmbedder(model, tokenizer, config)
+            self.embedder = EncoderEmbedder(model, tokenizer, config, memory=memory,
+                                            dense=dense)
         elif self.card.task != "generate":
             yes_no = ((answer_token(tokenizer, "yes"), answer_token(tokenizer, "no"))
                       if self.card.task == "rerank" else (0, 0))
             self.embedder = Embedder(model, read_embed_spec(resolved.path),
                                      yes_id=yes_no[0], no_id=yes_no[1],
                                      max_shared=self.config.prefill_step_size,
-                                     engine=self.engine)
+                                     engine=self.engine, memory=memory, dense=dense)
         if self.config.distributed:
             self._lead(fingerprint)
         # The run-time compiled kernels are built now, not in the first request's time.
@@ -382,6 +393,7 @@ class Scheduler(Actor):
         self.followers = self.engine.mirror = followers
 
     async def on_stop(self, error: BaseException | None) -> None:
+        _IN_FLIGHT.pop(id(self), None)
         if self._release_timer is not None:
             self._release_timer.cancel()
         if error is None and self._unsaved:
@@ -448,6 +460,7 @@ class Scheduler(Actor):
                 return self.retired
             case _:
                 raise TypeError(f"scheduler cannot handle {type(msg).__name__}")
+        _IN_FLIGHT[id(self)] = self._in_flight()
         self._queue_step()
         return None
 
@@ -473,7 +486,9 @@ class Scheduler(Actor):
             reply = self._embed_answers.pop(msg.request_id, None)
             if reply is None:
                 return
-            if error is not None:
+            if isinstance(error, AdmissionError):  # the memory gate's
+                reply.fail(error)
+            elif error is not None:
                 reply.fail(AdmissionError("internal", f"the embedding step failed: {error}"))
             else:
                 reply.send(Embedded(results=results))
@@ -782,16 +797,21 @@ class Scheduler(Actor):
             self._arm_release(IDLE_RELEASE_S)
 
     def _embed_step(self) -> None:
-        """One step of embedding work: at most a prefill chunk's tokens (padding included),
-        the most admission's memory estimate counts a step to take, and about
-        ``step_budget_ms`` of work (``step_tokens``)."""
+        """One step of embedding work, of the tokens ``schedule.embed_budget`` gives it (a
+        chat prefill chunk's: within ``step_budget_ms`` while another model's requests wait
+        on the MLX thread), if it fits in memory (the per-step gate: else its jobs fail)."""
         embedder = self.embedder
         for rid in [rid for rid, a in self._embed_answers.items() if a.consumer_gone]:
             embedder.abort(rid)
             self._embed_answers.pop(rid).close()
         if not embedder.has_work:
             return
-        embedder.step(step_tokens(self.config, embedder.token_s, MIN_PREFILL_CHUNK))
+        limits = self.limits
+        others = any(n for key, n in _IN_FLIGHT.items() if key != id(self))
+        self._embed_budget = embed_budget(self.config, embedder.token_s, others_waiting=others)
+        embedder.step(self._embed_budget,
+                      limit=limits.limit if limits and limits.guard else None,
+                      floor=limits.floor if limits else 0)
         self._last_active = time.monotonic()
 
     def _tell_ranks_memory(self) -> None:
@@ -1013,7 +1033,8 @@ class Scheduler(Actor):
             **({"task": self.card.task, "embed_jobs": len(self._embed_answers),
                 "embedded_inputs": self.embedder.inputs_done,
                 "embedded_tokens": self.embedder.tokens_run,
-                "embed_cached_tokens": self.embedder.cached_tokens}
+                "embed_cached_tokens": self.embedder.cached_tokens,
+                "embed_step_tokens": self._embed_budget}
                if self.embedder is not None else {}),
         }
 

@@ -43,7 +43,8 @@ class RerankDocument(msgspec.Struct, kw_only=True):
 
 class RerankRequest(msgspec.Struct, kw_only=True):
     """The Cohere/Jina rerank request; ``instruction`` (the reranker's task line) and
-    ``truncate`` are troupe's extensions."""
+    ``truncate`` are troupe's extensions. A document over the context is cut by default, as
+    Cohere's and Jina's rerank APIs cut it; ``truncate: false`` refuses it instead."""
 
     query: str
     documents: list[str | RerankDocument]
@@ -51,7 +52,7 @@ class RerankRequest(msgspec.Struct, kw_only=True):
     top_n: int | None = None
     return_documents: bool = True
     instruction: str | None = None
-    truncate: bool = False
+    truncate: bool = True
 
 
 class EmbeddingData(msgspec.Struct, kw_only=True):

@@ -133,16 +133,21 @@ def install(peers: list[str]) -> int:
 
 
 def serve_llamacpp(gguf: str, port: int, slots: int, ctx_per_slot: int, threads: int,
-                   speculative: str = "none") -> None:
+                   speculative: str = "none", pooling: str | None = None) -> None:
     """llama.cpp's own HTTP server (OpenAI routes) on 127.0.0.1:``port`` until SIGTERM;
     ``speculative``: its speculative decoding type (``ngram_simple``, ``ngram_mod``, ...:
-    ``common_speculative_type`` without its prefix), none by default."""
+    ``common_speculative_type`` without its prefix), none by default; with ``pooling``
+    (mean, last, cls), its embedding server (``--embeddings --pooling``)."""
     import xllamacpp as xlc
 
     params = xlc.CommonParams()
     if speculative != "none":
         kind = f"COMMON_SPECULATIVE_TYPE_{speculative.upper()}"
         params.speculative.types = [getattr(xlc.common_speculative_type, kind)]
+    if pooling:
+        params.embedding = True
+        params.pooling_type = getattr(xlc.llama_pooling_type,
+                                      f"LLAMA_POOLING_TYPE_{pooling.upper()}")
     params.model.path = gguf
     params.port = port
     params.n_parallel = slots
@@ -172,11 +177,13 @@ def main() -> None:
     srv.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     srv.add_argument("--speculative", default="none",
                      help="llama.cpp's speculative type: none, ngram_simple, ngram_mod, ...")
+    srv.add_argument("--pooling", choices=["mean", "last", "cls"],
+                     help="serve embeddings (/v1/embeddings) pooled so, not chat")
     args = p.parse_args()
     if args.command == "install":
         sys.exit(install(args.peers.split(",")))
     serve_llamacpp(args.gguf, args.port, args.slots, args.ctx_per_slot, args.threads,
-                   args.speculative)
+                   args.speculative, args.pooling)
 
 
 if __name__ == "__main__":

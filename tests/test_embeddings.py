@@ -10,10 +10,18 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
-from embed_models import QUERY_PROMPT, make_embedding_model, make_reranker_model, run_job
+from embed_models import (
+    QUERY_PROMPT,
+    make_embedding_model,
+    make_reranker_model,
+    run_job,
+    write_dense,
+)
 from mlx_lm import load
+from mlx_lm.utils import load_config
 
 from actors.engine.config import EngineConfig
+from actors.engine.dense import read_dense
 from actors.engine.embed import (
     RERANK_SUFFIX,
     Embedder,
@@ -23,8 +31,15 @@ from actors.engine.embed import (
     detect_task,
     read_embed_spec,
     rerank_tokens,
-    step_tokens,
 )
+from actors.engine.memory_estimate import (
+    KV_STEP,
+    embed_step_need,
+    model_memory,
+    prefill_transient,
+)
+from actors.engine.schedule import STEP_BUDGET_FLOOR, StepState, embed_budget, step_budget
+from actors.messages import AdmissionError
 
 TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog",
          "def add(a, b): return a + b", "a"]
@@ -105,6 +120,23 @@ def test_the_task_is_read_from_the_model_files(embedding_dir: Path, reranker_dir
     assert detect_task(tiny_model_dir) == "generate"
 
 
+def test_a_decoders_model_card_pipeline_tag_names_its_task(tmp_path: Path) -> None:
+    def card(model_dir: Path, tag: str) -> Path:
+        (model_dir / "README.md").write_text(
+            f"---\nlicense: apache-2.0\nlibrary_name: transformers\npipeline_tag: {tag}\n---"
+            "\n# A model\n\npipeline_tag: text-generation (not front matter)\n")
+        return model_dir
+
+    ranking = make_reranker_model(tmp_path, name="tiny-qwen3-ranking")
+    assert detect_task(ranking) == "generate"  # neither its name nor its files tell
+    assert detect_task(card(ranking, "text-ranking")) == "rerank"
+    plain = make_reranker_model(tmp_path, name="tiny-qwen3-vectors")
+    assert detect_task(card(plain, "feature-extraction")) == "embed"
+    # A tag that names no embedding task leaves the files to tell.
+    embedder = make_embedding_model(tmp_path / "tiny-qwen3-embedding")
+    assert detect_task(card(embedder, "text-generation")) == "embed"
+
+
 def test_rerank_scores_are_the_yes_probability_of_the_models_own_logits(
     reranker_dir: Path,
 ) -> None:
@@ -173,18 +205,114 @@ def test_a_model_without_a_decoder_body_is_refused_at_load(embedding: tuple[Any,
     Embedder(embedding[0], EmbedSpec())  # a qwen3 has one
 
 
-def test_a_steps_embedding_budget_keeps_to_the_step_time_and_the_prefill_chunk() -> None:
-    config = EngineConfig(prefill_step_size=512, step_budget_ms=200)
-    assert step_tokens(config, None, 32) == 32  # nothing measured yet: the least
-    assert step_tokens(config, 0.001, 32) == 200  # 1 ms a token: 200 in 200 ms
-    assert step_tokens(config, 0.0001, 32) == 512  # never past the chunk
-    assert step_tokens(config, 1.0, 32) == 32  # never under the least
-    assert step_tokens(EngineConfig(step_budget_ms=0), 1.0, 32) == 512  # 0: no time bound
-
-
 def test_the_embedder_measures_the_time_a_token_takes(embedding: tuple[Any, Any]) -> None:
     model, tok = embedding
     embedder = Embedder(model, EmbedSpec())
     assert embedder.token_s is None
     run_job(embedder, "embed", [tok.encode(t) for t in TEXTS])
     assert embedder.token_s is not None and embedder.token_s > 0
+
+
+def _job(embedder: Any, request_id: str, inputs: list[list[int]]) -> dict[str, Any]:
+    got: dict[str, Any] = {}
+    embedder.add(EmbedJob(request_id, "embed", inputs, lambda r, e: got.update(r=r, e=e)))
+    return got
+
+
+def test_the_memory_gate_fails_an_embedding_step_that_does_not_fit(
+    embedding: tuple[Any, Any], embedding_dir: Path
+) -> None:
+    model, tok = embedding
+    memory = model_memory(load_config(embedding_dir))
+    inputs = [tok.encode(t) for t in TEXTS]
+    longest = max(len(ids) for ids in inputs)
+    need = embed_step_need(memory, rows=len(inputs), tokens=longest, context=longest)
+    embedder = Embedder(model, EmbedSpec(), memory=memory)
+    mx.clear_cache()
+    in_use = mx.get_active_memory()
+    # Other work holds the memory: the step's jobs fail, to be retried; the next job runs.
+    busy = _job(embedder, "busy", inputs)
+    embedder.step(512, limit=in_use + need // 2)
+    assert isinstance(busy["e"], AdmissionError) and busy["e"].kind == "unavailable"
+    assert not embedder.has_work and embedder.jobs == {} and embedder.inputs_done == 0
+    # A step that could not fit even at idle (the floor: the model's weights) is too large.
+    never = _job(embedder, "never", inputs)
+    embedder.step(512, limit=memory.weights_bytes + need // 2)
+    assert never["e"].kind == "too_large" and never["e"].code == "memory_limit_exceeded"
+    fits = _job(embedder, "fits", inputs)
+    embedder.step(512, limit=in_use + 4 * need + (64 << 20))
+    assert fits["e"] is None and len(fits["r"]) == len(inputs)
+
+
+def test_the_memory_gate_counts_what_a_long_inputs_chunk_adds_to_its_cache(
+    embedding: tuple[Any, Any], embedding_dir: Path
+) -> None:
+    model, tok = embedding
+    memory = model_memory(load_config(embedding_dir))
+    ids = tok.encode(" ".join(TEXTS * 16))
+    assert len(ids) > KV_STEP + 128
+    embedder = Embedder(model, EmbedSpec(), memory=memory)
+    job = _job(embedder, "long", [ids])
+    embedder.step(128)  # its first chunk (no gate): its cache takes KV_STEP slots
+    margin = KV_STEP * memory.kv_per_token // 2
+
+    def room(context: int) -> int:
+        mx.clear_cache()
+        transient = prefill_transient(memory, chunk=128, context=context)
+        return mx.get_active_memory() + transient + margin
+
+    # The second chunk fits in the slots its cache holds: only its transient is new.
+    embedder.step(128, limit=room(256))
+    assert embedder.tokens_run == 256 and job == {}
+    # The third grows the cache by KV_STEP slots, over the limit: the job fails.
+    embedder.step(128, limit=room(384))
+    assert job["e"].kind == "unavailable" and not embedder.has_work
+
+
+def test_a_long_inputs_embedding_steps_keep_to_what_a_chat_chunk_gets(
+    embedding: tuple[Any, Any]
+) -> None:
+    model, tok = embedding
+    config = EngineConfig(prefill_step_size=128, step_budget_ms=2.0, block_size=16)
+    ids = tok.encode(" ".join(TEXTS * 12))
+    embedder = Embedder(model, EmbedSpec())
+    job = _job(embedder, "long", [ids])
+    steps = []
+    while embedder.has_work:
+        token_s, before = embedder.token_s, embedder.tokens_run
+        embedder.step(embed_budget(config, token_s, others_waiting=True))
+        chat = step_budget(StepState(config=config, mixed=False, decoding=1, decode_len=8,
+                                     prefilling=[], waiting=[], decode_s=0.0,
+                                     token_s=token_s), [])
+        steps.append(embedder.tokens_run - before)
+        assert steps[-1] <= (STEP_BUDGET_FLOOR if chat is None else chat)
+    assert steps[0] == STEP_BUDGET_FLOOR and len(steps) > 2 and sum(steps) == len(ids)
+    np.testing.assert_allclose(job["r"][0], _reference(model, ids, "mean"), atol=1e-4)
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_a_dense_module_applies_after_pooling_and_before_normalisation(
+    tmp_path: Path, pooling: str
+) -> None:
+    model_dir = make_embedding_model(tmp_path / "dense",
+                                     pooling="lasttoken" if pooling == "last" else "mean")
+    weight, bias = write_dense(model_dir, 64, 24, "torch.nn.modules.activation.Tanh")
+    model, tok = load(str(model_dir))
+    embedder = Embedder(model, read_embed_spec(model_dir), dense=read_dense(model_dir))
+    inputs = [tok.encode(t) for t in TEXTS]
+    got = run_job(embedder, "embed", inputs)
+    for vec, ids in zip(got, inputs, strict=True):
+        h = np.array(model.model(mx.array([ids]))[0].astype(mx.float32))
+        ref = np.tanh(weight @ (h[-1] if pooling == "last" else h.mean(axis=0)) + bias)
+        np.testing.assert_allclose(vec, ref / np.linalg.norm(ref), atol=1e-5)
+    assert len(got[0]) == 24 and not np.allclose(got[0], got[1], atol=1e-3)
+
+
+def test_a_dense_modules_pickled_weights_are_refused_by_name(tmp_path: Path) -> None:
+    model_dir = make_embedding_model(tmp_path / "pickled")
+    write_dense(model_dir, 64, 24, "torch.nn.modules.linear.Identity")
+    (model_dir / "2_Dense" / "model.safetensors").rename(
+        model_dir / "2_Dense" / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="2_Dense/pytorch_model.bin"):
+        read_dense(model_dir)
+    assert read_dense(tmp_path) == []  # no sentence-transformers files: no Dense

@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 import openai
 import pytest
-from embed_models import run_job
+from embed_models import run_job, write_dense
 from encoder_models import make_encoder
 from http_stack import real_client_with_room, real_stack
 from tiny_model import make_tiny_model
@@ -33,6 +33,7 @@ from actors.engine.encoder import (
     pair_tokens,
     read_config,
 )
+from actors.engine.memory_estimate import embed_step_need, model_memory
 from actors.scheduler import context_length
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -125,6 +126,26 @@ def test_an_aborted_encoder_job_leaves_the_queue_unanswered(dirs: dict[str, Path
     assert len(answers) == 1 and answers[0] != "gone" and embedder.inputs_done == 1
 
 
+def test_the_memory_gate_fails_an_encoder_step_counting_its_whole_attention(
+    dirs: dict[str, Path]
+) -> None:
+    model, tok, config = load_encoder(dirs["bert-mean"], "embed")
+    memory = model_memory(config)
+    long, short = tok.encode(" ".join(TEXTS * 3)), tok.encode("a")
+    embedder, got = EncoderEmbedder(model, tok, config, memory=memory), {}
+    embedder.add(EmbedJob("long", "embed", [long], lambda r, e: got.update(long=e)))
+    embedder.add(EmbedJob("short", "embed", [short], lambda r, e: got.update(short=r)))
+    mx.clear_cache()
+    # Room for the short input's step, not for the long one's attention over all of it.
+    limit = mx.get_active_memory() + embed_step_need(memory, rows=1, tokens=len(short),
+                                                     context=len(short)) + 4096
+    assert embed_step_need(memory, rows=1, tokens=len(long), context=len(long)) > 4096
+    while embedder.has_work:  # a budget of the long input alone: two steps
+        embedder.step(len(long), limit=limit)
+    assert got["long"].code in ("memory_busy", "memory_limit_exceeded")
+    assert len(got["short"]) == 1
+
+
 @pytest.mark.parametrize("name", ["xlm-roberta-rerank", "bert-rerank"])
 def test_cross_encoder_scores_are_the_sigmoid_of_the_classifier_logit(
         dirs: dict[str, Path], name: str) -> None:
@@ -185,6 +206,26 @@ def test_serving_an_encoder_without_mlx_vlm_fails_at_start_naming_the_extra(
                           text=True, timeout=60)
     assert done.returncode == 1
     assert "pip install 'mlx-troupe[vision]'" in done.stderr, done.stderr[-2000:]
+
+
+async def test_an_encoders_dense_module_applies_after_pooling_over_http(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TROUPE_HOME", str(tmp_path))
+    model_dir = make_encoder(tmp_path / "tiny-bert-dense", "bert", pooling="mean")
+    weight, bias = write_dense(model_dir, 32, 16, "torch.nn.modules.activation.Tanh")
+    model, tok, _ = load_encoder(model_dir, "embed")
+    async with real_stack(model_dir) as stack:
+        oai = openai.AsyncOpenAI(base_url=f"{stack.server.url}/v1", api_key="x", max_retries=0)
+        try:
+            got = await oai.embeddings.create(model=stack.model, input=TEXTS)
+        finally:
+            await oai.close()
+    for data, text in zip(got.data, TEXTS, strict=True):
+        h = np.array(model(mx.array([tok.encode(text)])).last_hidden_state[0]
+                     .astype(mx.float32)).mean(axis=0)
+        ref = np.tanh(weight @ h + bias)
+        np.testing.assert_allclose(data.embedding, ref / np.linalg.norm(ref), atol=1e-5)
+    assert len(got.data[0].embedding) == 16
 
 
 async def test_the_openai_client_embeds_with_an_encoder_over_http(

@@ -23,6 +23,7 @@ from mlx_lm import load
 
 from actors.config import ServeConfig
 from actors.engine.embed import Embedder, EmbedJob, answer_token, read_embed_spec, rerank_tokens
+from actors.engine.schedule import STEP_BUDGET_FLOOR
 from actors.messages import AbortRequest, AdmissionError, AdmitEmbed
 
 MB = 1 << 20
@@ -186,6 +187,38 @@ async def test_rerank_sorts_documents_by_the_models_scores(
     assert plain.json()["results"] == full["results"]
 
 
+async def test_rerank_cuts_a_document_over_the_context_unless_truncate_is_false(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TROUPE_HOME", str(tmp_path))
+    model_dir = make_reranker_model(tmp_path / "models", context=320)
+    _, tok = load(str(model_dir))
+    long = tok.decode(list(range(300, 400)) * 4)
+    docs = ["the fox is quick", long]
+    assert len(rerank_tokens(tok, "what does the fox do?", long)) > 320
+    async with real_stack(model_dir) as stack, \
+            httpx.AsyncClient(base_url=stack.server.url) as http:
+        cut = await http.post("/v1/rerank", json={"query": "what does the fox do?",
+                                                  "documents": docs})
+        refused = await http.post("/v1/rerank", json={"query": "what does the fox do?",
+                                                      "documents": docs, "truncate": False})
+    assert cut.status_code == 200
+    model, _ = load(str(model_dir))
+    yes, no = answer_token(tok, "yes"), answer_token(tok, "no")
+    alone = Embedder(model, read_embed_spec(model_dir), yes_id=yes, no_id=no)
+    got: list[Any] = []
+    alone.add(EmbedJob("one", "rerank", [rerank_tokens(tok, "what does the fox do?", long,
+                                                       limit=320)], lambda r, e: got.extend(r)))
+    while alone.has_work:
+        alone.step(512)
+    assert len({r["relevance_score"] for r in cut.json()["results"]}) == 2
+    score = next(r["relevance_score"] for r in cut.json()["results"] if r["index"] == 1)
+    assert score == pytest.approx(got[0], abs=1e-5)
+    error = refused.json()["error"]
+    assert refused.status_code == 400 and error["param"] == "documents[1]"
+    assert error["code"] == "context_length_exceeded"
+
+
 async def test_concurrent_requests_and_64_inputs_get_each_inputs_own_vector(
     embed_stack: RealStack, embedding_dir: Path
 ) -> None:
@@ -261,6 +294,34 @@ async def test_one_pool_serves_chat_streams_beside_embedding_requests(
     inputs = sum(len(TEXTS[i % 3:]) for i in range(8))
     assert reports[embed_model]["embedded_inputs"] == inputs
     assert reports[embed_model]["embed_jobs"] == 0 and "embedded_inputs" not in reports[chat_model]
+
+
+async def test_embedding_steps_keep_to_the_step_budget_only_while_another_model_is_busy(
+    aiohttp_client: Any, tiny_qwen3_dir: Path, embedding_dir: Path, tmp_path: Path
+) -> None:
+    config = ServeConfig.of(model=[str(tiny_qwen3_dir), str(embedding_dir)],
+                            cache_dir=str(tmp_path / "cache"), step_budget_ms=0.01)
+    client, system, handles = await real_client(aiohttp_client, config)
+    chat_model, embed_model = (card.id for card in handles.models)
+
+    def step_tokens() -> int:
+        return next(s.report for s in system.snapshot()
+                    if s.report.get("model") == embed_model)["embed_step_tokens"]
+
+    async def embed() -> None:
+        resp = await client.post("/v1/embeddings", json={"model": embed_model, "input": TEXTS})
+        assert resp.status == 200
+
+    await embed()
+    assert step_tokens() == config.engine.prefill_step_size  # alone: whole chunks
+    stream = await client.post("/v1/chat/completions", json={
+        "model": chat_model, "max_tokens": 4000, "ignore_eos": True, "stream": True,
+        "messages": [{"role": "user", "content": "tell me a long story"}]})
+    assert stream.status == 200
+    await stream.content.readline()  # the chat is decoding
+    await embed()
+    assert step_tokens() == STEP_BUDGET_FLOOR  # beside it: the step budget (its floor here)
+    stream.close()
 
 
 async def test_a_repeated_rerank_query_reads_its_prefix_from_the_prefix_cache(

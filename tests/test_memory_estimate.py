@@ -20,6 +20,8 @@ from actors.engine.memory_estimate import (
     ModelMemory,
     admission_estimate,
     default_memory_limit,
+    embed_need,
+    embed_step_need,
     idle_floor,
     model_memory,
     model_memory_of,
@@ -160,6 +162,35 @@ def test_admission_estimate_adds_the_high_water_and_weights_of_a_model_not_loade
     assert admission_estimate(m, high_water=7, prompt_tokens=1000, step=512) == 7 + need
     assert admission_estimate(m, high_water=7, prompt_tokens=1000, step=512,
                               loaded=False) == 7 + need + 500_000_000
+
+
+def test_an_embedding_steps_need_counts_its_rows_cache_and_chunk():
+    m = model_memory(LLAMA, dtype_bytes=2)
+    bare = embed_step_need(m, rows=4, tokens=100, context=100)
+    assert bare == prefill_transient(m, chunk=100, context=100, batch=4)
+    # A cache of 612 tokens a row (a 512-token shared prefix copied into each of 4 rows).
+    cached = embed_step_need(m, rows=4, tokens=100, context=612, kv=612)
+    assert cached - prefill_transient(m, chunk=100, context=612, batch=4) \
+        == 4 * 768 * m.kv_per_token
+
+
+def test_an_embedding_jobs_need_is_its_worst_step():
+    m = model_memory(LLAMA, dtype_bytes=2)
+    # An input over the step: its last chunk over its whole cache.
+    assert embed_need(m, longest=3000, step=512) == embed_step_need(
+        m, rows=1, tokens=512, context=3000, kv=3000)
+    # Short inputs: as many as the step holds, padded to the longest, no cache.
+    assert embed_need(m, longest=100, step=512) == embed_step_need(
+        m, rows=5, tokens=100, context=100)
+    # A rerank query shared by its documents: each row a copy of it, the step counting the
+    # documents' own tokens only.
+    assert embed_need(m, longest=400, step=512, shared=300) == embed_step_need(
+        m, rows=5, tokens=100, context=400, kv=400)
+    assert embed_need(m, longest=400, step=512, shared=300) > embed_need(m, longest=400,
+                                                                         step=512)
+    # An encoder runs an input whole, however long.
+    assert embed_need(m, longest=2000, step=512, whole=True) == embed_step_need(
+        m, rows=1, tokens=2000, context=2000)
 
 
 def test_pressure_levels_against_the_limit():

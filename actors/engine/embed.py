@@ -2,7 +2,8 @@
 
 An embedding input runs through the model's body (``model.model``: mlx-lm's decoder families
 return the last hidden states, after the final norm, before the head), is pooled (the last
-token's state, or the mean over its tokens) and L2-normalised. A rerank input (a query and a
+token's state, or the mean over its tokens), put through the model's Dense modules where it
+has any (``dense.py``) and L2-normalised. A rerank input (a query and a
 document under the reranker's prompt format) is scored from the head's logits of "yes" and
 "no" at its last position (the Qwen3-Reranker recipe). Neither holds a decode slot: inputs wait
 in ``Embedder``'s queue, short ones run together in one forward pass, a long one in chunks over
@@ -18,7 +19,7 @@ import json
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -27,8 +28,11 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from actors.engine.config import EngineConfig
+from actors.engine.dense import Dense, apply_dense
+from actors.engine.embed_gate import StepShape, gate_step
 from actors.engine.encoder import encoder_task, read_config
 from actors.engine.kv_blocks import build_cache, cut_blocks
+from actors.engine.memory_estimate import ModelMemory, kv_slots
 from actors.engine.prefix import block_hashes
 
 Task = Literal["generate", "embed", "rerank"]
@@ -93,17 +97,46 @@ def read_embed_spec(path: str | Path) -> EmbedSpec:
     return EmbedSpec(pooling=pooling, query_prefix=query if isinstance(query, str) else "")
 
 
+# A model card's ``pipeline_tag`` (the Hugging Face task its README's front matter names) that
+# says what a decoder serves: Qwen3-Reranker's card says text-ranking, Qwen3-Embedding's
+# feature-extraction or sentence-similarity.
+CARD_TASKS: dict[str, Task] = {"text-ranking": "rerank", "feature-extraction": "embed",
+                               "sentence-similarity": "embed"}
+
+
+def card_pipeline_tag(path: str | Path) -> str | None:
+    """The ``pipeline_tag`` of the model card (``README.md``'s front matter) in ``path``."""
+    try:
+        text = (Path(path) / "README.md").read_text(errors="replace")
+    except OSError:
+        return None
+    lines = text.splitlines()
+    if not lines or lines[0].strip() != "---":
+        return None
+    for line in lines[1:]:
+        if line.strip() == "---":
+            break
+        key, _, value = line.partition(":")
+        if key.strip() == "pipeline_tag":
+            return value.strip().strip("'\"") or None
+    return None
+
+
 def detect_task(path: str | Path) -> Task:
     """What a model directory serves: an encoder (BERT family), reranking when its config is
-    a ``*ForSequenceClassification`` (a cross-encoder), else embeddings; a decoder, embeddings
-    when it carries sentence-transformers files (``modules.json``,
-    ``config_sentence_transformers.json``, ``1_Pooling/``), reranking when its name says
-    reranker (the Qwen3-Reranker checkpoints are plain causal LMs: nothing else in their files
-    tells them apart), chat otherwise."""
+    a ``*ForSequenceClassification`` (a cross-encoder), else embeddings. A decoder: what its
+    model card's ``pipeline_tag`` says (``CARD_TASKS``: text-ranking reranks); else
+    reranking when its directory name says reranker (Qwen3-Reranker checkpoints are plain
+    causal LMs: a conversion that left its card behind has nothing else that tells); else
+    embeddings when it carries sentence-transformers files (``modules.json``,
+    ``config_sentence_transformers.json``, ``1_Pooling/``); chat otherwise."""
     path = Path(path)
     encoder = encoder_task(read_config(path))
     if encoder is not None:
         return encoder
+    card = CARD_TASKS.get(card_pipeline_tag(path) or "")
+    if card is not None:
+        return card
     if "reranker" in path.name.lower():
         return "rerank"
     if any((path / name).exists() for name in
@@ -166,19 +199,14 @@ def rerank_score(yes: float, no: float) -> float:
     return 1.0 / (1.0 + math.exp(no - yes))
 
 
-def step_tokens(config: EngineConfig, token_s: float | None, least: int) -> int:
-    """A step's budget of embedding tokens (padding included): a prefill chunk at most, and
-    no more than the measured time a token takes lets run in ``step_budget_ms``, so the
-    streams of the other models on the MLX thread wait no longer for it than for a chat
-    prompt's chunk; ``least`` at least, and ``least`` while nothing is measured yet (the
-    first step after a load)."""
-    budget = config.prefill_step_size
-    if config.step_budget_ms > 0:
-        if token_s is None or token_s <= 0:
-            budget = least
-        else:
-            budget = min(budget, int(config.step_budget_ms / 1000 / token_s))
-    return max(budget, min(least, config.prefill_step_size))
+def shared_prefix(inputs: list[list[int]], most: int) -> int:
+    """The tokens every input of a rerank job starts with that run once for all (the prompt
+    format's opening and the query): at most ``most`` (they run in one forward pass), none
+    under ``MIN_SHARED_PREFIX`` or with one input."""
+    if len(inputs) < 2:
+        return 0
+    shared = min(_common_prefix(inputs), most)
+    return shared if shared >= MIN_SHARED_PREFIX else 0
 
 
 @dataclass
@@ -235,7 +263,8 @@ class Embedder:
     made for it and dropped when it ends."""
 
     def __init__(self, model: Any, spec: EmbedSpec, *, yes_id: int = 0, no_id: int = 0,
-                 max_shared: int = 512, engine: Any = None) -> None:
+                 max_shared: int = 512, engine: Any = None,
+                 memory: ModelMemory | None = None, dense: list[Dense] | None = None) -> None:
         if not callable(getattr(model, "model", None)):
             raise ValueError(f"{type(model).__module__} keeps no decoder body at `model.model`: "
                              "it cannot embed or rerank")
@@ -247,6 +276,8 @@ class Embedder:
         # The model's ``Engine``, whose prefix cache holds shared prefixes' blocks (None, or
         # its cache off: each request runs its prefix).
         self.engine = engine
+        self.memory = memory  # the model's memory shape, for the per-step gate
+        self.dense = dense or []  # sentence-transformers' Dense modules, after pooling
         self.cached_tokens = 0  # shared-prefix tokens read from the prefix cache
         self._queue: deque[tuple[EmbedJob, int]] = deque()
         self._long: tuple[EmbedJob, int, _Long] | None = None
@@ -268,9 +299,8 @@ class Embedder:
         if not job.inputs:
             job.on_done([], None)
             return
-        if job.kind == "rerank" and len(job.inputs) > 1 and self._plain_kv:
-            shared = min(_common_prefix(job.inputs), self.max_shared)
-            job.shared = shared if shared >= MIN_SHARED_PREFIX else 0
+        if job.kind == "rerank" and self._plain_kv:
+            job.shared = shared_prefix(job.inputs, self.max_shared)
         self.jobs[job.request_id] = job
         self._queue.extend((job, i) for i in range(len(job.inputs)))
 
@@ -283,43 +313,66 @@ class Embedder:
         if self._long is not None and self._long[0] is job:
             self._long = None
 
-    def step(self, budget: int) -> None:
+    def step(self, budget: int, limit: int | None = None, floor: int = 0) -> None:
         """Run about ``budget`` tokens of queued work: the long input in progress a chunk
-        further, or the next inputs that fit together (at least one)."""
+        further, or the next inputs that fit together (at least one). With ``limit``, the
+        step runs only if it fits in memory (``gate_step``); else the jobs in it fail."""
         budget = max(1, budget)
+        units, shape, starts_long = self._plan(budget)
+        error = gate_step(self.memory, shape, limit, floor)
+        if error is not None:
+            self._fail_jobs({job.request_id: job for job, _ in units}.values(), error)
+            return
         started, ran = time.perf_counter(), self._padded
         try:
             if self._long is not None:
                 self._chunk(budget)
-                return
-            job, i = self._queue[0]
-            if len(job.inputs[i]) - job.shared > budget:
-                self._queue.popleft()
+            elif starts_long:
+                job, i = self._queue.popleft()
                 self._long = (job, i, _Long(make_prompt_cache(self.model)))
                 self._chunk(budget)
-                return
-            batch: list[tuple[EmbedJob, int]] = []
-            longest = 0
-            while self._queue:
-                job, i = self._queue[0]
-                n = len(job.inputs[i]) - job.shared
-                first = batch[0][0] if batch else job
-                # A batch runs from one shared prefix, or from none.
-                apart = job is not first and (job.shared or first.shared)
-                if batch and (n > budget or job.kind != first.kind or apart
-                              or max(longest, n) * (len(batch) + 1) > budget):
-                    break
-                batch.append(self._queue.popleft())
-                longest = max(longest, n)
-            self._run_batch(batch, longest)
+            else:
+                batch = [self._queue.popleft() for _ in units]
+                self._run_batch(batch, shape.tokens)
         except Exception as exc:  # noqa: BLE001 - the jobs in the step get the error, not the actor
-            self._fail_running(exc)
+            self._fail_jobs(list(self.jobs.values()), exc)
             return
         # Every step ends in an evaluation (its results read back): its time is its work.
         if self._padded > ran:
             per_token = (time.perf_counter() - started) / (self._padded - ran)
             self.token_s = per_token if self.token_s is None else (
                 0.7 * self.token_s + 0.3 * per_token)
+
+    def _plan(self, budget: int) -> tuple[list[tuple[EmbedJob, int]], StepShape, bool]:
+        """The inputs the next step runs, its shape, and whether it starts a long input: the
+        long input in progress, a chunk further; an input over the budget, its first chunk
+        (alone, over a cache of its own); else the next inputs that fit the budget together,
+        padded to the longest."""
+        if self._long is not None:
+            job, i, state = self._long
+            end = min(len(job.inputs[i]), state.done + budget)
+            # Its cache holds its chunks so far: only what the step adds is new.
+            grow = kv_slots(end) - kv_slots(state.done)
+            return [(job, i)], StepShape(1, end - state.done, end, grow), False
+        job, i = self._queue[0]
+        if len(job.inputs[i]) - job.shared > budget:
+            n = min(budget, len(job.inputs[i]))
+            return [(job, i)], StepShape(1, n, n, n), True
+        batch: list[tuple[EmbedJob, int]] = []
+        longest = 0
+        for job, i in self._queue:
+            n = len(job.inputs[i]) - job.shared
+            first = batch[0][0] if batch else job
+            # A batch runs from one shared prefix, or from none.
+            apart = job is not first and (job.shared or first.shared)
+            if batch and (n > budget or job.kind != first.kind or apart
+                          or max(longest, n) * (len(batch) + 1) > budget):
+                break
+            batch.append((job, i))
+            longest = max(longest, n)
+        shared = batch[0][0].shared
+        return batch, StepShape(len(batch), longest, shared + longest,
+                                shared + longest if shared else 0), False
 
     def _run_batch(self, batch: list[tuple[EmbedJob, int]], longest: int) -> None:
         job = batch[0][0]
@@ -416,16 +469,17 @@ class Embedder:
             logits = head_logits(self.model, last).astype(mx.float32)
             pair = logits[:, [self.yes_id, self.no_id]].tolist()
             return [rerank_score(yes, no) for yes, no in pair]
-        return l2_normalize(pooled.astype(mx.float32)).tolist()
+        return l2_normalize(apply_dense(self.dense, pooled.astype(mx.float32))).tolist()
 
     def _done(self, job: EmbedJob, i: int, out: Any) -> None:
         self.inputs_done += 1
         job.record(i, out, self.jobs)
 
-    def _fail_running(self, exc: Exception) -> None:
-        """A step failed: every job in the queue gets the error (a failed forward pass says
-        nothing of which input caused it), and the queue starts empty."""
-        for job in list(self.jobs.values()):
+    def _fail_jobs(self, jobs: Iterable[EmbedJob], exc: Exception) -> None:
+        """``jobs`` leave the queue with ``exc`` as their answer: those of a step that does
+        not fit in memory, or every job when a forward pass failed (it says nothing of which
+        input caused it)."""
+        for job in list(jobs):
             self.abort(job.request_id)
             job.on_done(None, exc)
 

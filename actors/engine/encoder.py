@@ -19,12 +19,17 @@ from __future__ import annotations
 import json
 import time
 from collections import deque
+from collections.abc import Iterable
 from functools import lru_cache
 from importlib.util import find_spec
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
+
+from actors.engine.dense import Dense, apply_dense, dense_folders
+from actors.engine.embed_gate import StepShape, gate_step
+from actors.engine.memory_estimate import ModelMemory
 
 if TYPE_CHECKING:
     from actors.engine.embed import EmbedJob, Task
@@ -133,7 +138,10 @@ def load_encoder(path: str | Path, task: Task) -> tuple[Any, Any, dict[str, Any]
         if task == "rerank":
             model = load_sequence_classification_model(path, config=family)
         else:
-            model = load_encoder_model(path, model_remapping={}, config=family)
+            # mlx-vlm's loader takes every subfolder's safetensors as the encoder's own: a
+            # Dense module's too, which it has no layer for (troupe applies it, dense.py).
+            model = load_encoder_model(path, model_remapping={}, config=family,
+                                       strict=not dense_folders(path))
             # mlx-vlm's encoders pool by this attribute (its own server sets it so).
             model.pooling_config = read_pooling_config(path)
     except (FileNotFoundError, ValueError) as exc:
@@ -167,8 +175,11 @@ class EncoderEmbedder:
     of every input's states. An input over the budget runs alone and whole: an encoder has no
     cache to run it in chunks. The interface is ``Embedder``'s (actors/engine/embed.py)."""
 
-    def __init__(self, model: Any, tokenizer: Any, config: dict[str, Any]) -> None:
+    def __init__(self, model: Any, tokenizer: Any, config: dict[str, Any], *,
+                 memory: ModelMemory | None = None, dense: list[Dense] | None = None) -> None:
         self.model = model
+        self.memory = memory  # the model's memory shape, for the per-step gate
+        self.dense = dense or []  # sentence-transformers' Dense modules, after pooling
         self.pad_id = int(config.get("pad_token_id") or 0)
         # BERT's cross-encoders tell the query from the document by token type: 1 after the
         # pair's first separator. Models with one token type have none to tell.
@@ -211,25 +222,32 @@ class EncoderEmbedder:
         mx.eval(out.logits if hasattr(out, "logits") else out.text_embeds)
         return time.perf_counter() - began
 
-    def step(self, budget: int) -> None:
-        """Run the next inputs that fit ``budget`` tokens together (at least one)."""
+    def step(self, budget: int, limit: int | None = None, floor: int = 0) -> None:
+        """Run the next inputs that fit ``budget`` tokens together (at least one). With
+        ``limit``, only if the step fits in memory (``gate_step``); else its jobs fail."""
         budget = max(1, budget)
         batch: list[tuple[EmbedJob, int]] = []
         longest = 0
-        while self._queue:
-            job, i = self._queue[0]
+        for job, i in self._queue:
             n = len(job.inputs[i])
             if batch and max(longest, n) * (len(batch) + 1) > budget:
                 break
-            batch.append(self._queue.popleft())
+            batch.append((job, i))
             longest = max(longest, n)
         if not batch:
             return
+        # Attention both ways over each input, whole: no cache.
+        error = gate_step(self.memory, StepShape(len(batch), longest, longest), limit, floor)
+        if error is not None:
+            self._fail_jobs({job.request_id: job for job, _ in batch}.values(), error)
+            return
+        for _ in batch:
+            self._queue.popleft()
         started = time.perf_counter()
         try:
             outs = self._run(batch, longest)
         except Exception as exc:  # noqa: BLE001 - the jobs get the error, not the actor
-            self._fail_all(exc)
+            self._fail_jobs(list(self.jobs.values()), exc)
             return
         per_token = (time.perf_counter() - started) / (len(batch) * longest)
         self.token_s = per_token if self.token_s is None else (
@@ -246,7 +264,13 @@ class EncoderEmbedder:
             types = self._types(rows, longest)
             logits = self.model(ids, attention_mask=mask, token_type_ids=types).logits
             return mx.sigmoid(logits.astype(mx.float32)[:, 0]).tolist()
-        return self.model(ids, attention_mask=mask).text_embeds.astype(mx.float32).tolist()
+        out = self.model(ids, attention_mask=mask)
+        if not self.dense:  # mlx-vlm's own vectors: pooled and normalised
+            return out.text_embeds.astype(mx.float32).tolist()
+        from mlx_vlm.models.pooling import normalize_embeddings, pool_by_config
+
+        pooled = pool_by_config(out.last_hidden_state, mask, self.model.pooling_config)
+        return normalize_embeddings(apply_dense(self.dense, pooled.astype(mx.float32))).tolist()
 
     def _types(self, rows: list[list[int]], longest: int) -> mx.array | None:
         """Token types of pairs (0 to the first separator, 1 after it), for models that read
@@ -263,9 +287,10 @@ class EncoderEmbedder:
         self.inputs_done += 1
         job.record(i, out, self.jobs)
 
-    def _fail_all(self, exc: Exception) -> None:
-        """A forward pass failed: every queued job gets the error (it says nothing of which
-        input caused it), and the queue starts empty."""
-        for job in list(self.jobs.values()):
+    def _fail_jobs(self, jobs: Iterable[EmbedJob], exc: Exception) -> None:
+        """``jobs`` leave the queue with ``exc`` as their answer: those of a step that does
+        not fit in memory, or every job when a forward pass failed (it says nothing of which
+        input caused it)."""
+        for job in list(jobs):
             self.abort(job.request_id)
             job.on_done(None, exc)

@@ -304,6 +304,35 @@ def prompt_need(
     return kv + blocks + max(blocks, transient, tower)
 
 
+def embed_step_need(m: ModelMemory, *, rows: int, tokens: int, context: int,
+                    kv: int = 0) -> int:
+    """New memory one embedding or rerank step needs: ``rows`` inputs of ``tokens`` new
+    tokens each (padded to the longest) attending over ``context`` tokens, the KV cache the
+    rows hold (``kv`` tokens a row: a long input's chunks so far, or a rerank query's shared
+    prefix copied into each row; 0: a pass without a cache, whose keys and values go with each
+    layer) and the chunk's transient."""
+    cache = kv_bytes(m, kv_slots(kv), rows) if kv else 0
+    return cache + prefill_transient(m, chunk=tokens, context=context, batch=rows)
+
+
+def embed_need(m: ModelMemory, *, longest: int, step: int, shared: int = 0,
+               whole: bool = False) -> int:
+    """New memory the worst step of an embedding or rerank job needs, its longest input
+    ``longest`` tokens, ``shared`` of them a prefix every input shares (a rerank query's),
+    ``step`` tokens a step at most (padding included), as ``embed_step_need`` counts a step:
+    an input over the step runs alone in chunks over its own cache, its last chunk attending
+    over all of it; shorter ones (an encoder's, ``whole``: all of them) run together, as many
+    as the step holds, each from a copy of the shared prefix."""
+    if whole:
+        return embed_step_need(m, rows=max(1, step // longest), tokens=longest,
+                               context=longest)
+    own = max(1, longest - shared)
+    if own > step:
+        return embed_step_need(m, rows=1, tokens=step, context=longest, kv=longest)
+    return embed_step_need(m, rows=max(1, step // own), tokens=own, context=longest,
+                           kv=longest if shared else 0)
+
+
 def admission_estimate(
     m: ModelMemory,
     *,
@@ -313,13 +342,16 @@ def admission_estimate(
     block_size: int = 0,
     loaded: bool = True,
     tower: int = 0,
+    need: int | None = None,
 ) -> int:
     """The peak MLX memory if this prompt is admitted now: the recent high-water mark, the
-    model's weights if it still has to be loaded, and the prompt's own need."""
+    model's weights if it still has to be loaded, and the prompt's own need (``need`` when
+    it is counted otherwise: an embedding job's, ``embed_need``)."""
     weights = 0 if loaded else m.weights_bytes
-    return high_water + weights + prompt_need(
-        m, prompt_tokens=prompt_tokens, step=step, block_size=block_size, tower=tower
-    )
+    if need is None:
+        need = prompt_need(m, prompt_tokens=prompt_tokens, step=step, block_size=block_size,
+                           tower=tower)
+    return high_water + weights + need
 
 
 def idle_floor(m: ModelMemory, floor: int, *, loaded: bool = True) -> int:

@@ -280,12 +280,34 @@ def step_budget(state: StepState, work: list[Pending]) -> int | None:
         return None
     # A decode step not measured yet (no step without prefill so far) counts as free.
     decode_s = (state.decode_s or 0.0) if state.decoding else 0.0
-    tokens = int((cfg.step_budget_ms / 1e3 - decode_s) / max(state.token_s, 1e-9))
-    tokens = max(min(STEP_BUDGET_FLOOR, cfg.prefill_step_size),
-                 min(tokens, cfg.prefill_step_size))
-    if cfg.block_size and tokens > cfg.block_size:
-        tokens -= tokens % cfg.block_size
+    return budget_tokens(cfg, state.token_s, cfg.step_budget_ms / 1e3 - decode_s)
+
+
+def budget_tokens(config: EngineConfig, token_s: float, spare_s: float) -> int:
+    """Prompt tokens that fill ``spare_s`` seconds at ``token_s`` a token, within
+    ``STEP_BUDGET_FLOOR`` and the chunk size, and a whole number of prefix-cache blocks when
+    over one (``step_budget``'s arithmetic, and ``embed_budget``'s)."""
+    tokens = int(spare_s / max(token_s, 1e-9))
+    tokens = max(min(STEP_BUDGET_FLOOR, config.prefill_step_size),
+                 min(tokens, config.prefill_step_size))
+    if config.block_size and tokens > config.block_size:
+        tokens -= tokens % config.block_size
     return tokens
+
+
+def embed_budget(config: EngineConfig, token_s: float | None, *,
+                 others_waiting: bool) -> int:
+    """Tokens (padding included) the next embedding or rerank step of a model runs, as a
+    prefill chunk gets them (``step_budget``): whole chunks while nobody waits on the step;
+    while others do (``others_waiting``: other models' streams or prompts on the same MLX
+    thread; an embedding model serves none of its own, so no decode step to leave room for),
+    what fills ``step_budget_ms`` at ``token_s`` a token, ``STEP_BUDGET_FLOOR`` before a
+    token is timed (a step short enough to time one by)."""
+    if config.step_budget_ms <= 0 or not others_waiting:
+        return config.prefill_step_size
+    if token_s is None:
+        return min(STEP_BUDGET_FLOOR, config.prefill_step_size)
+    return budget_tokens(config, token_s, config.step_budget_ms / 1e3)
 
 
 def first_tokens_first(state: StepState) -> bool:
