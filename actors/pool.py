@@ -46,7 +46,7 @@ from actors.memory_messages import (
 from actors.messages import AdmissionError, ListModels, ModelCard
 from actors.models.generation_config import sampling_defaults
 from actors.models.store import resolve_model
-from actors.scheduler import MLX_THREAD, Scheduler, context_length
+from actors.scheduler import MLX_THREAD, Scheduler, ThreadLoad, context_length
 from actors.ssd_writer import SsdWriter
 from runtime import Actor, ActorDead, ActorRef, AskTimeout, MailboxFull, Restart
 
@@ -138,6 +138,8 @@ class EnginePool(Actor):
         self.last_load_s = 0.0
         self.last_unload_s = 0.0
         self._lock: CacheDirLock | None = None
+        # What each scheduler has in flight, shared by them all (they share the MLX thread).
+        self.thread_load = ThreadLoad()
 
     async def on_start(self) -> None:
         if self.cache is not None:
@@ -270,6 +272,7 @@ class EnginePool(Actor):
             writer=slot.writer,
             config=self.engine_config,
             memory_monitor=self.memory_monitor,
+            thread_load=self.thread_load,
         )
         slot.loaded_at = time.monotonic()
         self.loads += 1

@@ -140,11 +140,25 @@ def context_length(config: dict[str, Any]) -> int:
     return 4096
 
 
-# Requests each model's scheduler has in flight, by scheduler. Every scheduler runs on the one
-# MLX thread, which runs the models' steps in turn: an embedding model's step keeps to the step
-# budget while another model has requests waiting on it (``schedule.embed_budget``). Each
-# scheduler writes its own entry, on that thread, after every message it handles.
-_IN_FLIGHT: dict[int, int] = {}
+class ThreadLoad:
+    """Requests each model's scheduler has in flight, by scheduler name: every scheduler runs
+    on the one MLX thread, which runs the models' steps in turn, and an embedding model's step
+    keeps to the step budget while another model has requests waiting on it
+    (``schedule.embed_budget``). The engine pool makes one and gives it to every scheduler it
+    spawns; each writes its own entry, on that thread, after every message it handles."""
+
+    def __init__(self) -> None:
+        self._in_flight: dict[str, int] = {}
+
+    def report(self, name: str, in_flight: int) -> None:
+        self._in_flight[name] = in_flight
+
+    def drop(self, name: str) -> None:
+        self._in_flight.pop(name, None)
+
+    def others_busy(self, name: str) -> bool:
+        """Whether a scheduler other than ``name`` has requests in flight."""
+        return any(n for key, n in self._in_flight.items() if key != name)
 
 
 class ReleaseMemory(Message, frozen=True, kw_only=True):
@@ -205,8 +219,11 @@ class Scheduler(Actor):
         writer: ActorRef | None = None,
         model_id: str | None = None,
         memory_monitor: str = "memory_monitor",
+        thread_load: ThreadLoad | None = None,
     ) -> None:
         self.model_spec = model
+        # What the other models on the MLX thread have in flight (the pool's; alone: its own).
+        self.thread_load = thread_load if thread_load is not None else ThreadLoad()
         self.config = config
         # An idle engine steps once no request has arrived for this long (at most
         # ARRIVAL_WINDOWS_MAX windows after the first), so a burst of requests is prefilled
@@ -393,7 +410,7 @@ class Scheduler(Actor):
         self.followers = self.engine.mirror = followers
 
     async def on_stop(self, error: BaseException | None) -> None:
-        _IN_FLIGHT.pop(id(self), None)
+        self.thread_load.drop(self.name)
         if self._release_timer is not None:
             self._release_timer.cancel()
         if error is None and self._unsaved:
@@ -460,7 +477,7 @@ class Scheduler(Actor):
                 return self.retired
             case _:
                 raise TypeError(f"scheduler cannot handle {type(msg).__name__}")
-        _IN_FLIGHT[id(self)] = self._in_flight()
+        self.thread_load.report(self.name, self._in_flight())
         self._queue_step()
         return None
 
@@ -807,7 +824,7 @@ class Scheduler(Actor):
         if not embedder.has_work:
             return
         limits = self.limits
-        others = any(n for key, n in _IN_FLIGHT.items() if key != id(self))
+        others = self.thread_load.others_busy(self.name)
         self._embed_budget = embed_budget(self.config, embedder.token_s, others_waiting=others)
         embedder.step(self._embed_budget,
                       limit=limits.limit if limits and limits.guard else None,

@@ -582,7 +582,7 @@ class Runner:
         verify drafts in) run their new prompt tokens through it too, so that they draft from
         their first decode step instead of catching up then."""
         pre = batch.prefill
-        if (self.draft is None or not pre.seqs
+        if (self.draft is None or not self.speculative or not pre.seqs
                 or len(pre.seqs) + len(batch.decode) > SPECULATE_ROWS):
             return
         for s in pre.seqs:
