@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -20,6 +21,9 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 # directory of this run (subprocess servers inherit it). A caller may point it elsewhere.
 if "TROUPE_HOME" not in os.environ:
     os.environ["TROUPE_HOME"] = tempfile.mkdtemp(prefix="troupe-test-home-")
+    # Gone with the run: it holds a converted default model (about 500 MB) and every
+    # session left one behind.
+    atexit.register(shutil.rmtree, os.environ["TROUPE_HOME"], ignore_errors=True)
 
 import http_stack  # noqa: E402
 from tiny_model import make_tiny_model  # noqa: E402
