@@ -136,7 +136,7 @@ class ModelDrafter(DraftLength):
 
     def draft(self, last: int, most: int) -> list[int]:
         """Up to ``most`` tokens (fewer as drafts fail: ``DraftLength``) the draft model
-        expects after the row's tokens and ``last`` (its next input). None while the draft
+        expects after the row's tokens and ``last`` (its next input); none while the draft
         cache is still catching up with a long prompt (``DraftModel.catch_up`` tokens a
         step)."""
         most = self.allowance(most)
@@ -174,9 +174,7 @@ class ModelDrafter(DraftLength):
         step."""
         todo = self._catch_up([*self._tokens, *self._more], last=False)
         if todo:
-            self._draft.run(todo, self.cache)
-            mx.eval([c.state for c in self.cache])
-            self.fed += todo
+            self._feed(todo)
 
     def _catch_up(self, context: list[int], last: bool = True) -> list[int] | None:
         """Follow ``context`` (``_follow``; ``last``: keeping its last token to run, whose
@@ -193,10 +191,14 @@ class ModelDrafter(DraftLength):
             draft.reused += len(self.fed)
         if len(todo) <= draft.catch_up:
             return todo
-        draft.run(todo[:draft.catch_up], self.cache)
-        mx.eval([c.state for c in self.cache])
-        self.fed += todo[:draft.catch_up]
+        self._feed(todo[:draft.catch_up])
         return None
+
+    def _feed(self, tokens: list[int]) -> None:
+        """Run ``tokens`` into the draft cache, evaluated (no logits wanted)."""
+        self._draft.run(tokens, self.cache)
+        mx.eval([c.state for c in self.cache])
+        self.fed += tokens
 
     def _follow(self, context: list[int], last: bool = True) -> list[int]:
         """Trim the draft cache to the longest prefix it shares with ``context`` (``last``:
