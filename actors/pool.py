@@ -273,6 +273,7 @@ class EnginePool(Actor):
             config=self.engine_config,
             memory_monitor=self.memory_monitor,
             thread_load=self.thread_load,
+            draft_model=slot.card.draft_path,
         )
         slot.loaded_at = time.monotonic()
         self.loads += 1

@@ -55,7 +55,7 @@ from actors.cache_messages import (
 from actors.distributed.leader import STUCK_AFTER_S, Followers
 from actors.distributed.protocol import read_secret
 from actors.distributed.shards import load_shard, shard_memory
-from actors.engine.config import DEFAULTS, EngineConfig, speculation
+from actors.engine.config import DEFAULTS, EngineConfig
 from actors.engine.core import Engine, RequestError
 from actors.engine.dense import read_dense
 from actors.engine.draft_model import DraftModel, check_draft_model, vocabulary
@@ -220,8 +220,12 @@ class Scheduler(Actor):
         model_id: str | None = None,
         memory_monitor: str = "memory_monitor",
         thread_load: ThreadLoad | None = None,
+        draft_model: str | None = None,
     ) -> None:
         self.model_spec = model
+        # The draft model's directory (``--draft-model``, resolved by the pool for a chat
+        # model; None: no draft model).
+        self.draft_model = draft_model
         # What the other models on the MLX thread have in flight (the pool's; alone: its own).
         self.thread_load = thread_load if thread_load is not None else ThreadLoad()
         self.config = config
@@ -297,8 +301,7 @@ class Scheduler(Actor):
         weights, dtype_bytes = weights_profile(model)
         memory = model_memory(config, dtype_bytes=dtype_bytes, weights_bytes=weights)
         draft = None
-        if (not encoder and speculation(self.config) == "draft"
-                and model_task(self.config, resolved.path) == "generate"):
+        if self.draft_model is not None:
             draft, draft_memory = self._load_draft(stream, resolved.name, tokenizer)
             memory = with_draft(memory, draft_memory)
         if self.config.distributed:  # the gate counts one rank's shard against its limit
@@ -371,7 +374,7 @@ class Scheduler(Actor):
         """The draft model (``--draft-model``) on this model's stream, checked against it
         (``check_draft_model``: the same vocabulary, a cache that can take positions back),
         and its memory shape."""
-        resolved = resolve_model(self.config.draft_model)
+        resolved = resolve_model(self.draft_model)
         with mx.stream(stream):
             model, draft_tokenizer, config = mlx_load(str(resolved.path), return_config=True)
         check_draft_model(resolved.name, model, draft_tokenizer, name, tokenizer)

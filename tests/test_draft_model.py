@@ -368,3 +368,25 @@ async def test_a_server_refuses_a_draft_model_of_another_vocabulary_at_start(
         with pytest.raises(Exception, match="does not share"):
             await start_serving(system, config)
 
+
+
+async def test_an_embedding_model_beside_a_draft_model_serves(
+        aiohttp_client: Any, dirs: dict[str, Path], tmp_path: Path) -> None:
+    """The draft model drafts for chat models only: an embedding model served beside it
+    loads and embeds, and the chat model drafts."""
+    from embed_models import make_embedding_model
+    from http_stack import real_client
+    from test_prefix_serving import report
+
+    embedder = make_embedding_model(tmp_path / "tiny-qwen3-embedding", context=256)
+    config = ServeConfig.of(model=[str(dirs["main"]), str(embedder)],
+                            draft_model=str(dirs["main"]), cache_dir=str(tmp_path / "c"))
+    client, system, handles = await real_client(aiohttp_client, config)
+    chat, embed = (card.id for card in handles.models)
+    resp = await client.post("/v1/embeddings", json={"model": embed, "input": TEXTS[:2]})
+    assert resp.status == 200 and len((await resp.json())["data"]) == 2
+    resp = await client.post("/v1/completions", json={
+        "model": chat, "prompt": TEXTS[0], "max_tokens": 20, "temperature": 0,
+        "ignore_eos": True})
+    assert resp.status == 200
+    assert report(system, "scheduler")["draft_model_passes"] > 0

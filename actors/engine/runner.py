@@ -137,9 +137,8 @@ class Runner:
         self.mixed = config.mixed_step and supports_mixed(model) and vision is None
         mode = speculation(config)
         self.speculative = mode != "off"
-        if mode == "draft" and draft is None:
-            raise ValueError(f"--speculative draft: draft model {config.draft_model} not loaded")
-        # The draft model (``--draft-model``); None: rows draft by prompt lookup.
+        # The draft model (``--draft-model``; the scheduler loads it for a chat model only);
+        # None: rows draft by prompt lookup.
         self.draft = draft if mode == "draft" else None
         self.drafts = 0  # rows' drafts verified
         self.drafted = 0  # their tokens
