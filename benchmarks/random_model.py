@@ -35,6 +35,32 @@ EXTRA: dict[str, dict[str, Any]] = {
                 "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
                 "rope_parameters": {"type": "default", "rope_theta": 100000.0,
                                     "partial_rotary_factor": 0.25}},
+    # Mixtures of experts: 4 experts of the default model's width, 2 a token.
+    "qwen3_5_moe": {"linear_num_key_heads": 4, "linear_num_value_heads": 8,
+                    "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                    "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
+                    "rope_parameters": {"type": "default", "rope_theta": 100000.0,
+                                        "partial_rotary_factor": 0.25},
+                    "num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
+                    "shared_expert_intermediate_size": 576, "moe_intermediate_size": 576,
+                    "norm_topk_prob": True},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
+                  "mlp_only_layers": [], "moe_intermediate_size": 576, "norm_topk_prob": True},
+    "glm4_moe": {"moe_intermediate_size": 576, "norm_topk_prob": True, "n_group": 1,
+                 "topk_group": 1, "n_shared_experts": 1, "n_routed_experts": 4,
+                 "routed_scaling_factor": 1.0, "num_experts_per_tok": 2,
+                 "first_k_dense_replace": 1, "rope_scaling": None, "use_qk_norm": True,
+                 "attention_bias": True, "partial_rotary_factor": 0.5},
+    # gpt-oss: sinks, its released window of 128 on every other layer, YaRN rope.
+    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 576,
+                "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 15,
+                "max_position_embeddings": 131072,
+                "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                 "beta_slow": 1.0, "original_max_position_embeddings": 4096,
+                                 "truncate": False}},
+    # mistral with a window of 128 on every other layer (mlx-lm runs it as llama).
+    "mistral": {"sliding_window": 128,
+                "layer_types": ["sliding_attention", "full_attention"] * 15},
 }
 
 
@@ -48,7 +74,10 @@ def make(out: Path, arch: str, base: Path, seed: int = 0) -> Path:
     config = json.loads((base / "config.json").read_text())
     config.pop("architectures", None)
     config.update(model_type=arch, **EXTRA[arch])
-    arch_module = importlib.import_module(f"mlx_lm.models.{arch}")  # how mlx-lm's load finds it
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    # How mlx-lm's load finds it ("mistral" runs as llama).
+    arch_module = importlib.import_module(f"mlx_lm.models.{MODEL_REMAPPING.get(arch, arch)}")
     mx.random.seed(seed)
     model = arch_module.Model(arch_module.ModelArgs.from_dict(config))
     # Matrices as a trained model's are scaled (std 1/sqrt(fan-in)): activations stay in
