@@ -11,8 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-
-from runtime import Message
+from troupe.runtime import Message
 
 # Bumped whenever the on-disk block layout changes; files of another version are skipped.
 # 2: a checksum of the tensor data in the metadata (version 1 files cannot be verified).

@@ -8,8 +8,7 @@ behalf.
 from __future__ import annotations
 
 import msgspec
-
-from runtime import Message
+from troupe.runtime import Message
 
 # --- memory monitor -> admission, schedulers -------------------------------------------------
 

@@ -16,8 +16,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import TypeVar
 
 from aiohttp import web
-
-from api.errors import ApiError
+from troupe.api.errors import ApiError
 
 log = logging.getLogger(__name__)
 

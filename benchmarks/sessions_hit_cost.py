@@ -55,9 +55,8 @@ def main() -> None:
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
-
-    from actors.engine import cpu_kernels
-    from actors.models.store import troupe_home
+    from troupe.actors.engine import cpu_kernels
+    from troupe.actors.models.store import troupe_home
 
     mlx_sdpa = mx.fast.scaled_dot_product_attention
     cpu_kernels.enable(args.kernels, troupe_home())

@@ -11,8 +11,7 @@ import threading
 from typing import Any
 
 import msgspec
-
-from runtime import Actor, ActorSystem, Message, Restart
+from troupe.runtime import Actor, ActorSystem, Message, Restart
 
 
 class Add(Message):

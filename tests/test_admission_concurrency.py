@@ -14,14 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import troupe.actors.admission as admission_module
 from http_stack import real_client
 from mlx_lm.utils import load_tokenizer
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
-
-import actors.admission as admission_module
-from actors.admission import Admission, prompt_bound
-from actors.config import ServeConfig
+from troupe.actors.admission import Admission, prompt_bound
+from troupe.actors.config import ServeConfig
 
 SENTENCE = "The quick brown fox jumps over the lazy dog. "
 GATE_S = 60.0  # how long a held encode waits for the test at the most (a hang guard only)

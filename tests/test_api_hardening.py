@@ -26,11 +26,10 @@ import http_stack
 import pytest
 from aiohttp.test_utils import TestClient
 from http_stack import MODEL, Scripted, parse_data_sse, real_stack
-
-from actors.config import ServeConfig
-from api.cli import build_parser, serve_config
-from api.decode import MAX_JSON_DEPTH, json_depth_exceeds
-from api.server import HttpServer, exposed_without_key, max_connections
+from troupe.actors.config import ServeConfig
+from troupe.api.cli import build_parser, serve_config
+from troupe.api.decode import MAX_JSON_DEPTH, json_depth_exceeds
+from troupe.api.server import HttpServer, exposed_without_key, max_connections
 
 scripted, client = http_stack.scripted, http_stack.client
 
@@ -695,7 +694,7 @@ async def test_starting_exposed_without_a_key_logs_a_warning(
     scripted: Scripted, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The test binds 127.0.0.1 all the same: only the check is told otherwise.
-    monkeypatch.setattr("api.server.exposed_without_key", lambda config: True)
+    monkeypatch.setattr("troupe.api.server.exposed_without_key", lambda config: True)
     caplog.set_level(logging.WARNING, logger="api.server")
     server = await scripted.start()
     await server.close()
@@ -732,8 +731,8 @@ async def test_logs_never_hold_the_api_key_or_a_prompt(
 async def test_the_model_field_never_loads_a_path_or_a_repo_it_names_the_one_model(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import actors.models.store
-    import actors.pool
+    import troupe.actors.models.store
+    import troupe.actors.pool
 
     async with real_stack(tiny_model_dir) as stack:
         resolved: list[Any] = []
@@ -742,8 +741,8 @@ async def test_the_model_field_never_loads_a_path_or_a_repo_it_names_the_one_mod
             resolved.append(args)
             raise AssertionError("a model was resolved at request time")
 
-        monkeypatch.setattr(actors.pool, "resolve_model", resolve)
-        monkeypatch.setattr(actors.models.store, "resolve_model", resolve)
+        monkeypatch.setattr(troupe.actors.pool, "resolve_model", resolve)
+        monkeypatch.setattr(troupe.actors.models.store, "resolve_model", resolve)
         url = stack.server.url
         async with aiohttp.ClientSession() as session:
             before = await (await session.get(f"{url}/actors/engine_pool")).json()

@@ -24,10 +24,9 @@ from http_stack import (
     real_stack,
 )
 from prometheus_client.parser import text_string_to_metric_families
-
-from api.cli import build_parser, serve_config
-from api.shutdown import INFLIGHT
-from runtime import Actor, Message
+from troupe.api.cli import build_parser, serve_config
+from troupe.api.shutdown import INFLIGHT
+from troupe.runtime import Actor, Message
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -404,7 +403,7 @@ async def test_requests_arriving_after_shutdown_began_are_refused(client: TestCl
 
 async def troupe(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "api.cli", *args, cwd=ROOT,
+        sys.executable, "-m", "troupe.api.cli", *args, cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )
@@ -427,7 +426,7 @@ async def test_troupe_actors_prints_a_real_servers_actors_with_its_api_key(
             assert lines[0].split() == ["NAME", "CLASS", "STATE", "THREAD", "MAILBOX",
                                         "HANDLED", "RESTARTS", "LAST", "ERROR"]
             rows = {line.split()[0]: line.split() for line in lines[1:]}
-            assert rows["scheduler"][1:4] == ["actors.scheduler.Scheduler", "running", "mlx"]
+            assert rows["scheduler"][1:4] == ["troupe.actors.scheduler.Scheduler", "running", "mlx"]
             assert rows["admission"][2] == "running"
         code, out, err = await troupe("actors", "--url", url)
         assert code == 1 and out == ""

@@ -202,7 +202,7 @@ async def test_the_dashboard_shows_the_server_live(
             lambda: driver.find_element("css selector", 'a.actor[data-actor="scheduler"]').click())
         text = await wait_for(driver, "the scheduler's snapshot", js(
             "const body = document.getElementById('drawer-body').textContent;"
-            "return body.includes('actors.scheduler.Scheduler') && body"))
+            "return body.includes('troupe.actors.scheduler.Scheduler') && body"))
         assert '"name": "scheduler"' in text and '"report"' in text
         assert driver.find_element("id", "drawer-raw").get_attribute("href").endswith(
             "/actors/scheduler")

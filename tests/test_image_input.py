@@ -23,13 +23,12 @@ import http_stack
 import msgspec
 import openai
 import pytest
+import troupe.api.images
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from http_stack import MODEL, Scripted
 from PIL import Image, ImageFile
-
-import api.images
-from actors.images import (
+from troupe.actors.images import (
     MAX_IMAGE_PIXELS,
     ImageError,
     decode_image,
@@ -37,12 +36,12 @@ from actors.images import (
     image_bytes,
     image_parts,
 )
-from actors.messages import AdmitChat, CountTokens
-from api.anthropic import MessagesRequest, admit_message
-from api.errors import ApiError
-from api.openai import ChatCompletionRequest, admit_chat
-from api.responses import ResponsesRequest, prepare_turn
-from api.responses_store import ResponseStore
+from troupe.actors.messages import AdmitChat, CountTokens
+from troupe.api.anthropic import MessagesRequest, admit_message
+from troupe.api.errors import ApiError
+from troupe.api.openai import ChatCompletionRequest, admit_chat
+from troupe.api.responses import ResponsesRequest, prepare_turn
+from troupe.api.responses_store import ResponseStore
 
 scripted, client = http_stack.scripted, http_stack.client
 
@@ -340,7 +339,7 @@ def test_image_bytes_takes_strict_base64_only() -> None:
     ("::ffff:127.0.0.1", False), ("::ffff:8.8.8.8", True),
 ])
 def test_only_public_addresses_are_fetched_from(address: str, allowed: bool) -> None:
-    assert api.images.address_allowed(ipaddress.ip_address(address)) is allowed
+    assert troupe.api.images.address_allowed(ipaddress.ip_address(address)) is allowed
 
 
 # --- over HTTP -----------------------------------------------------------------------------
@@ -560,7 +559,7 @@ async def image_host(aiohttp_server: Any) -> ImageHost:
 def loopback_allowed(monkeypatch: pytest.MonkeyPatch) -> None:
     """Let fetches reach 127.0.0.1 (the test's image host), and no other private address."""
     loopback = ipaddress.ip_address("127.0.0.1")
-    monkeypatch.setattr(api.images, "address_allowed", lambda address: address == loopback)
+    monkeypatch.setattr(troupe.api.images, "address_allowed", lambda address: address == loopback)
 
 
 async def test_an_image_url_without_allow_image_urls_is_a_400_naming_the_flag(
@@ -626,14 +625,14 @@ async def test_a_fetch_outside_its_bounds_is_a_400_naming_the_part(
     assert admitted(scripted) == []
     assert image_host.hits[0] == path
     if path == "/loop":
-        assert len(image_host.hits) == 1 + api.images.MAX_REDIRECTS
+        assert len(image_host.hits) == 1 + troupe.api.images.MAX_REDIRECTS
 
 
 async def test_a_fetch_that_does_not_end_in_time_is_a_400(
     aiohttp_client: Any, scripted: Scripted, image_host: ImageHost, loopback_allowed: None,
     monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(api.images, "FETCH_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(troupe.api.images, "FETCH_TIMEOUT_S", 0.2)
     client = await aiohttp_client(scripted.app(allow_image_urls=True))
     resp = await client.post(CHAT, json=chat_with(image_url(image_host.url("/stall.png"))))
     message = await openai_error(resp, "messages[0].content[0].image_url")

@@ -18,17 +18,27 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 MLX = ("mlx", "mlx_lm")
+# The one import package the folders below install as (pyproject.toml's package-dir).
+PACKAGE = "troupe"
+FOLDERS = ("runtime", "actors", "api", "tools")
 # What api/ may import from actors/ when a module loads; commands import the rest lazily.
 # actors.images: the image part's shape and its base64 check (Pillow only when decoding).
 API_MAY_LOAD = ("actors.messages", "actors.config", "actors.images")
 
 
 def _imports(path: Path, *, module_level_only: bool = False) -> Iterator[tuple[int, str]]:
-    """(line, absolute module name) of every import in the file.
+    """(line, absolute module name) of every import in the file, the project's own named by
+    their folders (``troupe.actors.pool`` as ``actors.pool``).
 
     ``from a import b`` yields ``a`` and ``a.b`` (``b`` may be a submodule). With
     ``module_level_only``, imports inside functions (run only when called) are skipped.
     """
+    for line, module in _raw_imports(path, module_level_only=module_level_only):
+        yield line, module.removeprefix(f"{PACKAGE}.")
+
+
+def _raw_imports(path: Path, *, module_level_only: bool = False) -> Iterator[tuple[int, str]]:
+    """(line, module name as written) of every import in the file."""
     tree = ast.parse(path.read_text(), filename=str(path))
     skip: set[int] = set()
     if module_level_only:
@@ -64,6 +74,18 @@ def _offences(package: str, banned: tuple[str, ...]) -> list[str]:
         for line, module in _imports(path)
         if _top(module) in banned
     ]
+
+
+def test_the_project_is_imported_by_its_installed_names() -> None:
+    """Every import of the project's folders names them under ``troupe.``, as the wheel
+    installs them; a bare ``import actors`` would load a second copy of each module from a
+    checkout and fail in an installed server."""
+    files = sorted(p for folder in (*FOLDERS, "tests", "benchmarks", "examples")
+                   if (ROOT / folder).is_dir() for p in (ROOT / folder).rglob("*.py"))
+    offences = [f"{path.relative_to(ROOT)}:{line} imports {module}"
+                for path in files for line, module in _raw_imports(path)
+                if _top(module) in FOLDERS]
+    assert offences == []
 
 
 def test_runtime_imports_neither_actors_nor_api() -> None:
@@ -120,7 +142,7 @@ def _loads_mlx(imports: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_importing_api_loads_no_mlx() -> None:
-    result = _loads_mlx("import api.app, api.cli, api.openai")
+    result = _loads_mlx("import troupe.api.app, troupe.api.cli, troupe.api.openai")
     assert result.returncode == 0, result.stderr
 
 
@@ -131,7 +153,7 @@ def test_ssd_writer_imports_no_mlx() -> None:
     if not SSD_WRITER.exists():
         pytest.skip("actors/ssd_writer.py is not written yet")
     assert [module for _, module in _imports(SSD_WRITER) if _top(module) in MLX] == []
-    result = _loads_mlx("import actors.ssd_writer")
+    result = _loads_mlx("import troupe.actors.ssd_writer")
     assert result.returncode == 0, result.stderr
 
 

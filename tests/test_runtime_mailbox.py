@@ -8,8 +8,7 @@ from typing import Any
 import anyio
 import msgspec
 import pytest
-
-from runtime import Actor, ActorSystem, MailboxFull, Message
+from troupe.runtime import Actor, ActorSystem, MailboxFull, Message
 
 
 class Note(Message):

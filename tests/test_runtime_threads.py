@@ -9,8 +9,7 @@ from typing import Any
 import anyio
 import mlx.core as mx
 import pytest
-
-from runtime import Actor, ActorRef, ActorSystem, MailboxFull, Message
+from troupe.runtime import Actor, ActorRef, ActorSystem, MailboxFull, Message
 
 
 class Where(Message):

@@ -14,14 +14,13 @@ from pathlib import Path
 import aiohttp
 import anthropic
 import pytest
+import troupe.actors.admission as admission_module
 from mlx_lm import load
 from reference import PROMPTS, detokenize, reference_tokens
-
-import actors.admission as admission_module
-from actors.config import ServeConfig
-from actors.serving import start_serving
-from api.app import create_app
-from runtime import ActorSystem
+from troupe.actors.config import ServeConfig
+from troupe.actors.serving import start_serving
+from troupe.api.app import create_app
+from troupe.runtime import ActorSystem
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,7 @@ import logging
 from pathlib import Path
 
 import msgspec
-
-from actors.messages import DEFAULTABLE, SamplingDefaults
+from troupe.actors.messages import DEFAULTABLE, SamplingDefaults
 
 log = logging.getLogger(__name__)
 
