@@ -102,6 +102,7 @@ from troupe.actors.messages import (
 from troupe.actors.models.generation_config import sampling_defaults
 from troupe.actors.models.store import DEFAULT_MODEL, resolve_model
 from troupe.actors.retry import FinishPace
+from troupe.actors.text_worker import TextWorker
 from troupe.runtime import Actor, ActorDead, ActorRef, AskTimeout, MailboxFull, Message, Reply
 from troupe.runtime.threads import at_thread_exit
 
@@ -260,6 +261,10 @@ class Scheduler(Actor):
         self._embed_budget = 0  # the tokens the last embedding step was given
         self.card: ModelCard | None = None
         self._replies: dict[str, Reply] = {}
+        # The requests' text, on a thread of its own (None: inside the engine's step, as
+        # rank 0 of a sharded model keeps it, ending requests in the same step as its
+        # followers, which run the same text inline).
+        self.text: TextWorker | None = None
         self._loading: dict[str, _Loading] = {}
         self._epochs: dict[str, int] = {}
         # New blocks not yet snapshotted for the disk: (request id, its epoch, block).
@@ -325,7 +330,8 @@ class Scheduler(Actor):
                              msgspec.structs.replace(self.config, block_size=0) if encoder
                              else self.config,
                              stream=stream, fingerprint=fingerprint, memory=memory,
-                             vision=vision, draft=draft)
+                             vision=vision, draft=draft,
+                             inline_text=bool(self.config.distributed))
         self.card = ModelCard(
             id=self.model_name,
             context_length=context_length(config),
@@ -358,6 +364,9 @@ class Scheduler(Actor):
         # thread_local destructor, which runs after the thread was joined, it needed the GIL
         # while the interpreter finalized and aborted `troupe serve` at exit now and then.
         at_thread_exit(mx.clear_streams)
+        if self.engine.text is None:
+            self.text = TextWorker(f"{self.name}-text")
+            self.text.start()
         if self.config.block_size and not self.engine.caching and not encoder:
             log.warning("%s: its cache layers cannot be cut into blocks; prefix cache off",
                         resolved.name)
@@ -426,6 +435,8 @@ class Scheduler(Actor):
             for rid in list(self.engine.requests):
                 self._deliver([self.engine.abort(rid)])
             self.engine.close()
+        if self.text is not None:
+            self.text.stop()  # after the aborts' events: it sends them first
         if self.followers is not None:
             self.followers.close()  # the other ranks exit (their batch goes with them)
         for reply in self._replies.values():
@@ -748,6 +759,8 @@ class Scheduler(Actor):
         self._replies[msg.request_id] = reply
         reply.send(RequestStarted(request_id=msg.request_id, prompt_tokens=req.prompt_len,
                                   cached_tokens=req.cached_tokens))
+        if self.text is not None:  # its tokens come after this: the worker takes items in order
+            self.text.open(self.engine.text_output(req, msg.output), reply)
 
     def _release(self, request_id: str) -> None:
         """The other ranks drop what they reserved for a request that will not be added."""
@@ -787,9 +800,18 @@ class Scheduler(Actor):
 
     async def _step(self) -> None:
         engine = self.engine
-        # Clients that went away leave the batch before the step, not after it.
-        for rid in [rid for rid, reply in self._replies.items() if reply.consumer_gone]:
-            self._abort(rid)
+        # Clients that went away leave the batch before the step, not after it. Those seen
+        # gone are looked for before the text's notices are taken: the worker records a
+        # request's notice before it sends the final event, so a client that closed after
+        # that event has its notice taken here, and its request ends keeping its blocks.
+        gone = [rid for rid, reply in self._replies.items() if reply.consumer_gone]
+        if self.text is not None:
+            for notice in self.text.take_notices():
+                if engine.end(notice.request_id, notice.uid):
+                    self._finished(notice.request_id)
+        for rid in gone:
+            if rid in self._replies:
+                self._abort(rid)
         for rid in [rid for rid, ld in self._loading.items() if ld.reply.consumer_gone]:
             self._loading.pop(rid).reply.close()
             self._release(rid)
@@ -962,18 +984,27 @@ class Scheduler(Actor):
         self.write_wait_s += max(0.0, min(time.monotonic(), deadline) - began)
 
     def _deliver(self, events: list[Any]) -> None:
+        """The engine's events to their replies: through the text worker, which sends
+        them, or (the text inline) sent here."""
+        events = [e for e in events if e is not None]
+        if self.text is not None:
+            self.text.feed(events)
         for event in events:
-            if event is None:
-                continue
             reply = self._replies.get(event.request_id)
             if reply is None:
                 continue
-            reply.send(event)
+            if self.text is None:
+                reply.send(event)
             if isinstance(event, RequestFinished):
-                reply.close()
-                del self._replies[event.request_id]
-                self.pace.finished()
-                self._epochs.pop(event.request_id, None)
+                if self.text is None:
+                    reply.close()
+                self._finished(event.request_id)
+
+    def _finished(self, request_id: str) -> None:
+        """A request has left the engine: its bookkeeping here ends."""
+        del self._replies[request_id]
+        self.pace.finished()
+        self._epochs.pop(request_id, None)
 
     def _queue_step(self, delay: float = 0.0) -> None:
         if (self._step_queued or self.engine is None

@@ -6,8 +6,8 @@ from troupe.api.errors import ApiError
 
 # OpenAI's routes take 4 stop sequences (their schemas say so, as OpenAI's API does);
 # Anthropic's documents no limit, and real clients send a handful. The bounds keep what the
-# engine matches after every token, and the automaton it builds for that on the model's
-# thread (actors/engine/output.py), small.
+# engine matches after every token, and the automaton it builds for that on the text stage's
+# thread (actors/engine/text.py), small.
 MAX_STOPS = 64
 MAX_STOP_CHARS = 2048  # all of a request's stop sequences together
 

@@ -12,8 +12,8 @@ from mlx_lm import load
 from reference import PROMPTS, detokenize, reference_tokens
 from troupe.actors.engine.core import Engine
 from troupe.actors.engine.grammar import Grammars
-from troupe.actors.engine.output import StopStringFilter
 from troupe.actors.engine.schedule import MIN_MIXED_CHUNK, MIN_PREFILL_CHUNK
+from troupe.actors.engine.text import StopStringFilter
 from troupe.actors.messages import (
     OutputFormat,
     OutputSpec,
@@ -257,7 +257,7 @@ def test_a_failing_request_fails_alone(loaded):
         def add_token(self, token):
             raise RuntimeError("detokenizer exploded")
 
-    bad.detokenizer = Broken()
+    engine.text.outputs[bad.request_id].detokenizer = Broken()
     res = run(engine)
     assert res["bad"]["finish"].finish_reason == "error"
     assert "exploded" in res["bad"]["finish"].error

@@ -201,7 +201,9 @@ LAYERS = ("runtime", "messages", "pure logic", "engine", "distributed", "actors"
 WIRING = {"actors.serving", "actors.config"}
 # Pure logic that lives in the engine's package, beside the MLX code it plans for.
 ENGINE_PURE = {"actors.engine.schedule", "actors.engine.memory_estimate",
-               "actors.engine.lru", "actors.engine.config"}
+               "actors.engine.lru", "actors.engine.config",
+               # The text stage, which runs off the MLX thread, and the parser it feeds.
+               "actors.engine.text", "actors.engine.agent_output"}
 # Today's imports against the layers, each with why it stays (for now).
 LAYER_EXCEPTIONS = {
     # The template time limit's one default lives with the served settings; admission uses
@@ -290,3 +292,11 @@ def test_each_layer_imports_only_the_layers_below() -> None:
 def test_each_named_layer_exception_is_still_needed() -> None:
     """An exception the code no longer needs is deleted, so the list stays the truth."""
     assert LAYER_EXCEPTIONS <= {(i, t) for i, t, _ in _layer_offences()}
+
+
+def test_the_text_stage_loads_no_mlx() -> None:
+    """The text stage runs beside the MLX thread, on plain numbers: it never loads MLX."""
+    path = ROOT / "actors" / "engine" / "text.py"
+    assert [module for _, module in _imports(path) if _top(module) in MLX] == []
+    result = _loads_mlx("import troupe.actors.engine.text")
+    assert result.returncode == 0, result.stderr

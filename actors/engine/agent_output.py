@@ -1,10 +1,11 @@
 """Reads a chat answer's text as it streams: plain text, reasoning, and whole tool calls.
 
-The engine makes one ``OutputParser`` per chat request (from its ``OutputSpec``) and feeds it
-the decoded text deltas on the MLX thread. Markup never reaches ``text``: a suffix that may be
-the start of a marker is held back until it is known not to be one, as ``StopStringFilter``
-does for stop strings. Tool-call markup is parsed by the format's parser: every mlx-lm
-``tool_parsers`` module by name, plus troupe's own ``llama3_json`` and ``harmony``.
+The text stage (``text.py``) makes one ``OutputParser`` per chat request (from its
+``OutputSpec``) and feeds it the decoded text deltas, off the MLX thread when serving. Markup
+never reaches ``text``: a suffix that may be the start of a marker is held back until it is
+known not to be one, as ``StopStringFilter`` does for stop strings. Tool-call markup is
+parsed by the format's parser: every mlx-lm ``tool_parsers`` module by name, plus troupe's own
+``llama3_json`` and ``harmony``.
 """
 
 from __future__ import annotations

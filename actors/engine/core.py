@@ -19,7 +19,6 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import (
     make_logits_processors,
 )
-from troupe.actors.engine.agent_output import OutputParser
 from troupe.actors.engine.config import DEFAULTS, EngineConfig
 from troupe.actors.engine.draft_model import DraftModel
 from troupe.actors.engine.grammar import GrammarProcessor, thinking_budget_processor
@@ -45,7 +44,6 @@ from troupe.actors.engine.memory_estimate import (
     prompt_need,
     too_large,
 )
-from troupe.actors.engine.output import StopStringFilter, delta, token_logprobs
 from troupe.actors.engine.prefix import block_hashes, chain_hash, namespace_root, usable_blocks
 from troupe.actors.engine.prefix_cache import PrefixCache
 from troupe.actors.engine.request import Request, make_request_sampler
@@ -60,12 +58,19 @@ from troupe.actors.engine.schedule import (
     schedule,
     start_order,
 )
+from troupe.actors.engine.text import (
+    EngineEvent,
+    Event,
+    SampledLogprobs,
+    TextOutput,
+    TextStage,
+    TokensSampled,
+)
 from troupe.actors.messages import (
     ErrorKind,
     OutputSpec,
     RequestFinished,
     SamplingParams,
-    TokensGenerated,
     Usage,
 )
 
@@ -87,12 +92,25 @@ class RequestError(Exception):
         self.kind = kind
 
 
-Event = TokensGenerated | RequestFinished
-
-
 def _digest(responses: list[Any]) -> int:
     """A checksum of the tokens a step sampled, the same on every rank that sampled them."""
     return zlib.crc32(b"".join(struct.pack("<qq", r.uid, r.token) for r in responses))
+
+
+# What the engine's ``step`` returns: the clients' events with the text stage inline, else the
+# stage's input (``text.TokensSampled`` and the engine's ``RequestFinished``).
+Out = Event | TokensSampled
+
+
+def sampled_logprobs(token: int, logprobs: mx.array, k: int) -> SampledLogprobs:
+    """The sampled token's logprob and the ``k`` most likely tokens', as plain numbers."""
+    top: list[tuple[int, float]] = []
+    if k > 0:
+        idx = mx.argpartition(-logprobs, kth=k - 1)[:k]
+        vals = logprobs[idx]
+        order = mx.argsort(-vals)
+        top = list(zip(idx[order].tolist(), vals[order].tolist(), strict=True))
+    return SampledLogprobs(logprobs[token].item(), top)
 
 
 def _ema(old: float | None, new: float) -> float:
@@ -113,6 +131,7 @@ class Engine:
         memory: ModelMemory | None = None,
         vision: Any = None,
         draft: DraftModel | None = None,
+        inline_text: bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -162,6 +181,10 @@ class Engine:
         # step's plan before it runs, and of a reset (actors/distributed.py).
         self.last_digest = 0
         self.mirror: Any = None
+        # The requests' text (``text.TextStage``), run inside ``update`` so that ``step``
+        # returns the clients' events; None: the caller runs it on a thread of its own, fed
+        # the engine's events, and ends the requests it says must end (``end``).
+        self.text: TextStage | None = TextStage() if inline_text else None
 
     # -- commands ----------------------------------------------------------------------
 
@@ -264,20 +287,25 @@ class Engine:
             uid=uid,
             prompt_len=len(prompt),
             sampling=sampling,
-            detokenizer=self.tokenizer.detokenizer,
-            stops=StopStringFilter(sampling.stop),
             stop_ids=stop_ids,
             cached_tokens=start,
             hashes=hashes,
             stored=n_cached,
             windows_upto=n_cached,
             root=root,
-            parser=OutputParser(output) if output is not None else None,
             grammar=grammar,
         )
         self.requests[request_id] = req
+        if self.text is not None:
+            self.text.open(self.text_output(req, output))
         self._by_uid[uid] = req
         return req
+
+    def text_output(self, req: Request, output: OutputSpec | None) -> TextOutput:
+        """The text stage's side of a request this engine added (``output``: as given to
+        ``add``)."""
+        return TextOutput.of(self.tokenizer, req.request_id, req.uid, req.sampling, output,
+                             prompt_tokens=req.prompt_len, cached_tokens=req.cached_tokens)
 
     def _prefix_cache(self, prompt: list[int], start: int, prefix: list[KVBlock],
                       root: str) -> list[Any] | None:
@@ -398,7 +426,23 @@ class Engine:
             return None
         self.cut_pending()  # its blocks, and its neighbours', before the batch changes
         self.runner.remove(req.uid)
-        return self._finish(req, "abort")
+        events = self._through_text([self._finish(req, "abort")])
+        return events[0] if events else None
+
+    def end(self, request_id: str, uid: int) -> bool:
+        """End a request its text ended (``text.EndRequest``): out of the batch, keeping the
+        blocks its answer completed; no event (the text stage gave its last). False when the
+        engine no longer runs it (it finished meanwhile, or was aborted)."""
+        req = self.requests.get(request_id)
+        if req is None or req.uid != uid:
+            return False
+        try:
+            self._take_out(req)
+        except Exception:  # its blocks are an optimisation: it leaves the batch regardless
+            log.exception("could not keep the blocks of %s", request_id)
+            self.runner.remove(req.uid)
+        self._forget(req)
+        return True
 
     @property
     def has_work(self) -> bool:
@@ -418,7 +462,7 @@ class Engine:
     # -- the step ------------------------------------------------------------------------
 
     def step(self, limit: int | None = None, floor: int = 0,
-             plan: SchedulerOutput | None = None) -> list[Event]:
+             plan: SchedulerOutput | None = None) -> list[Out]:
         """Run one step of the batch: ``schedule`` decides, the runner executes, ``update``
         turns the tokens into events.
 
@@ -432,7 +476,7 @@ class Engine:
         if not self.requests:
             return []
         plan, usage = self._schedule(limit, plan)
-        events = self._fail_for_memory(plan, limit, floor, usage)
+        events = self._through_text(self._fail_for_memory(plan, limit, floor, usage))
         if not self.requests:
             return events
         try:
@@ -455,31 +499,43 @@ class Engine:
         self.last_prefill_budget = plan.budget
         return plan, usage
 
-    def _step_failed(self, exc: Exception) -> list[Event]:
+    def _step_failed(self, exc: Exception) -> list[Out]:
         """Every request fails and the batch starts afresh (followers too)."""
         log.exception("batch step failed; failing %d requests", len(self.requests))
         if self.mirror is not None:
             self.mirror.reset(f"rank 0's step failed: {exc}")
         return self.reset(f"engine step failed: {exc}")
 
-    def update(self, out: ModelOutput) -> list[Event]:
-        """The step's results as events: each sampled token appended to its request (text,
-        stop strings, tool calls, finishing); the blocks its prefill completed are cut after
-        the tokens are answered (``cut_pending``)."""
+    def update(self, out: ModelOutput) -> list[Out]:
+        """The step's results as events: each sampled token appended to its request
+        (``TokensSampled``), finishing it at a stop token or its length; then, with the text
+        stage inline, the clients' events (text, stop strings, tool calls), the requests the
+        text ended taken out at once. The blocks its prefill completed are cut after the
+        tokens are answered (``cut_pending``)."""
         if self.caching:
             self._to_cut = [r for r in out.prompt_responses if r.end_of_segment]
-        events: list[Event] = []
+        raw: list[EngineEvent] = []
         for resp in out.responses:
             req = self._by_uid.get(resp.uid)
             if req is None:
                 continue
             try:
-                events.extend(self._on_token(req, resp))
+                self._on_token(req, resp, raw)
             except Exception as exc:  # one request's post-processing failed: only it fails
                 log.exception("request %s failed", req.request_id)
                 self.runner.remove(req.uid)
-                events.append(self._finish(req, "error", error=str(exc), kind="internal"))
-        return events
+                raw.append(self._finish(req, "error", error=str(exc), kind="internal"))
+        return self._through_text(raw)
+
+    def _through_text(self, raw: list[EngineEvent]) -> list[Out]:
+        """The clients' events for the engine's, through the inline text stage, ending at
+        once the requests it ended; without one, the engine's events as they are."""
+        if self.text is None:
+            return list(raw)
+        events, notices = self.text.feed(raw)
+        for notice in notices:
+            self.end(notice.request_id, notice.uid)
+        return list(events)
 
     def _plan(self, limit: int | None) -> tuple[SchedulerOutput, int]:
         """The step's plan from ``schedule``, and the memory in use it was made with. When the
@@ -616,55 +672,40 @@ class Engine:
         except Exception:
             log.exception("could not cut prefix blocks of %s", req.request_id)
 
-    def _on_token(self, req: Request, resp: Any) -> list[Event]:
+    def _on_token(self, req: Request, resp: Any, raw: list[EngineEvent]) -> None:
+        """Append one sampled token of ``req`` to ``raw`` (with the tokens the same step
+        sampled before it for ``req``, in one ``TokensSampled``), finishing the request at a
+        stop token or its length, or at the token its grammar could not give."""
         grammar = req.grammar
         if grammar is not None and grammar.error_at is not None \
                 and req.generated >= grammar.error_at:
-            return [self._grammar_failed(req, grammar, resp)]
+            raw.append(self._grammar_failed(req, grammar, resp))
+            return
         token = resp.token
-        now = time.perf_counter()
+        ttft = None
         if req.first_token_at is None:
-            req.first_token_at = now
+            req.first_token_at = time.perf_counter()
+            ttft = req.first_token_at - req.added_at
         req.generated += 1
         self.generated_tokens += 1
         finish = resp.finish_reason
-        events: list[Event] = []
         if finish is not None:
             self._cut_finished(req, resp.prompt_cache, resp.all_tokens)
-        if token in req.stop_ids and finish == "stop":
-            # EOS and stop token ids end the text; they are not part of it.
-            req.detokenizer.finalize()
-            text, _ = req.stops.feed(req.detokenizer.last_segment)
-            text += req.stops.flush()
-            if rest := delta(req, text, [], None, last=True):
-                events.append(rest)
-            events.append(self._finish(req, "stop"))
-            return events
-        req.detokenizer.add_token(token)
-        if finish is not None:
-            req.detokenizer.finalize()
-        text, matched = req.stops.feed(req.detokenizer.last_segment)
-        logprobs = (token_logprobs(self.tokenizer, token, resp.logprobs,
-                                   req.sampling.top_logprobs)
+        logprobs = (sampled_logprobs(token, resp.logprobs, req.sampling.top_logprobs)
                     if req.sampling.logprobs else None)
-        if matched:
-            events.append(delta(req, text, [token], logprobs, last=True, cut=True))
-            # The stop string ended the request inside the batch: take it out now.
-            self._take_out(req)
-            events.append(self._finish(req, "stop", stop_sequence=req.stops.matched))
-            return events
+        last = raw[-1] if raw else None
+        if isinstance(last, TokensSampled) and last.request_id == req.request_id \
+                and last.finish_reason is None:
+            last.token_ids.append(token)
+            last.finish_reason = finish
+            if logprobs is not None and last.logprobs is not None:
+                last.logprobs.append(logprobs)
+        else:
+            raw.append(TokensSampled(request_id=req.request_id, token_ids=[token],
+                                     finish_reason=finish, ttft_s=ttft,
+                                     logprobs=[logprobs] if logprobs is not None else None))
         if finish is not None:
-            text += req.stops.flush()
-        events.append(delta(req, text, [token], logprobs, last=finish is not None,
-                            cut=finish == "length"))
-        if req.parser is not None and req.parser.ended:
-            # A call repeated an earlier one: the answer ended there, as at a stop string.
-            if finish is None:
-                self._take_out(req)
-            events.append(self._finish(req, "tool_calls"))
-        elif finish is not None:
-            events.append(self._finish(req, finish))
-        return events
+            raw.append(self._finish(req, finish))
 
     def _grammar_failed(self, req: Request, grammar: GrammarProcessor, resp: Any
                         ) -> RequestFinished:
@@ -686,6 +727,10 @@ class Engine:
 
     # -- endings -------------------------------------------------------------------------
 
+    def _forget(self, req: Request) -> None:
+        self.requests.pop(req.request_id, None)
+        self._by_uid.pop(req.uid, None)
+
     def _finish(
         self,
         req: Request,
@@ -693,13 +738,11 @@ class Engine:
         *,
         error: str | None = None,
         kind: ErrorKind | None = None,
-        stop_sequence: str | None = None,
     ) -> RequestFinished:
-        self.requests.pop(req.request_id, None)
-        self._by_uid.pop(req.uid, None)
+        """The engine's last event of a request (the text stage adds what the text knows:
+        its reasoning tokens, a "tool_calls" finish)."""
+        self._forget(req)
         ttft = None if req.first_token_at is None else req.first_token_at - req.added_at
-        if reason == "stop" and req.parser is not None and req.parser.calls_made:
-            reason = "tool_calls"  # the answer ended after calling tools
         return RequestFinished(
             request_id=req.request_id,
             finish_reason=reason,
@@ -707,24 +750,22 @@ class Engine:
                 prompt_tokens=req.prompt_len,
                 completion_tokens=req.generated,
                 cached_tokens=req.cached_tokens,
-                reasoning_tokens=req.reasoning_tokens,
             ),
             error=error,
             error_kind=kind,
             ttft_s=ttft,
-            stop_sequence=stop_sequence,
         )
 
-    def reset(self, message: str) -> list[Event]:
+    def reset(self, message: str) -> list[Out]:
         """Fail every request and start a fresh batch (after a failed step)."""
-        events: list[Event] = [
+        events: list[EngineEvent] = [
             self._finish(req, "error", error=message, kind="internal")
             for req in list(self.requests.values())
         ]
         self.runner.reset()
         self.blocks.drop_hot()
         mx.clear_cache()
-        return events
+        return self._through_text(events)
 
     # -- the per-chunk memory gate -------------------------------------------------------------
 
@@ -747,12 +788,12 @@ class Engine:
                       blocks_left=blocks_left)
 
     def _fail_for_memory(self, plan: SchedulerOutput, limit: int | None, floor: int, usage: int
-                         ) -> list[Event]:
+                         ) -> list[EngineEvent]:
         """Take the requests the plan fails or rejects for want of memory out of the batch,
         freeing their caches."""
         uids = [*plan.fail, *([plan.reject] if plan.reject is not None else [])]
         reqs = [r for r in (self._by_uid.get(uid) for uid in uids) if r is not None]
-        events: list[Event] = []
+        events: list[EngineEvent] = []
         if not reqs:
             return events
         if limit is None or self.memory is None:

@@ -9,9 +9,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, greedy_sampler, make_sampler
-from troupe.actors.engine.agent_output import OutputParser
 from troupe.actors.engine.grammar import GrammarProcessor
-from troupe.actors.engine.output import StopStringFilter
 from troupe.actors.messages import SamplingParams
 
 # mx.random.key takes an unsigned 64-bit seed; any integer a request sends wraps into it.
@@ -129,8 +127,6 @@ class Request:
     uid: int
     prompt_len: int
     sampling: SamplingParams
-    detokenizer: Any
-    stops: StopStringFilter
     stop_ids: frozenset[int]
     added_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
@@ -147,8 +143,5 @@ class Request:
     # later), and how many leading blocks have theirs.
     windows: dict[int, list[Any]] = field(default_factory=dict)
     windows_upto: int = 0
-    # Reads tool calls and reasoning out of a chat answer (None: the text is all content).
-    parser: OutputParser | None = None
-    reasoning_tokens: int = 0
     # The grammar's logits processor (None: unconstrained), which says when it cannot go on.
     grammar: GrammarProcessor | None = None
