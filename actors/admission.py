@@ -52,6 +52,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_tokenizer
 from transformers import PreTrainedTokenizerBase
 from transformers.utils.chat_template_utils import render_jinja_template
+
 from troupe.actors.config import TEMPLATE_TIMEOUT_S
 from troupe.actors.distributed.shards import rank_memory_of
 from troupe.actors.engine.agent_output import (

@@ -31,8 +31,9 @@ import msgspec
 import numpy as np
 import safetensors.numpy
 from safetensors import SafetensorError
-from troupe.actors.cache_messages import FORMAT_VERSION, BlockData
 from zlib_ng import zlib_ng
+
+from troupe.actors.cache_messages import FORMAT_VERSION, BlockData
 
 FILE_SUFFIX = ".safetensors"
 TEMP_SUFFIX = ".tmp"

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+
 from troupe.runtime import Message
 
 # Bumped whenever the on-disk block layout changes; files of another version are skipped.

@@ -6,6 +6,7 @@ import difflib
 from typing import Annotated, Any, Literal
 
 import msgspec
+
 from troupe.actors.engine.config import (
     DEFAULTS,
     EngineConfig,

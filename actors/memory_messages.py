@@ -8,6 +8,7 @@ behalf.
 from __future__ import annotations
 
 import msgspec
+
 from troupe.runtime import Message
 
 # --- memory monitor -> admission, schedulers -------------------------------------------------

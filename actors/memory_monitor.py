@@ -28,6 +28,7 @@ from collections import deque
 from typing import Any
 
 import mlx.core as mx
+
 from troupe.actors.cache_messages import SpillRam
 from troupe.actors.engine.memory_estimate import (
     HARD,

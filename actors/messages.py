@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import msgspec
+
 from troupe.runtime import Message, ReplyStream
 
 

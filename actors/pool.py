@@ -27,6 +27,7 @@ from typing import Any
 
 import mlx.core as mx
 import msgspec
+
 from troupe.actors.cache_index import CACHE_INDEX_THREAD, CacheIndex
 from troupe.actors.cache_lock import CacheDirLock
 from troupe.actors.engine.config import EngineConfig, speculation

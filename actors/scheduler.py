@@ -40,6 +40,7 @@ import mlx.core as mx
 import msgspec
 from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_load
+
 from troupe.actors.cache_messages import (
     BlocksRead,
     CancelWrites,

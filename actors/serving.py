@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
+
 from troupe.actors.admission import ADMISSION_THREAD, Admission
 from troupe.actors.config import ServeConfig, model_specs
 from troupe.actors.engine import cpu_kernels

@@ -11,6 +11,7 @@ import hmac
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
+
 from troupe.actors.config import ServeConfig, api_keys
 from troupe.api.anthropic import AnthropicRoutes
 from troupe.api.cache_namespace import CACHE_NAMESPACE, key_namespace

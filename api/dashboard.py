@@ -33,6 +33,7 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
+
 from troupe.api.introspection import encode_json
 from troupe.api.sse import EventStream
 from troupe.api.telemetry import CLIENT_CLOSED, RECORD, RequestRecord

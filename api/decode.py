@@ -11,6 +11,7 @@ import msgspec
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
+
 from troupe.api.errors import ApiError
 from troupe.api.shutdown import SHUTTING_DOWN
 

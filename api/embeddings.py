@@ -13,6 +13,7 @@ from typing import Any, Literal
 import msgspec
 import numpy as np
 from aiohttp import web
+
 from troupe.actors.messages import AbortRequest, AdmitEmbed, AdmitRerank, EmbedAnswer
 from troupe.api.cache_namespace import request_namespace
 from troupe.api.decode import decode_body

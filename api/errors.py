@@ -15,6 +15,7 @@ from typing import Any, Literal
 import msgspec
 from aiohttp import web
 from aiohttp.typedefs import Handler
+
 from troupe.actors.messages import AdmissionError, ErrorKind
 from troupe.runtime import ActorDead, ActorRef, AskTimeout, MailboxFull, Message
 

@@ -14,6 +14,7 @@ import logging
 from abc import ABC, abstractmethod
 
 from aiohttp import web
+
 from troupe.actors.messages import (
     AdmissionTicket,
     RequestEvent,

@@ -13,6 +13,7 @@ from typing import Protocol, TypeVar
 
 import msgspec
 from aiohttp import web
+
 from troupe.actors.messages import AdmissionTicket, AdmitChat, AdmitCompletion, Admitted
 from troupe.api.cache_namespace import request_namespace
 from troupe.api.decode import decode_body

@@ -23,6 +23,8 @@ from typing import Any
 import aiohttp
 from aiohttp.abc import AbstractResolver, ResolveResult
 from aiohttp.resolver import ThreadedResolver
+from yarl import URL
+
 from troupe.actors.config import ServeConfig
 from troupe.actors.images import (
     MEDIA_TYPES,
@@ -34,7 +36,6 @@ from troupe.actors.images import (
     image_parts,
 )
 from troupe.api.errors import ApiError
-from yarl import URL
 
 # A whole fetch (every redirect and the body) must end within this.
 FETCH_TIMEOUT_S = 10.0

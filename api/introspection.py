@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import msgspec
 from aiohttp import web
+
 from troupe.api.errors import ApiError
 from troupe.runtime import ActorSystem
 

@@ -20,6 +20,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
 from troupe.api.errors import STATUS_OF
 from troupe.runtime import ActorSystem
 

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from aiohttp import web
 from msgspec import Meta
+
 from troupe.actors.config import ServeConfig
 from troupe.actors.messages import (
     AdmitChat,

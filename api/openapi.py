@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 from aiohttp import web
+
 from troupe.actors.config import ServeConfig
 from troupe.api import anthropic, embeddings, openai, responses
 from troupe.api.errors import AnthropicErrorBody, ErrorBody, shape_for

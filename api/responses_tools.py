@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+
 from troupe.actors.messages import OutputFormat
 from troupe.api.errors import ApiError
 

@@ -33,6 +33,7 @@ from aiohttp import web
 from aiohttp.http import RawRequestMessage
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
+
 from troupe.actors.config import ServeConfig, api_keys
 from troupe.api.app import create_app
 from troupe.api.errors import ApiError, shape_for

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import TypeVar
 
 from aiohttp import web
+
 from troupe.api.errors import ApiError
 
 log = logging.getLogger(__name__)

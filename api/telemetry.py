@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
+
 from troupe.actors.messages import RequestEvent, RequestFinished, RequestStarted, TokensGenerated
 from troupe.api.metrics import Metrics
 from troupe.runtime import ReplyStream

@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402  (beside this file; it puts the repository on the path)
 import sessions  # noqa: E402
 from agent_shapes import Answer, ClaudeCode, Request, Script, reuse  # noqa: E402
+
 from troupe.actors.tool_prompt import with_tools_in_prompt  # noqa: E402  (json only)
 
 TROUPE, MLX_LM, LLAMACPP = sessions.TROUPE, sessions.MLX_LM, sessions.LLAMACPP

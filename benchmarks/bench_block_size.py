@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from mlx_lm import load
+
 from troupe.actors.engine.config import EngineConfig
 from troupe.actors.engine.core import Engine
 from troupe.actors.engine.kv_blocks import to_numpy

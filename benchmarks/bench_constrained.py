@@ -88,6 +88,7 @@ def main() -> None:
 
     import mlx.core as mx
     import msgspec
+
     from troupe.actors.config import ServeConfig
     from troupe.actors.engine.core import Engine
     from troupe.actors.engine.grammar import Grammars

@@ -47,6 +47,7 @@ def child(model_dir: str, choice: str, home: str) -> None:
     import numpy as np
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
+
     from troupe.actors.engine import cpu_kernels
 
     kernels = cpu_kernels.enable(choice, Path(home))

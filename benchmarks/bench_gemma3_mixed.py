@@ -38,6 +38,7 @@ def once(model: Any, tok: Any, long_prompt: list[int], chunk: int,
     """Seconds and steps until the long prompt's first token, 4 streams decoding meanwhile."""
     from engine_helpers import engine_config, greedy
     from reference import PROMPTS
+
     from troupe.actors.engine.core import Engine
 
     engine = Engine(model, tok, engine_config(prefill_step_size=chunk, mixed_step=mixed))
@@ -66,6 +67,7 @@ def main() -> None:
     from mlx_lm import load
     from reference import PROMPTS
     from tiny_model import make_tiny_model
+
     from troupe.actors.engine import cpu_kernels
 
     if args.kernels == "native":

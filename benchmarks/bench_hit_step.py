@@ -89,6 +89,7 @@ def main() -> None:
     same_blas_as_troupe_serve()
 
     import mlx.core as mx
+
     from troupe.actors.config import ServeConfig
     from troupe.actors.engine.core import Engine
     from troupe.actors.engine.hot_cache import HOT_ENTRIES

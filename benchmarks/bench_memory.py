@@ -176,6 +176,7 @@ async def time_to_413(model: str, args: argparse.Namespace, tokens: list[int]) -
 
 async def swap(model: str, args: argparse.Namespace) -> dict:
     import aiohttp
+
     from troupe.actors.engine.memory_estimate import model_memory_of
     from troupe.actors.models.store import resolve_model
 
@@ -217,6 +218,7 @@ async def swap(model: str, args: argparse.Namespace) -> dict:
 
 async def run(args: argparse.Namespace) -> dict:
     from mlx_lm.utils import load_tokenizer
+
     from troupe.actors.models.blas import loaded_blas
     from troupe.actors.models.store import resolve_model
 

@@ -64,6 +64,7 @@ def main() -> None:
         RotatingKVCache,
         make_prompt_cache,
     )
+
     from troupe.actors.engine import cpu_kernels
     from troupe.actors.engine.forward import (
         chunk_attention,

@@ -40,6 +40,7 @@ def main() -> None:
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
+
     from troupe.actors.engine import cpu_kernels
     from troupe.actors.engine.memory_estimate import (
         model_memory_of,

@@ -111,6 +111,7 @@ def main() -> None:
     same_blas_as_troupe_serve()
 
     import msgspec
+
     from troupe.actors.messages import SamplingParams
 
     model, tok = load_ceiling(args.model or resolve_default_model())

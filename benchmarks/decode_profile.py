@@ -65,6 +65,7 @@ def main() -> None:
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.models.llama import swiglu
     from mlx_lm.sample_utils import make_sampler
+
     from troupe.actors.engine import cpu_kernels
     from troupe.actors.engine.forward import mixed_forward
     from troupe.actors.messages import SamplingParams

@@ -25,6 +25,7 @@ def served_engine(model: Any, tok: Any, sampling: Any, draft: Any = None) -> Any
     (``draft_model.DraftModel``) drafting for it, as ``--draft-model`` gives."""
     import mlx.core as mx
     import msgspec
+
     from troupe.actors.config import ServeConfig
     from troupe.actors.engine.core import Engine
 

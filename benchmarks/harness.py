@@ -548,6 +548,7 @@ def load_ceiling(model_dir: str, kernels: str = "native") -> tuple[Any, Any]:
     CPU kernels troupe serves with (``--troupe-args='--cpu-kernels mlx'`` gives MLX's to
     both), so the ceiling measures what serving costs, not the kernels."""
     from mlx_lm import load  # lazy: the harness drives servers without MLX loaded
+
     from troupe.actors.engine import cpu_kernels
     from troupe.actors.models.store import troupe_home
 
@@ -562,6 +563,7 @@ def ceiling_level(model: Any, tok: Any, messages: list[Messages], concurrency: i
     HTTP clients: the most any server could do on this machine, so that the ceiling measures
     what serving costs, not the step."""
     from mlx_lm.sample_utils import greedy_sampler
+
     from troupe.actors.config import ServeConfig
     from troupe.actors.engine.config import EngineConfig
     from troupe.actors.engine.runner import Runner

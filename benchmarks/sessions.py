@@ -57,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402  (beside this file: the harness's helpers)
 import sessions_peers as peers  # noqa: E402
 import sessions_workload as scripts  # noqa: E402
+
 from troupe.actors.tool_prompt import with_tools_in_prompt  # noqa: E402  (json only; the path is set)
 
 TROUPE, MLX_LM, VLLM, LLAMACPP = "mlx-troupe", "mlx_lm.server", "vllm-mlx", "llama.cpp"

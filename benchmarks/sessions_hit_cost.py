@@ -55,6 +55,7 @@ def main() -> None:
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
+
     from troupe.actors.engine import cpu_kernels
     from troupe.actors.models.store import troupe_home
 

@@ -11,6 +11,7 @@ import threading
 from typing import Any
 
 import msgspec
+
 from troupe.runtime import Actor, ActorSystem, Message, Restart
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import aiohttp
 import msgspec
 from mlx_lm.utils import load_tokenizer
+
 from troupe.actors.config import ServeConfig
 from troupe.actors.messages import (
     AddRequest,

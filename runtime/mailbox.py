@@ -6,6 +6,7 @@ import asyncio
 
 import anyio
 from anyio import BrokenResourceError, ClosedResourceError, EndOfStream, WouldBlock
+
 from troupe.runtime.errors import ActorDead, MailboxFull
 from troupe.runtime.messages import Envelope
 

@@ -7,6 +7,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+
 from troupe.runtime.messages import Envelope
 from troupe.runtime.reply import ReplyStream, open_reply
 from troupe.runtime.snapshot import ENDED

@@ -79,6 +79,7 @@ def tiny_hybrid_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tokenizer():
     """The default model's tokenizer (SmolLM2's 49k vocabulary), as mlx-lm loads it."""
     from mlx_lm.utils import load_tokenizer
+
     from troupe.actors.models.store import resolve_model
 
     return load_tokenizer(resolve_model(None).path)

@@ -34,6 +34,7 @@ import openai
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient
+
 from troupe.actors.config import ServeConfig
 from troupe.actors.messages import (
     AdmissionError,

@@ -14,11 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import troupe.actors.admission as admission_module
 from http_stack import real_client
 from mlx_lm.utils import load_tokenizer
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
+
+import troupe.actors.admission as admission_module
 from troupe.actors.admission import Admission, prompt_bound
 from troupe.actors.config import ServeConfig
 

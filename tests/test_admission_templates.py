@@ -26,9 +26,10 @@ import anthropic
 import httpx
 import openai
 import pytest
-import troupe.actors.admission as admission_module
 from http_stack import real_client, serve_logged
 from tiny_model import CHATML
+
+import troupe.actors.admission as admission_module
 from troupe.actors.admission import RENDER_CHARS_PER_TOKEN
 from troupe.actors.config import ServeConfig
 from troupe.actors.serving import start_serving

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
 from troupe.actors.engine.agent_output import (
     FALLBACK_TOOL_FORMAT,
     OutputParser,

@@ -14,6 +14,7 @@ from typing import Any
 
 import jsonschema
 from http_stack import real_client
+
 from troupe.actors.config import ServeConfig
 from troupe.actors.tool_prompt import uses_tools, with_tools_in_prompt
 

@@ -27,6 +27,7 @@ from http_stack import (
     real_stack,
 )
 from mlx_lm.utils import load_tokenizer
+
 from troupe.actors.admission import Admission
 from troupe.actors.config import ServeConfig
 from troupe.actors.messages import (

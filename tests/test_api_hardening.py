@@ -26,6 +26,7 @@ import http_stack
 import pytest
 from aiohttp.test_utils import TestClient
 from http_stack import MODEL, Scripted, parse_data_sse, real_stack
+
 from troupe.actors.config import ServeConfig
 from troupe.api.cli import build_parser, serve_config
 from troupe.api.decode import MAX_JSON_DEPTH, json_depth_exceeds

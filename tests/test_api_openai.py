@@ -28,6 +28,7 @@ from http_stack import (
     Scripted,
     parse_data_sse,
 )
+
 from troupe.actors.messages import AdmitChat, AdmitCompletion, OutputFormat
 from troupe.api.stops import MAX_STOP_CHARS
 

@@ -24,6 +24,7 @@ from http_stack import (
     real_stack,
 )
 from prometheus_client.parser import text_string_to_metric_families
+
 from troupe.api.cli import build_parser, serve_config
 from troupe.api.shutdown import INFLIGHT
 from troupe.runtime import Actor, Message

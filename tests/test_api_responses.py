@@ -34,6 +34,7 @@ from http_stack import (
 )
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
+
 from troupe.actors.messages import AdmitChat, OutputFormat, ToolChoice
 
 RESPONSES = "/v1/responses"

@@ -27,6 +27,7 @@ from engine_helpers import engine_config, greedy, ram_hit, run, run_arriving
 from mlx_lm import load
 from reference import PROMPTS, reference_tokens
 from tiny_model import make_tiny_model
+
 from troupe.actors import block_store
 from troupe.actors.engine.core import Engine
 from troupe.actors.engine.kv_blocks import KVBlock, from_numpy, to_numpy

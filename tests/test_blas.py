@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+
 from troupe.actors.models import blas
 
 GREEDY = """

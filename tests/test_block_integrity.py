@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 from test_ssd_writer import FP, eventually, make_block, make_chain, running_cache
+
 from troupe.actors import block_store
 from troupe.actors.cache_messages import FORMAT_VERSION, ReadBlocks
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from troupe.actors import block_store
 from troupe.actors.cache_index import CACHE_INDEX_THREAD, CacheIndex, DiskTable
 from troupe.actors.cache_messages import (

@@ -15,6 +15,7 @@ from typing import Any
 import http_stack
 import pytest
 from http_stack import MODEL, Scripted, real_client
+
 from troupe.actors.config import ServeConfig
 from troupe.actors.messages import AdmitChat, AdmitCompletion
 from troupe.actors.serving import start_serving

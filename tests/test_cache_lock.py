@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
 from troupe.actors.cache_lock import LOCK_FILE, CacheDirBusy, CacheDirLock
 from troupe.actors.distributed.shards import rank_cache_dir
 from troupe.actors.follower_disk import FollowerDisk

@@ -40,6 +40,7 @@ def client(server: str) -> openai.OpenAI:
 def is_patch(text: str) -> bool:
     """Whether ``text`` is a sentence of Codex's apply_patch grammar (llguidance's reading)."""
     from mlx_lm.utils import load_tokenizer
+
     from troupe.actors.engine.grammar import Grammars
     from troupe.actors.models.store import resolve_model
 

@@ -17,6 +17,7 @@ from agent_shapes import APPLY_PATCH
 from http_stack import real_client
 from llguidance import LLMatcher
 from openai.types.responses import Response
+
 from troupe.actors.config import ServeConfig
 from troupe.actors.messages import ToolChoice
 from troupe.actors.tool_prompt import with_tools_in_prompt

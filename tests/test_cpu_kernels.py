@@ -12,6 +12,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+
 from troupe.actors.engine import cpu_kernels
 
 

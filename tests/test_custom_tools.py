@@ -18,6 +18,7 @@ import pytest
 from agent_shapes import APPLY_PATCH_GRAMMAR
 from llguidance import LLMatcher
 from mlx_lm.tool_parsers import json_tools, mistral, qwen3_coder
+
 from troupe.actors.engine.custom_tools import FreeformError, check_format, json_string_grammar
 from troupe.actors.engine.grammar import Constraint, Grammars
 from troupe.actors.messages import OutputFormat, ToolChoice

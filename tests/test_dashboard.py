@@ -18,6 +18,7 @@ import aiohttp
 import http_stack
 import pytest
 from http_stack import BUSY_MODEL, MODEL, Scripted
+
 from troupe.api.dashboard import HUB, INTERVAL_S, PUBLIC_PATHS, EventHub, History, RequestBoard
 from troupe.runtime import Actor, ActorSnapshot, Message, Restart
 

@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 import msgspec
 import pytest
+
 from troupe.actors.distributed.follower import connect, follow
 from troupe.actors.distributed.leader import Followers
 from troupe.actors.distributed.protocol import (

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from tiny_model import make_tiny_model
+
 from troupe.actors.admission import Admission
 from troupe.actors.distributed.shards import rank_memory_of
 from troupe.actors.engine.memory_estimate import OK, model_memory_of, prompt_need

@@ -18,6 +18,7 @@ from typing import Any
 import mlx.core as mx
 import pytest
 from test_distributed import SECRET, Grammars, _following, _pair, _plan, free_port
+
 from troupe.actors import block_store
 from troupe.actors.distributed.follower import connect, follow
 from troupe.actors.distributed.leader import Followers
@@ -551,6 +552,7 @@ async def test_rank_0s_scheduler_tells_the_monitor_the_other_ranks_memory(
 
 def test_the_engines_memory_gate_counts_the_fullest_rank(tiny_model_dir: Path):
     from mlx_lm import load
+
     from troupe.actors.engine.core import Engine as RealEngine
     from troupe.actors.engine.memory_estimate import model_memory
     from troupe.actors.messages import RequestFinished

@@ -19,6 +19,7 @@ from engine_helpers import engine_config, greedy, ram_hit, run, run_aborting
 from mlx_lm import load
 from reference import reference_tokens
 from tiny_model import make_tiny_model, write_tokenizer
+
 from troupe.actors.config import ServeConfig
 from troupe.actors.engine.config import speculation
 from troupe.actors.engine.core import Engine
@@ -247,6 +248,7 @@ def test_drafts_drawn_from_a_draft_model_leave_tokens_distributed_as_one_a_step(
     q is p.)"""
     import mlx.core as mx
     from test_speculative import CHI2_999, chi2
+
     from troupe.actors.engine.request import RowSampler
 
     def normed(rows: list[list[float]]) -> mx.array:

@@ -19,6 +19,7 @@ from embed_models import (
 )
 from mlx_lm import load
 from mlx_lm.utils import load_config
+
 from troupe.actors.engine.config import EngineConfig
 from troupe.actors.engine.dense import read_dense
 from troupe.actors.engine.embed import (

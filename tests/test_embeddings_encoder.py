@@ -22,6 +22,7 @@ from embed_models import run_job, write_dense
 from encoder_models import make_encoder
 from http_stack import real_client_with_room, real_stack
 from tiny_model import make_tiny_model
+
 from troupe.actors.config import ServeConfig
 from troupe.actors.engine.embed import EmbedJob, detect_task
 from troupe.actors.engine.encoder import (

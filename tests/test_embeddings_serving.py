@@ -20,6 +20,7 @@ import pytest
 from embed_models import QUERY_PROMPT, make_embedding_model, make_reranker_model
 from http_stack import RealStack, real_client, real_client_with_room, real_stack
 from mlx_lm import load
+
 from troupe.actors.config import ServeConfig
 from troupe.actors.engine.embed import (
     Embedder,

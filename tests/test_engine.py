@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm import load
 from reference import PROMPTS, detokenize, reference_tokens
+
 from troupe.actors.engine.core import Engine
 from troupe.actors.engine.grammar import Grammars
 from troupe.actors.engine.schedule import MIN_MIXED_CHUNK, MIN_PREFILL_CHUNK

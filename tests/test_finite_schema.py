@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jsonschema
 import pytest
+
 from troupe.actors.engine.finite_schema import _Finite, unsatisfiable
 
 # The reproductions.

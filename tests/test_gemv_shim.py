@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+
 from troupe.actors.models import blas
 
 # In a subprocess started with a given LD_PRELOAD: products at the default model's shapes and

@@ -18,6 +18,7 @@ import mlx_lm
 import numpy as np
 import pytest
 from mlx.utils import tree_map
+
 from troupe.actors.models import store as model_store
 from troupe.actors.models.gguf import DEFAULT_DTYPE, _unpermute_rows
 from troupe.actors.models.store import (

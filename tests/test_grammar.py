@@ -19,6 +19,7 @@ from mlx_lm.sample_utils import greedy_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.tool_parsers import json_tools, mistral, qwen3_coder
 from reference import PROMPTS, reference_tokens
+
 from troupe.actors.engine.grammar import (
     Constraint,
     GrammarError,

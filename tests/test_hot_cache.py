@@ -16,6 +16,7 @@ from engine_helpers import engine_config
 from engine_helpers import greedy as engine_greedy
 from engine_helpers import run as run_all
 from mlx_lm import load
+
 from troupe.actors.engine import core
 from troupe.actors.engine.core import Engine
 from troupe.actors.engine.hot_cache import HOT_ENTRIES

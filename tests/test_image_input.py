@@ -23,11 +23,12 @@ import http_stack
 import msgspec
 import openai
 import pytest
-import troupe.api.images
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from http_stack import MODEL, Scripted
 from PIL import Image, ImageFile
+
+import troupe.api.images
 from troupe.actors.images import (
     MAX_IMAGE_PIXELS,
     ImageError,

@@ -16,6 +16,7 @@ import pytest
 from http_stack import real_client
 from mlx_lm.utils import load_tokenizer
 from tiny_model import make_tiny_model
+
 from troupe.actors import scheduler as scheduler_module
 from troupe.actors.config import ServeConfig
 from troupe.actors.engine.memory_estimate import model_memory_of, prompt_need

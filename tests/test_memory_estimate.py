@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
+
 from troupe.actors.engine.memory_estimate import (
     HARD,
     KV_STEP,

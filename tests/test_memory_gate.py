@@ -8,6 +8,7 @@ import mlx.core as mx
 import pytest
 from engine_helpers import engine_config
 from mlx_lm import load
+
 from troupe.actors.engine import schedule
 from troupe.actors.engine.core import Engine
 from troupe.actors.engine.memory_estimate import model_memory, model_memory_of, prompt_need

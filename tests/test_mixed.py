@@ -15,6 +15,7 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, make_prompt_
 from mlx_lm.models.rope_utils import YarnRoPE
 from reference import PROMPTS, reference_tokens
 from tiny_model import make_tiny_model
+
 from troupe.actors.engine.core import Engine
 from troupe.actors.engine.forward import mixed_forward, supports_mixed
 from troupe.actors.engine.ragged_cache import MERGE_SLACK, RaggedKVCache

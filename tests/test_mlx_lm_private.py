@@ -7,6 +7,7 @@ import importlib
 import inspect
 
 import pytest
+
 from troupe.actors import mlx_lm_private
 from troupe.actors.mlx_lm_private import ATTRIBUTES, FUNCTIONS, PATCHED, UntestedMlxLm, check_mlx_lm
 

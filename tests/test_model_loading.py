@@ -24,6 +24,7 @@ import openai
 import pytest
 from http_stack import real_client, real_stack
 from tiny_model import CHATML, make_tiny_model
+
 from troupe.actors.admission import with_model_defaults
 from troupe.actors.config import ServeConfig
 from troupe.actors.engine.memory_estimate import model_memory_of

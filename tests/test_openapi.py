@@ -39,6 +39,7 @@ from schemathesis.specs.openapi.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
+
 from troupe.actors.config import ServeConfig
 from troupe.api import anthropic, openai, responses
 from troupe.api.errors import AnthropicErrorBody, ErrorBody

@@ -9,6 +9,7 @@ from typing import Any
 
 from engine_helpers import encode, engine_config, greedy, run
 from reference import PROMPTS
+
 from troupe.actors.engine.core import Engine
 from troupe.actors.engine.schedule import LONG_PROMPT, SchedulerOutput
 from troupe.actors.messages import TokensGenerated

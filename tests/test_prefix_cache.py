@@ -9,6 +9,7 @@ import threading
 
 import numpy as np
 import pytest
+
 from troupe.actors.engine.kv_blocks import KVBlock
 from troupe.actors.engine.prefix import block_hashes, namespace_root
 from troupe.actors.engine.prefix_cache import PrefixCache

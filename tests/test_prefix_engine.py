@@ -13,6 +13,7 @@ import pytest
 from engine_helpers import engine_config, ram_hit
 from mlx_lm import load
 from tiny_model import make_tiny_model
+
 from troupe.actors.engine.core import Engine
 from troupe.actors.engine.kv_blocks import common_prefix, from_numpy, to_numpy
 from troupe.actors.engine.prefix import block_hashes, model_fingerprint, usable_blocks

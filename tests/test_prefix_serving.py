@@ -7,6 +7,7 @@ from collections import deque
 from pathlib import Path
 
 import pytest
+
 from troupe.actors.admission import without_billing_header
 from troupe.actors.config import ServeConfig
 from troupe.actors.serving import start_serving
@@ -109,6 +110,7 @@ async def test_a_block_corrupted_on_disk_between_runs_is_dropped_and_the_answer_
     # 4 KB of 0xFF (NaN) in one block's tensors, size and header intact: served, it turned a
     # cached prefix's answer into 16 <|endoftext|> after every restart.
     from test_block_integrity import overwrite_data
+
     from troupe.actors import block_store
     from troupe.actors.engine.prefix import model_fingerprint
 
@@ -215,6 +217,7 @@ def test_while_streams_decode_new_blocks_go_to_disk_a_few_megabytes_a_step():
     """A long prompt's ~90 MB of new blocks is not snapshotted in the step that cut them:
     each step takes about PERSIST_BYTES_PER_STEP (at least one block); at shutdown, all."""
     import mlx.core as mx
+
     from troupe.actors.engine.kv_blocks import KVBlock
     from troupe.actors.scheduler import PERSIST_BYTES_PER_STEP, Scheduler
 
@@ -353,6 +356,7 @@ async def test_a_disk_lookup_does_not_hold_the_step(tiny_model_dir):
     request goes on decoding, step after step, while the lookup is unanswered (the scheduler
     asks by message and gets the answer as a message, never awaiting the index in a step)."""
     from mlx_lm.utils import load_tokenizer
+
     from troupe.actors.cache_messages import FoundOnDisk, LookupDisk
     from troupe.actors.engine.config import EngineConfig
     from troupe.actors.messages import (
@@ -424,6 +428,7 @@ async def test_a_lookup_the_index_never_answers_starts_the_request_from_ram_alon
     """The index is gone quiet: the request waits for its answer at most LOOKUP_TIMEOUT_S, then
     runs from what RAM holds."""
     from mlx_lm.utils import load_tokenizer
+
     from troupe.actors.engine.config import EngineConfig
     from troupe.actors.messages import AddRequest, DescribeEngine, RequestFinished, SamplingParams
     from troupe.actors.scheduler import MLX_THREAD, Scheduler

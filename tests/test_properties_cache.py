@@ -33,6 +33,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
 from troupe.actors import block_store
 from troupe.actors.cache_index import CACHE_INDEX_THREAD, CacheIndex, DiskTable
 from troupe.actors.cache_messages import (

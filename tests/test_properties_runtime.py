@@ -34,6 +34,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
 from troupe.runtime import Actor, ActorDead, ActorRef, ActorSystem, MailboxFull, Message, Restart
 
 # How long one step may take to settle before it counts as hung.

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from troupe.actors.admission import Admission, TrackedEvents
 from troupe.actors.config import ServeConfig
 from troupe.actors.messages import AddRequest, ModelCard, RequestFinished, Usage

@@ -9,6 +9,7 @@ from typing import Any
 
 import anyio
 import pytest
+
 from troupe.runtime import Actor, ActorDead, ActorSystem, AskTimeout, Message
 
 

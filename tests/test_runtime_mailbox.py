@@ -8,6 +8,7 @@ from typing import Any
 import anyio
 import msgspec
 import pytest
+
 from troupe.runtime import Actor, ActorSystem, MailboxFull, Message
 
 

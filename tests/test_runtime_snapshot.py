@@ -8,6 +8,7 @@ from typing import Any
 
 import msgspec
 import pytest
+
 from troupe.runtime import Actor, ActorSnapshot, ActorSystem, Message, Restart
 
 

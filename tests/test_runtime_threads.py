@@ -9,6 +9,7 @@ from typing import Any
 import anyio
 import mlx.core as mx
 import pytest
+
 from troupe.runtime import Actor, ActorRef, ActorSystem, MailboxFull, Message
 
 

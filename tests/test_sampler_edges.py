@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from engine_helpers import encode, engine_config, run
 from reference import PROMPTS
+
 from troupe.actors.engine.core import Engine
 from troupe.actors.messages import SamplingParams
 

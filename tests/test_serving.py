@@ -14,9 +14,10 @@ from pathlib import Path
 import aiohttp
 import anthropic
 import pytest
-import troupe.actors.admission as admission_module
 from mlx_lm import load
 from reference import PROMPTS, detokenize, reference_tokens
+
+import troupe.actors.admission as admission_module
 from troupe.actors.config import ServeConfig
 from troupe.actors.serving import start_serving
 from troupe.api.app import create_app

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
 import pytest
+
 from troupe.actors.config import ServeConfig, serve_settings
 from troupe.actors.engine.config import EngineConfig, Setting
 from troupe.api.cli import build_parser, serve_config, setting_flags

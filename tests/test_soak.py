@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from troupe.tools.soak.corpus import build_corpus, error_shape_problem
 from troupe.tools.soak.judge import Ledger, judge_answer, judge_refusal, parse_answer
 from troupe.tools.soak.traffic import Spec

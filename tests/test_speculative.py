@@ -17,6 +17,7 @@ from engine_helpers import engine_config, greedy, ram_hit, run, run_aborting
 from mlx_lm import load
 from reference import reference_tokens
 from tiny_model import make_tiny_model
+
 from troupe.actors.engine.core import Engine
 from troupe.actors.engine.speculate import MAX_DRAFT, Drafter
 from troupe.actors.messages import AdmitChat, AdmitCompletion, SamplingParams, TokensGenerated
@@ -352,6 +353,7 @@ def test_a_hybrid_cache_after_drafts_holds_the_state_of_its_tokens(hybrid: Any) 
     import numpy as np
     from mlx_lm.models.cache import ArraysCache, make_prompt_cache
     from mlx_lm.sample_utils import greedy_sampler
+
     from troupe.actors.engine.request import RowSampler
     from troupe.actors.engine.runner import Runner
 
@@ -386,6 +388,7 @@ def test_a_hybrid_row_runs_what_it_carries_in_a_batch_too_large_for_drafts(hybri
     """A row carrying kept tokens when more rows join than drafts are verified for runs them
     in the plain step that follows, before its next input."""
     from mlx_lm.sample_utils import greedy_sampler
+
     from troupe.actors.engine.runner import SPECULATE_ROWS, Runner
 
     model, tok = hybrid
@@ -426,6 +429,7 @@ def test_a_hybrid_prefix_hit_after_a_drafted_run_answers_the_same(
     recurrent state restored) leaves blocks that answer a repeat of it as the first run
     did."""
     from engine_helpers import ram_hit
+
     from troupe.actors.engine import runner
     from troupe.actors.engine.prefix import usable_blocks
 
@@ -524,6 +528,7 @@ def test_verified_drafts_are_distributed_as_tokens_drawn_one_a_step(settings: di
     where the first was the draft's, follow the row's distribution at each position, whether
     the draft is likely or not."""
     import mlx.core as mx
+
     from troupe.actors.engine.request import RowSampler
 
     logits = mx.array([[2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -9.0],

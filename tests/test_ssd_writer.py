@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 from safetensors import safe_open
+
 from troupe.actors import block_store
 from troupe.actors.cache_index import CACHE_INDEX_THREAD, CacheIndex
 from troupe.actors.cache_messages import (

@@ -16,6 +16,7 @@ import pytest
 from engine_helpers import encode, engine_config, greedy
 from mlx_lm import load
 from reference import PROMPTS, detokenize, reference_tokens
+
 from troupe.actors.config import ServeConfig
 from troupe.actors.engine.core import Engine
 from troupe.actors.engine.grammar import Grammars

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from troupe.actors.engine.text import (
     EndRequest,
     SampledLogprobs,

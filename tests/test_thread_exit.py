@@ -18,6 +18,7 @@ import threading
 from pathlib import Path
 
 import pytest
+
 from troupe.runtime import Actor, ActorSystem
 from troupe.runtime.threads import at_thread_exit
 

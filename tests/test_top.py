@@ -24,6 +24,7 @@ from typing import Any
 
 import http_stack
 import pytest
+
 from troupe.api.server import HttpServer
 from troupe.runtime import Actor
 

@@ -26,6 +26,7 @@ from tiny_vlm import (
     make_tiny_qwen3_vl,
     make_tiny_qwen3_vl_moe,
 )
+
 from troupe.actors import block_store
 from troupe.actors.engine import runner
 from troupe.actors.engine.core import Engine

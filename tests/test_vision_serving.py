@@ -25,6 +25,7 @@ from tiny_vlm import (
     make_tiny_qwen3_5,
     make_tiny_qwen3_vl,
 )
+
 from troupe.actors.config import ServeConfig
 from troupe.actors.engine.memory_estimate import tower_transient
 from troupe.actors.engine.vision import VisionTower

@@ -20,6 +20,7 @@ from engine_helpers import engine_config, greedy, ram_hit, run
 from mlx_lm import load
 from mlx_lm.generate import stream_generate
 from tiny_model import make_tiny_model
+
 from troupe.actors import block_store
 from troupe.actors.cache_messages import BlockData
 from troupe.actors.engine.core import Engine

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from troupe.actors.workers import DaemonPool, Overrun, Watchdog
 
 ROOT = Path(__file__).resolve().parents[1]

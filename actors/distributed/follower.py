@@ -127,6 +127,7 @@ def follow(engine: Any, sock: socket.socket, rank: int, grammars: Any = None,
     Returns the process's exit code: 0 when rank 0 stopped, 1 when this rank diverged or
     cannot supply the cached blocks it promised, or rank 0 sent a frame it cannot read."""
     import mlx.core as mx
+
     from troupe.actors.engine.schedule import SchedulerOutput
     from troupe.actors.follower_cache import FollowerCache, SupplyError
 

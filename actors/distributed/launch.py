@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+
 from troupe.actors.distributed.follower import connect, follow
 from troupe.actors.distributed.protocol import read_secret
 from troupe.actors.distributed.shards import MODES, engine_config_for, load_shard, rank_cache_dir
@@ -63,6 +64,7 @@ def start_rank(config: Any, models: list[str | None], cache_base: str | Path,
 def _serve_follower(config: Any, spec: str | None, group: Any, open_disk: OpenDisk) -> int:
     """A follower rank: load its shard, connect to rank 0, run its batch until it stops."""
     import mlx.core as mx
+
     from troupe.actors.engine.core import Engine
     from troupe.actors.engine.grammar import Grammars
     from troupe.actors.engine.prefix import model_fingerprint

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+
 from troupe.actors.distributed.protocol import (
     CONNECT_TIMEOUT_S,
     HANDSHAKE_FRAME_MAX,

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+
 from troupe.actors.engine.config import EngineConfig
 from troupe.actors.messages import OutputSpec, SamplingParams
 

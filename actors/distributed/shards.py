@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+
 from troupe.actors.engine.config import EngineConfig
 from troupe.actors.engine.memory_estimate import ModelMemory, model_memory_of
 

@@ -19,6 +19,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import (
     make_logits_processors,
 )
+
 from troupe.actors.engine.config import DEFAULTS, EngineConfig
 from troupe.actors.engine.draft_model import DraftModel
 from troupe.actors.engine.grammar import GrammarProcessor, thinking_budget_processor

@@ -30,6 +30,7 @@ from functools import lru_cache
 from typing import Any
 
 from llguidance import LLMatcher
+
 from troupe.actors.messages import OutputFormat
 
 # The one parameter a freeform tool takes.

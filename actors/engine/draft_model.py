@@ -27,6 +27,7 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+
 from troupe.actors.engine.speculate import DraftLength
 
 

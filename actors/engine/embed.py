@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
+
 from troupe.actors.engine.config import EngineConfig
 from troupe.actors.engine.dense import Dense, apply_dense
 from troupe.actors.engine.embed_gate import StepShape, gate_step

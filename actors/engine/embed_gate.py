@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import mlx.core as mx
+
 from troupe.actors.engine.memory_estimate import ModelMemory, embed_step_need, idle_floor, too_large
 from troupe.actors.messages import AdmissionError
 

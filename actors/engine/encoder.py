@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
+
 from troupe.actors.engine.dense import Dense, apply_dense, dense_folders
 from troupe.actors.engine.embed_gate import StepShape, gate_step
 from troupe.actors.engine.memory_estimate import ModelMemory

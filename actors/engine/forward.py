@@ -51,6 +51,7 @@ from mlx_lm.models.base import (
 )
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 from mlx_lm.models.gemma3_text import clip_residual
+
 from troupe.actors.engine import cpu_kernels
 from troupe.actors.engine.ragged_cache import RaggedKVCache
 

@@ -27,6 +27,7 @@ import llguidance.numpy
 import mlx.core as mx
 import numpy as np
 from llguidance import LLMatcher, LLTokenizer
+
 from troupe.actors.engine.custom_tools import LarkInput, nested_grammars, with_inputs
 from troupe.actors.engine.finite_schema import unsatisfiable
 from troupe.actors.messages import OutputFormat, ToolChoice

@@ -19,6 +19,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+
 from troupe.actors.cache_messages import BlockData
 
 KV = "kv"

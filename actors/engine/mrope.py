@@ -23,6 +23,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+
 from troupe.actors.engine.vision import split_image_token
 
 # The families whose images are placed by M-RoPE, checked against mlx-vlm's generation in

@@ -9,6 +9,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, greedy_sampler, make_sampler
+
 from troupe.actors.engine.grammar import GrammarProcessor
 from troupe.actors.messages import SamplingParams
 

@@ -28,6 +28,7 @@ from mlx_lm.models.cache import (
 )
 from mlx_lm.sample_utils import greedy_sampler
 from mlx_lm.utils import maybe_set_recommended_wired_limit
+
 from troupe.actors.engine.batch import (
     PROMPT_CACHE_STEP,
     Rows,

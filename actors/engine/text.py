@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import msgspec
+
 from troupe.actors.engine.agent_output import OutputParser, Parsed
 from troupe.actors.messages import (
     OutputSpec,

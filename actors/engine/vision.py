@@ -21,6 +21,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+
 from troupe.actors.engine.deepstack import Deepstack
 
 # The families whose images troupe reads, checked against mlx-vlm's own generation in

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from troupe.actors.engine.vision import image_key, image_token_ids, vision_config
 from troupe.actors.messages import ImageInput
 

@@ -14,6 +14,7 @@ import logging
 from pathlib import Path
 
 import msgspec
+
 from troupe.actors.messages import DEFAULTABLE, SamplingDefaults
 
 log = logging.getLogger(__name__)

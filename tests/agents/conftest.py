@@ -9,6 +9,7 @@ from pathlib import Path
 
 import http_stack
 import pytest
+
 from troupe.actors.config import ServeConfig
 from troupe.actors.serving import start_serving
 from troupe.api.app import create_app

@@ -11,6 +11,7 @@ import json
 from typing import TYPE_CHECKING
 
 import aiohttp
+
 from troupe.tools.soak.corpus import (
     Case,
     request_bytes,

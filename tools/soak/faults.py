@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
+
 from troupe.tools.soak.clients import Clients
 from troupe.tools.soak.corpus import (
     CHAT,

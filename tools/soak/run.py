@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+
 from troupe.tools.soak import faults
 from troupe.tools.soak.clients import Clients
 from troupe.tools.soak.corpus import (

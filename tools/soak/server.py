@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+
 from troupe.tools.soak.settings import (
     BODY_TIMEOUT_S,
     CACHE_DISK_MAX,
