@@ -206,3 +206,46 @@ async def test_an_actor_can_kill_itself_from_its_own_handler(thread: str | None)
             while ref.alive:
                 await asyncio.sleep(0.001)
             assert system.snapshot()[0].state == "stopped"
+
+
+class Tick(Message):
+    pass
+
+
+class Stepper(Actor):
+    """Steps as a model's scheduler does: each Tick queues the next one to itself until
+    ``until`` is in the shared ``log``, where every message handled goes."""
+
+    def __init__(self, log: list[str], until: str) -> None:
+        self.log = log
+        self.until = until
+
+    async def handle(self, msg: Any) -> Any:
+        self.log.append(f"{self.name}:{type(msg).__name__}")
+        if isinstance(msg, Tick) and self.until not in self.log:
+            self.ref.try_tell(Tick())
+
+
+async def test_a_pinned_actors_turn_on_a_shared_thread_takes_every_message_queued_for_it() -> None:
+    # Two models' schedulers on the MLX thread: a scheduler's next step must not wait for the
+    # other's steps once per message queued before it (a memory monitor's limits, 4 a second,
+    # each waited for an embedding step, and a chat stream's next token for seconds).
+    log: list[str] = []
+    with anyio.fail_after(10):
+        async with ActorSystem() as system:
+            busy = await system.spawn(Stepper, name="busy", thread="mlx", log=log,
+                                      until="other:Tick")
+            other = await system.spawn(Stepper, name="other", thread="mlx", log=log,
+                                       until="other:Tick")
+            await busy.tell(Tick())
+            while log.count("busy:Tick") < 5:
+                await asyncio.sleep(0.001)
+            for _ in range(20):  # queued together, as a burst of messages piles up
+                other.try_tell(Where())
+            other.try_tell(Tick())
+            while "other:Tick" not in log:
+                await asyncio.sleep(0.001)
+    mine = [i for i, entry in enumerate(log) if entry.startswith("other:")]
+    assert len(mine) == 21
+    # Handled back to back: none of the busy actor's steps ran between them.
+    assert mine == list(range(mine[0], mine[0] + 21))
