@@ -15,6 +15,7 @@ reported. Its server serves embeddings or chat, not both: no chat runs beside it
 
     .venv/bin/python benchmarks/bench_embeddings.py
     .venv/bin/python benchmarks/bench_embeddings.py --inputs 512 --json out.json
+    .venv/bin/python benchmarks/bench_embeddings.py --beside-only   # the chat phase alone
 """
 
 from __future__ import annotations
@@ -191,14 +192,18 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             chat, embed = ids[0], ids[1]
             timeout = aiohttp.ClientTimeout(total=3600)
             async with aiohttp.ClientSession(timeout=timeout) as session:
-                troupe = await rates(session, base, embed, args)
-                probe = await vectors(session, base, embed, probes())
+                if args.beside_only:  # loaded and warmed up, as the rates would leave it
+                    await embed_rate(session, base, embed, texts(8, args.tokens, -1), 8, 1)
+                    troupe, probe = [], []
+                else:
+                    troupe = await rates(session, base, embed, args)
+                    probe = await vectors(session, base, embed, probes())
                 alone = await chat_beside(session, base, chat, embed, args, busy=False)
                 beside = await chat_beside(session, base, chat, embed, args, busy=True)
         finally:
             proc.terminate()
             proc.wait()
-    peer = await llamacpp(args) if args.llamacpp else None
+    peer = await llamacpp(args) if args.llamacpp and not args.beside_only else None
     out = {"model": chat_dir.name, "tokens_per_input": args.tokens, "inputs": args.inputs,
            "embeddings": troupe, "chat_alone": alone, "chat_beside_embeddings": beside}
     if peer is not None:
@@ -218,10 +223,13 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--no-llamacpp", dest="llamacpp", action="store_false",
                    help="troupe alone (no llama.cpp run)")
+    p.add_argument("--beside-only", action="store_true",
+                   help="only the chat streams alone and beside embeddings (no rates, no "
+                        "llama.cpp)")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = p.parse_args()
     result = asyncio.run(run(args))
-    peer = result.get("llamacpp_embeddings") or [None] * 3
+    peer = result.get("llamacpp_embeddings") or [None] * len(result["embeddings"])
     for r, q in zip(result["embeddings"], peer, strict=True):
         versus = "" if q is None else (f"; llama.cpp {q['inputs_per_s']:8.1f} inputs/s "
                                        f"({q['errors']} errors)")
