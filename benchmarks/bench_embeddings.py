@@ -11,7 +11,8 @@ requests sent back to back until the streams end. Then llama.cpp (xllamacpp, ``m
 bench-peers`` installs it) serves the GGUF the default model is converted from with
 ``--embeddings --pooling mean`` (64 slots: a 64-input request runs in one batch) and gets the
 same embedding requests; the cosine between the two servers' vectors of the same texts is
-reported. Its server serves embeddings or chat, not both: no chat runs beside it.
+reported (llama.cpp gets them one a request). Its server serves embeddings or chat, not
+both: no chat runs beside it.
 
     .venv/bin/python benchmarks/bench_embeddings.py
     .venv/bin/python benchmarks/bench_embeddings.py --inputs 512 --json out.json
@@ -170,7 +171,9 @@ async def llamacpp(args: argparse.Namespace) -> dict[str, Any] | None:
         await wait_healthy(base, proc)
         timeout = aiohttp.ClientTimeout(total=3600)
         async with aiohttp.ClientSession(timeout=timeout) as session:
-            probe = await vectors(session, base, "", probes())
+            # One text a request: several in one request change llama.cpp's vectors (a
+            # one-token text's aside), against the same texts sent one by one.
+            probe = [(await vectors(session, base, "", [text]))[0] for text in probes()]
             return {"embeddings": await rates(session, base, "", args), "probe": probe}
     finally:
         proc.terminate()
