@@ -53,18 +53,18 @@ from mlx_lm.utils import load_tokenizer
 from transformers import PreTrainedTokenizerBase
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from actors.config import TEMPLATE_TIMEOUT_S
-from actors.distributed.shards import rank_memory_of
-from actors.engine.agent_output import (
+from troupe.actors.config import TEMPLATE_TIMEOUT_S
+from troupe.actors.distributed.shards import rank_memory_of
+from troupe.actors.engine.agent_output import (
     FALLBACK_TOOL_FORMAT,
     prompt_opens_reasoning,
     think_tags_of,
     tool_format_of,
 )
-from actors.engine.embed import read_embed_spec, rerank_tokens, shared_prefix
-from actors.engine.encoder import is_encoder, pair_tokens, text_tokens
-from actors.engine.grammar import Constraint, GrammarError, Grammars
-from actors.engine.memory_estimate import (
+from troupe.actors.engine.embed import read_embed_spec, rerank_tokens, shared_prefix
+from troupe.actors.engine.encoder import is_encoder, pair_tokens, text_tokens
+from troupe.actors.engine.grammar import Constraint, GrammarError, Grammars
+from troupe.actors.engine.memory_estimate import (
     HARD,
     ModelMemory,
     admission_estimate,
@@ -75,11 +75,11 @@ from actors.engine.memory_estimate import (
     too_large,
     tower_transient,
 )
-from actors.engine.vision import vision_config, why_no_images
-from actors.engine.vision_prompt import image_token, load_processor, with_images
-from actors.images import MAX_IMAGE_PIXELS, ImageError, decode_part, image_parts
-from actors.memory_messages import LoadModel, MemoryLimits
-from actors.messages import (
+from troupe.actors.engine.vision import vision_config, why_no_images
+from troupe.actors.engine.vision_prompt import image_token, load_processor, with_images
+from troupe.actors.images import MAX_IMAGE_PIXELS, ImageError, decode_part, image_parts
+from troupe.actors.memory_messages import LoadModel, MemoryLimits
+from troupe.actors.messages import (
     AbortRequest,
     AddRequest,
     AdmissionError,
@@ -105,10 +105,10 @@ from actors.messages import (
     SamplingParams,
     ToolChoice,
 )
-from actors.retry import Drain
-from actors.tool_prompt import uses_tools, with_parsed_arguments, with_tools_in_prompt
-from actors.workers import DaemonPool, Overrun, Watchdog
-from runtime import Actor, ActorDead, ActorRef, MailboxFull, Reply, ReplyStream
+from troupe.actors.retry import Drain
+from troupe.actors.tool_prompt import uses_tools, with_parsed_arguments, with_tools_in_prompt
+from troupe.actors.workers import DaemonPool, Overrun, Watchdog
+from troupe.runtime import Actor, ActorDead, ActorRef, MailboxFull, Reply, ReplyStream
 
 log = logging.getLogger("actors.admission")
 

@@ -33,7 +33,7 @@ import safetensors.numpy
 from safetensors import SafetensorError
 from zlib_ng import zlib_ng
 
-from actors.cache_messages import FORMAT_VERSION, BlockData
+from troupe.actors.cache_messages import FORMAT_VERSION, BlockData
 
 FILE_SUFFIX = ".safetensors"
 TEMP_SUFFIX = ".tmp"

@@ -15,8 +15,8 @@ import os
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from actors import block_store
-from actors.cache_messages import (
+from troupe.actors import block_store
+from troupe.actors.cache_messages import (
     BlockPersisted,
     BlockWriteFailed,
     ForgetBlocks,
@@ -26,8 +26,8 @@ from actors.cache_messages import (
     MakeRoom,
     OnDisk,
 )
-from actors.engine.lru import Lru
-from runtime import Actor, ActorDead
+from troupe.actors.engine.lru import Lru
+from troupe.runtime import Actor, ActorDead
 
 log = logging.getLogger("actors.cache_index")
 

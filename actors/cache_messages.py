@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from runtime import Message
+from troupe.runtime import Message
 
 # Bumped whenever the on-disk block layout changes; files of another version are skipped.
 # 2: a checksum of the tensor data in the metadata (version 1 files cannot be verified).

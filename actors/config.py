@@ -7,8 +7,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from actors.engine.config import DEFAULTS, EngineConfig, Setting, setting, settings_of, speculation
-from actors.images import MAX_IMAGE_PIXELS
+from troupe.actors.engine.config import DEFAULTS, EngineConfig, Setting, setting, settings_of, speculation
+from troupe.actors.images import MAX_IMAGE_PIXELS
 
 # Seconds a chat template may take to render one request's conversation (admission's bound).
 TEMPLATE_TIMEOUT_S = 2.0

@@ -23,8 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from actors.cache_messages import BlockData
-from actors.engine.kv_blocks import KVBlock, from_numpy, to_numpy
+from troupe.actors.cache_messages import BlockData
+from troupe.actors.engine.kv_blocks import KVBlock, from_numpy, to_numpy
 
 log = logging.getLogger("actors.follower_cache")
 

@@ -19,9 +19,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from actors.cache_index import CACHE_INDEX_THREAD, CacheIndex
-from actors.cache_lock import CacheDirLock
-from actors.cache_messages import (
+from troupe.actors.cache_index import CACHE_INDEX_THREAD, CacheIndex
+from troupe.actors.cache_lock import CacheDirLock
+from troupe.actors.cache_messages import (
     BlockData,
     BlocksRead,
     FoundOnDisk,
@@ -29,9 +29,9 @@ from actors.cache_messages import (
     ReadBlocks,
     WriteBlock,
 )
-from actors.follower_cache import FLUSH_DEADLINE_S
-from actors.ssd_writer import SSD_THREAD, SsdWriter
-from runtime import Actor, ActorDead, ActorRef, ActorSystem, MailboxFull, Message
+from troupe.actors.follower_cache import FLUSH_DEADLINE_S
+from troupe.actors.ssd_writer import SSD_THREAD, SsdWriter
+from troupe.runtime import Actor, ActorDead, ActorRef, ActorSystem, MailboxFull, Message
 
 log = logging.getLogger("actors.follower_disk")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-from runtime import Message
+from troupe.runtime import Message
 
 # --- memory monitor -> admission, schedulers -------------------------------------------------
 

@@ -29,8 +29,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from actors.cache_messages import SpillRam
-from actors.engine.memory_estimate import (
+from troupe.actors.cache_messages import SpillRam
+from troupe.actors.engine.memory_estimate import (
     HARD,
     OK,
     SOFT,
@@ -38,7 +38,7 @@ from actors.engine.memory_estimate import (
     machine_memory,
     pressure_level,
 )
-from actors.memory_messages import (
+from troupe.actors.memory_messages import (
     GetMemoryLimits,
     MemoryLimits,
     PollMemory,
@@ -46,7 +46,7 @@ from actors.memory_messages import (
     SetMemoryLimit,
     UnloadIdle,
 )
-from runtime import Actor, ActorDead, ActorRef, MailboxFull
+from troupe.runtime import Actor, ActorDead, ActorRef, MailboxFull
 
 log = logging.getLogger("actors.memory_monitor")
 

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from runtime import Message, ReplyStream
+from troupe.runtime import Message, ReplyStream
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):

@@ -28,14 +28,14 @@ from typing import Any
 import mlx.core as mx
 import msgspec
 
-from actors.cache_index import CACHE_INDEX_THREAD, CacheIndex
-from actors.cache_lock import CacheDirLock
-from actors.engine.config import EngineConfig, speculation
-from actors.engine.embed import model_task
-from actors.engine.encoder import check_encoder, is_encoder
-from actors.engine.memory_estimate import ModelMemory, served_memory
-from actors.engine.prefix import model_fingerprint
-from actors.memory_messages import (
+from troupe.actors.cache_index import CACHE_INDEX_THREAD, CacheIndex
+from troupe.actors.cache_lock import CacheDirLock
+from troupe.actors.engine.config import EngineConfig, speculation
+from troupe.actors.engine.embed import model_task
+from troupe.actors.engine.encoder import check_encoder, is_encoder
+from troupe.actors.engine.memory_estimate import ModelMemory, served_memory
+from troupe.actors.engine.prefix import model_fingerprint
+from troupe.actors.memory_messages import (
     CheckIdle,
     DescribeLoad,
     EngineLoad,
@@ -43,12 +43,12 @@ from actors.memory_messages import (
     Retire,
     UnloadIdle,
 )
-from actors.messages import AdmissionError, ListModels, ModelCard
-from actors.models.generation_config import sampling_defaults
-from actors.models.store import resolve_model
-from actors.scheduler import MLX_THREAD, Scheduler, ThreadLoad, context_length
-from actors.ssd_writer import SsdWriter
-from runtime import Actor, ActorDead, ActorRef, AskTimeout, MailboxFull, Restart
+from troupe.actors.messages import AdmissionError, ListModels, ModelCard
+from troupe.actors.models.generation_config import sampling_defaults
+from troupe.actors.models.store import resolve_model
+from troupe.actors.scheduler import MLX_THREAD, Scheduler, ThreadLoad, context_length
+from troupe.actors.ssd_writer import SsdWriter
+from troupe.runtime import Actor, ActorDead, ActorRef, AskTimeout, MailboxFull, Restart
 
 log = logging.getLogger("actors.pool")
 

@@ -41,7 +41,7 @@ import msgspec
 from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_load
 
-from actors.cache_messages import (
+from troupe.actors.cache_messages import (
     BlocksRead,
     CancelWrites,
     FoundOnDisk,
@@ -52,27 +52,27 @@ from actors.cache_messages import (
     SpillRam,
     WriteBlock,
 )
-from actors.distributed.leader import STUCK_AFTER_S, Followers
-from actors.distributed.protocol import read_secret
-from actors.distributed.shards import load_shard, shard_memory
-from actors.engine.config import DEFAULTS, EngineConfig
-from actors.engine.core import Engine, RequestError
-from actors.engine.dense import read_dense
-from actors.engine.draft_model import DraftModel, check_draft_model, vocabulary
-from actors.engine.embed import (
+from troupe.actors.distributed.leader import STUCK_AFTER_S, Followers
+from troupe.actors.distributed.protocol import read_secret
+from troupe.actors.distributed.shards import load_shard, shard_memory
+from troupe.actors.engine.config import DEFAULTS, EngineConfig
+from troupe.actors.engine.core import Engine, RequestError
+from troupe.actors.engine.dense import read_dense
+from troupe.actors.engine.draft_model import DraftModel, check_draft_model, vocabulary
+from troupe.actors.engine.embed import (
     Embedder,
     EmbedJob,
     answer_token,
     model_task,
     read_embed_spec,
 )
-from actors.engine.encoder import EncoderEmbedder, encoder_positions, is_encoder, load_encoder
-from actors.engine.kv_blocks import KVBlock, from_numpy, to_numpy
-from actors.engine.memory_estimate import OK, ModelMemory, model_memory, with_draft
-from actors.engine.prefix import model_fingerprint
-from actors.engine.schedule import embed_budget
-from actors.engine.vision import VisionTower, why_no_images
-from actors.memory_messages import (
+from troupe.actors.engine.encoder import EncoderEmbedder, encoder_positions, is_encoder, load_encoder
+from troupe.actors.engine.kv_blocks import KVBlock, from_numpy, to_numpy
+from troupe.actors.engine.memory_estimate import OK, ModelMemory, model_memory, with_draft
+from troupe.actors.engine.prefix import model_fingerprint
+from troupe.actors.engine.schedule import embed_budget
+from troupe.actors.engine.vision import VisionTower, why_no_images
+from troupe.actors.memory_messages import (
     DescribeLoad,
     EngineLoad,
     GetMemoryLimits,
@@ -80,8 +80,8 @@ from actors.memory_messages import (
     RanksMemory,
     Retire,
 )
-from actors.memory_monitor import trim_heap
-from actors.messages import (
+from troupe.actors.memory_monitor import trim_heap
+from troupe.actors.messages import (
     AbortRequest,
     AddRequest,
     AdmissionError,
@@ -95,11 +95,11 @@ from actors.messages import (
     Step,
     Usage,
 )
-from actors.models.generation_config import sampling_defaults
-from actors.models.store import DEFAULT_MODEL, resolve_model
-from actors.retry import FinishPace
-from runtime import Actor, ActorDead, ActorRef, AskTimeout, MailboxFull, Message, Reply
-from runtime.threads import at_thread_exit
+from troupe.actors.models.generation_config import sampling_defaults
+from troupe.actors.models.store import DEFAULT_MODEL, resolve_model
+from troupe.actors.retry import FinishPace
+from troupe.runtime import Actor, ActorDead, ActorRef, AskTimeout, MailboxFull, Message, Reply
+from troupe.runtime.threads import at_thread_exit
 
 log = logging.getLogger("actors.scheduler")
 

@@ -7,16 +7,16 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from actors.admission import ADMISSION_THREAD, Admission
-from actors.config import ServeConfig, model_specs
-from actors.engine import cpu_kernels
-from actors.memory_monitor import MEMORY_THREAD, MONITOR_NAME, MemoryMonitor
-from actors.messages import ListModels, ModelCard
-from actors.mlx_lm_private import check_mlx_lm
-from actors.models.store import troupe_home
-from actors.pool import POOL_NAME, EnginePool, engine_names
-from actors.scheduler import MLX_THREAD
-from runtime import ActorRef, ActorSystem, Restart
+from troupe.actors.admission import ADMISSION_THREAD, Admission
+from troupe.actors.config import ServeConfig, model_specs
+from troupe.actors.engine import cpu_kernels
+from troupe.actors.memory_monitor import MEMORY_THREAD, MONITOR_NAME, MemoryMonitor
+from troupe.actors.messages import ListModels, ModelCard
+from troupe.actors.mlx_lm_private import check_mlx_lm
+from troupe.actors.models.store import troupe_home
+from troupe.actors.pool import POOL_NAME, EnginePool, engine_names
+from troupe.actors.scheduler import MLX_THREAD
+from troupe.runtime import ActorRef, ActorSystem, Restart
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ from collections import OrderedDict, deque
 from pathlib import Path
 from typing import Any
 
-from actors import block_store
-from actors.cache_messages import (
+from troupe.actors import block_store
+from troupe.actors.cache_messages import (
     BlockData,
     BlockPersisted,
     BlocksRead,
@@ -35,7 +35,7 @@ from actors.cache_messages import (
     ReadBlocks,
     WriteBlock,
 )
-from runtime import Actor, ActorDead, AskTimeout, MailboxFull, Message
+from troupe.runtime import Actor, ActorDead, AskTimeout, MailboxFull, Message
 
 log = logging.getLogger("actors.ssd_writer")
 

@@ -2,6 +2,6 @@
 
 import sys
 
-from api.cli import main
+from troupe.api.cli import main
 
 sys.exit(main())

@@ -19,9 +19,9 @@ import msgspec
 from aiohttp import web
 from msgspec import Meta
 
-from actors.config import ServeConfig
-from actors.images import image_part
-from actors.messages import (
+from troupe.actors.config import ServeConfig
+from troupe.actors.images import image_part
+from troupe.actors.messages import (
     AdmitChat,
     Admitted,
     CountTokens,
@@ -35,17 +35,17 @@ from actors.messages import (
     ToolChoice,
     unset_sampling,
 )
-from api.cache_namespace import CacheSalt
-from api.decode import decode_body
-from api.errors import ApiError, ask_admission, why_unsupported
-from api.generation import Renderer
-from api.generation_route import generate
-from api.images import ImageInput, content, media_type, url_image
-from api.shutdown import generation
-from api.sse import Frame
-from api.stops import stop_sequences
-from api.telemetry import RECORD
-from runtime import ActorRef
+from troupe.api.cache_namespace import CacheSalt
+from troupe.api.decode import decode_body
+from troupe.api.errors import ApiError, ask_admission, why_unsupported
+from troupe.api.generation import Renderer
+from troupe.api.generation_route import generate
+from troupe.api.images import ImageInput, content, media_type, url_image
+from troupe.api.shutdown import generation
+from troupe.api.sse import Frame
+from troupe.api.stops import stop_sequences
+from troupe.api.telemetry import RECORD
+from troupe.runtime import ActorRef
 
 log = logging.getLogger(__name__)
 

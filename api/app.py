@@ -12,21 +12,21 @@ import hmac
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from actors.config import ServeConfig, api_keys
-from api.anthropic import AnthropicRoutes
-from api.cache_namespace import CACHE_NAMESPACE, key_namespace
-from api.dashboard import PUBLIC_PATHS, DashboardRoutes
-from api.decode import read_body
-from api.embeddings import EmbeddingRoutes
-from api.errors import ApiError, error_middleware
-from api.introspection import IntrospectionRoutes
-from api.metrics import METRICS, Metrics, metrics_handler
-from api.openai import OpenAIRoutes
-from api.openapi import OpenApiRoute
-from api.responses import ResponsesRoutes
-from api.shutdown import INFLIGHT, SHUTTING_DOWN, Inflight
-from api.telemetry import telemetry_middleware
-from runtime import ActorRef, ActorSystem
+from troupe.actors.config import ServeConfig, api_keys
+from troupe.api.anthropic import AnthropicRoutes
+from troupe.api.cache_namespace import CACHE_NAMESPACE, key_namespace
+from troupe.api.dashboard import PUBLIC_PATHS, DashboardRoutes
+from troupe.api.decode import read_body
+from troupe.api.embeddings import EmbeddingRoutes
+from troupe.api.errors import ApiError, error_middleware
+from troupe.api.introspection import IntrospectionRoutes
+from troupe.api.metrics import METRICS, Metrics, metrics_handler
+from troupe.api.openai import OpenAIRoutes
+from troupe.api.openapi import OpenApiRoute
+from troupe.api.responses import ResponsesRoutes
+from troupe.api.shutdown import INFLIGHT, SHUTTING_DOWN, Inflight
+from troupe.api.telemetry import telemetry_middleware
+from troupe.runtime import ActorRef, ActorSystem
 
 SYSTEM = web.AppKey("system", ActorSystem)
 ADMISSION = web.AppKey("admission", ActorRef)

@@ -21,7 +21,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, Union, get_args, get_origin
 
-from actors.config import (
+from troupe.actors.config import (
     ServeConfig,
     Setting,
     api_keys,
@@ -29,8 +29,8 @@ from actors.config import (
     model_specs,
     serve_settings,
 )
-from api.server import HttpServer, serve_http
-from runtime import ActorSystem
+from troupe.api.server import HttpServer, serve_http
+from troupe.runtime import ActorSystem
 
 log = logging.getLogger("troupe")
 
@@ -79,9 +79,9 @@ async def serve(config: ServeConfig) -> None:
         loop.add_signal_handler(sig, on_signal, sig)
     try:
         # Lazy: the serving actors import MLX, which the rest of this module must not.
-        from actors.engine import cpu_kernels
-        from actors.models.blas import loaded_blas
-        from actors.serving import start_serving
+        from troupe.actors.engine import cpu_kernels
+        from troupe.actors.models.blas import loaded_blas
+        from troupe.actors.serving import start_serving
 
         async with ActorSystem() as system:
             handles = await start_serving(system, config)
@@ -104,10 +104,10 @@ def _maybe_preload_openblas(choice: str) -> None:
     """Re-execute this command with OpenBLAS preloaded when MLX would otherwise run on the
     reference BLAS of the mlx-cpu wheel (prefill about 25x slower). Before MLX is imported:
     a preload only works at process start."""
-    from actors.models import blas  # lazy (api/ loads only messages and config at import)
+    from troupe.actors.models import blas  # lazy (api/ loads only messages and config at import)
 
     os.environ[blas.CHOICE_ENV] = choice
-    plan = blas.preload_command(["-m", "api.cli", *sys.argv[1:]])
+    plan = blas.preload_command(["-m", "troupe.api.cli", *sys.argv[1:]])
     if plan is not None:
         command, env = plan
         log.info("re-executing with %s preloaded (opt out: --blas openblas or bundled)",
@@ -138,9 +138,9 @@ def _serve(args: argparse.Namespace) -> int:
     _maybe_preload_openblas(args.blas)
     if config.engine.distributed:
         # Lazy: it imports MLX. Every rank but 0 follows rank 0's batch and serves no HTTP.
-        from actors.distributed.launch import start_rank
-        from actors.follower_disk import FollowerDisk
-        from actors.serving import cache_dir
+        from troupe.actors.distributed.launch import start_rank
+        from troupe.actors.follower_disk import FollowerDisk
+        from troupe.actors.serving import cache_dir
 
         try:
             config, follower_exit = start_rank(config, model_specs(config), cache_dir(config),
@@ -167,7 +167,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _pull(args: argparse.Namespace) -> int:
     _setup_logging("info")
     # Lazy: resolving may convert weights with MLX.
-    from actors.models.store import resolve_model
+    from troupe.actors.models.store import resolve_model
 
     print(f"resolving {args.model or 'the default model'} ...", file=sys.stderr)
     try:
@@ -249,7 +249,7 @@ def _actors(args: argparse.Namespace) -> int:
 
 def _top(args: argparse.Namespace) -> int:
     # Lazy: rich is only needed here.
-    from api.top import run
+    from troupe.api.top import run
 
     return run(args.url, args.api_key, once=args.once)
 
@@ -276,7 +276,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _soak(args: argparse.Namespace) -> int:
     # Lazy: a client of its own (aiohttp, a `troupe serve` subprocess), with its own flags.
-    from tools.soak.run import main as soak_main
+    from troupe.tools.soak.run import main as soak_main
 
     return soak_main(args.soak_args)
 
@@ -445,7 +445,7 @@ def setting_flags() -> list[Flag]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``troupe`` argument parser (serve, pull, actors, bench)."""
-    from actors.models import blas  # MLX-free: the --blas choices
+    from troupe.actors.models import blas  # MLX-free: the --blas choices
     parser = argparse.ArgumentParser(prog="troupe", description="mlx-troupe: an LLM server for MLX")
     commands = parser.add_subparsers(dest="command", required=True)
 

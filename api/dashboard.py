@@ -34,10 +34,10 @@ from typing import Any
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from api.introspection import encode_json
-from api.sse import EventStream
-from api.telemetry import CLIENT_CLOSED, RECORD, RequestRecord
-from runtime import ActorSnapshot, ActorSystem
+from troupe.api.introspection import encode_json
+from troupe.api.sse import EventStream
+from troupe.api.telemetry import CLIENT_CLOSED, RECORD, RequestRecord
+from troupe.runtime import ActorSnapshot, ActorSystem
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
-from api.errors import ApiError
-from api.shutdown import SHUTTING_DOWN
+from troupe.api.errors import ApiError
+from troupe.api.shutdown import SHUTTING_DOWN
 
 _AT_PATH = re.compile(r"^(?P<message>.*?) - at `\$\.?(?P<path>[^`]*)`$", re.DOTALL)
 _MISSING_FIELD = re.compile(r"^Object missing required field `(?P<field>[^`]+)`$")

@@ -14,13 +14,13 @@ import msgspec
 import numpy as np
 from aiohttp import web
 
-from actors.messages import AbortRequest, AdmitEmbed, AdmitRerank, EmbedAnswer
-from api.cache_namespace import request_namespace
-from api.decode import decode_body
-from api.errors import ApiError, ask_admission
-from api.shutdown import generation
-from api.telemetry import RECORD
-from runtime import ActorDead, ActorRef, MailboxFull
+from troupe.actors.messages import AbortRequest, AdmitEmbed, AdmitRerank, EmbedAnswer
+from troupe.api.cache_namespace import request_namespace
+from troupe.api.decode import decode_body
+from troupe.api.errors import ApiError, ask_admission
+from troupe.api.shutdown import generation
+from troupe.api.telemetry import RECORD
+from troupe.runtime import ActorDead, ActorRef, MailboxFull
 
 
 class EmbeddingRequest(msgspec.Struct, kw_only=True):

@@ -16,8 +16,8 @@ import msgspec
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from actors.messages import AdmissionError, ErrorKind
-from runtime import ActorDead, ActorRef, AskTimeout, MailboxFull, Message
+from troupe.actors.messages import AdmissionError, ErrorKind
+from troupe.runtime import ActorDead, ActorRef, AskTimeout, MailboxFull, Message
 
 log = logging.getLogger(__name__)
 

@@ -15,17 +15,17 @@ from abc import ABC, abstractmethod
 
 from aiohttp import web
 
-from actors.messages import (
+from troupe.actors.messages import (
     AdmissionTicket,
     RequestEvent,
     RequestFinished,
     TokensGenerated,
     Usage,
 )
-from api.errors import DEFAULT_RETRY_AFTER_S, STATUS_OF, ApiError
-from api.shutdown import INFLIGHT, SHUTTING_DOWN
-from api.sse import EventStream, Frame
-from api.telemetry import RECORD, ObservedEvents, RequestRecord
+from troupe.api.errors import DEFAULT_RETRY_AFTER_S, STATUS_OF, ApiError
+from troupe.api.shutdown import INFLIGHT, SHUTTING_DOWN
+from troupe.api.sse import EventStream, Frame
+from troupe.api.telemetry import RECORD, ObservedEvents, RequestRecord
 
 log = logging.getLogger(__name__)
 

@@ -14,14 +14,14 @@ from typing import Protocol, TypeVar
 import msgspec
 from aiohttp import web
 
-from actors.messages import AdmissionTicket, AdmitChat, AdmitCompletion, Admitted
-from api.cache_namespace import request_namespace
-from api.decode import decode_body
-from api.errors import ask_admission
-from api.generation import Renderer, answer
-from api.images import ImageInput
-from api.telemetry import RECORD
-from runtime import ActorRef
+from troupe.actors.messages import AdmissionTicket, AdmitChat, AdmitCompletion, Admitted
+from troupe.api.cache_namespace import request_namespace
+from troupe.api.decode import decode_body
+from troupe.api.errors import ask_admission
+from troupe.api.generation import Renderer, answer
+from troupe.api.images import ImageInput
+from troupe.api.telemetry import RECORD
+from troupe.runtime import ActorRef
 
 
 class GenerationRequest(Protocol):

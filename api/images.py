@@ -25,8 +25,8 @@ from aiohttp.abc import AbstractResolver, ResolveResult
 from aiohttp.resolver import ThreadedResolver
 from yarl import URL
 
-from actors.config import ServeConfig
-from actors.images import (
+from troupe.actors.config import ServeConfig
+from troupe.actors.images import (
     MEDIA_TYPES,
     SUPPORTED,
     ImageError,
@@ -35,7 +35,7 @@ from actors.images import (
     image_part,
     image_parts,
 )
-from api.errors import ApiError
+from troupe.api.errors import ApiError
 
 # A whole fetch (every redirect and the body) must end within this.
 FETCH_TIMEOUT_S = 10.0

@@ -10,8 +10,8 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 
-from api.errors import ApiError
-from runtime import ActorSystem
+from troupe.api.errors import ApiError
+from troupe.runtime import ActorSystem
 
 
 def _unencodable(value: object) -> str:

@@ -16,8 +16,8 @@ import msgspec
 from aiohttp import web
 from msgspec import Meta
 
-from actors.config import ServeConfig
-from actors.messages import (
+from troupe.actors.config import ServeConfig
+from troupe.actors.messages import (
     AdmitChat,
     AdmitCompletion,
     Admitted,
@@ -36,15 +36,15 @@ from actors.messages import (
     Usage,
     unset_sampling,
 )
-from api.cache_namespace import CacheSalt
-from api.errors import ApiError, ask_admission, why_unsupported
-from api.generation import Renderer
-from api.generation_route import generate
-from api.images import ImageInput, content, url_image
-from api.shutdown import generation
-from api.sse import DONE, Frame
-from api.stops import stop_sequences
-from runtime import ActorRef
+from troupe.api.cache_namespace import CacheSalt
+from troupe.api.errors import ApiError, ask_admission, why_unsupported
+from troupe.api.generation import Renderer
+from troupe.api.generation_route import generate
+from troupe.api.images import ImageInput, content, url_image
+from troupe.api.shutdown import generation
+from troupe.api.sse import DONE, Frame
+from troupe.api.stops import stop_sequences
+from troupe.runtime import ActorRef
 
 # --- request schemas -----------------------------------------------------------------------
 

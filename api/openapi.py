@@ -22,10 +22,10 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from actors.config import ServeConfig
-from api import anthropic, embeddings, openai, responses
-from api.errors import AnthropicErrorBody, ErrorBody, shape_for
-from runtime import ActorSnapshot
+from troupe.actors.config import ServeConfig
+from troupe.api import anthropic, embeddings, openai, responses
+from troupe.api.errors import AnthropicErrorBody, ErrorBody, shape_for
+from troupe.runtime import ActorSnapshot
 
 OPENAPI_PATH = "/openapi.json"
 _REF = "#/components/schemas/{name}"

@@ -37,8 +37,8 @@ import msgspec
 from aiohttp import web
 from msgspec import Meta
 
-from actors.config import ServeConfig
-from actors.messages import (
+from troupe.actors.config import ServeConfig
+from troupe.actors.messages import (
     AdmitChat,
     Admitted,
     OutputFormat,
@@ -51,13 +51,13 @@ from actors.messages import (
     Usage,
     unset_sampling,
 )
-from api.cache_namespace import CacheSalt
-from api.errors import ApiError, why_unsupported
-from api.generation import Renderer
-from api.generation_route import generate
-from api.images import ImageInput, content, url_image
-from api.responses_store import ResponseStore, StoredResponse
-from api.responses_tools import (
+from troupe.api.cache_namespace import CacheSalt
+from troupe.api.errors import ApiError, why_unsupported
+from troupe.api.generation import Renderer
+from troupe.api.generation_route import generate
+from troupe.api.images import ImageInput, content, url_image
+from troupe.api.responses_store import ResponseStore, StoredResponse
+from troupe.api.responses_tools import (
     LOCAL_SHELL,
     Tool,
     ToolSet,
@@ -67,9 +67,9 @@ from api.responses_tools import (
     local_shell_arguments,
     tool_set,
 )
-from api.shutdown import generation
-from api.sse import Frame
-from runtime import ActorRef
+from troupe.api.shutdown import generation
+from troupe.api.sse import Frame
+from troupe.runtime import ActorRef
 
 log = logging.getLogger(__name__)
 
@@ -448,7 +448,7 @@ def _check_grammars(tools: ToolSet, names: list[str]) -> None:
     """Refuse, naming the tool's format, a grammar an enforced call could not follow."""
     # Imported here: the check compiles the grammar (llguidance, no MLX), which only a
     # request that enforces a freeform call needs.
-    from actors.engine.custom_tools import check_format
+    from troupe.actors.engine.custom_tools import check_format
 
     for name in names:
         fmt = tools.input_formats.get(name)

@@ -23,8 +23,8 @@ from typing import Any
 
 import msgspec
 
-from actors.messages import OutputFormat
-from api.errors import ApiError
+from troupe.actors.messages import OutputFormat
+from troupe.api.errors import ApiError
 
 INPUT = "input"  # a freeform tool's one argument (actors.engine.custom_tools.INPUT)
 LOCAL_SHELL = "local_shell"

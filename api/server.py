@@ -34,11 +34,11 @@ from aiohttp.http import RawRequestMessage
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
-from actors.config import ServeConfig, api_keys
-from api.app import create_app
-from api.errors import ApiError, shape_for
-from api.shutdown import ABORT_WAIT_S, INFLIGHT
-from runtime import ActorRef, ActorSystem
+from troupe.actors.config import ServeConfig, api_keys
+from troupe.api.app import create_app
+from troupe.api.errors import ApiError, shape_for
+from troupe.api.shutdown import ABORT_WAIT_S, INFLIGHT
+from troupe.runtime import ActorRef, ActorSystem
 
 log = logging.getLogger(__name__)
 

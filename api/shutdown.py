@@ -17,7 +17,7 @@ from typing import TypeVar
 
 from aiohttp import web
 
-from api.errors import ApiError
+from troupe.api.errors import ApiError
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from api.errors import ApiError
+from troupe.api.errors import ApiError
 
 # OpenAI's routes take 4 stop sequences (their schemas say so, as OpenAI's API does);
 # Anthropic's documents no limit, and real clients send a handful. The bounds keep what the

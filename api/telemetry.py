@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from actors.messages import RequestEvent, RequestFinished, RequestStarted, TokensGenerated
-from api.metrics import Metrics
-from runtime import ReplyStream
+from troupe.actors.messages import RequestEvent, RequestFinished, RequestStarted, TokensGenerated
+from troupe.api.metrics import Metrics
+from troupe.runtime import ReplyStream
 
 access_log = logging.getLogger("api.access")
 

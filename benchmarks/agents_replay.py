@@ -52,7 +52,7 @@ import harness  # noqa: E402  (beside this file; it puts the repository on the p
 import sessions  # noqa: E402
 from agent_shapes import Answer, ClaudeCode, Request, Script, reuse  # noqa: E402
 
-from actors.tool_prompt import with_tools_in_prompt  # noqa: E402  (json only)
+from troupe.actors.tool_prompt import with_tools_in_prompt  # noqa: E402  (json only)
 
 TROUPE, MLX_LM, LLAMACPP = sessions.TROUPE, sessions.MLX_LM, sessions.LLAMACPP
 # Servers that speak Anthropic's Messages API; the others get a gateway's conversion.
@@ -78,7 +78,7 @@ class Turn:
 def system_chars(tokenizer: Any, target: int) -> int:
     """The instructions' length in characters that makes them and the tools (as troupe writes
     them into a template without a tool format) about ``target`` tokens."""
-    from actors.tool_prompt import tools_instructions
+    from troupe.actors.tool_prompt import tools_instructions
 
     probe = ClaudeCode(Script(seed=0), system_chars=0)
     tools = [{"type": "function", "function": {"name": t["name"], "description":

@@ -19,7 +19,7 @@ import json, sys, time
 import mlx.core as mx
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
-from actors.models.blas import loaded_blas
+from troupe.actors.models.blas import loaded_blas
 model, _ = load(sys.argv[1])
 n = int(sys.argv[2])
 x = mx.array([list(range(100, 100 + n))])
@@ -44,14 +44,14 @@ def measure(model_dir: str, tokens: int, preload: str | None) -> dict:
 
 
 def main() -> None:
-    from actors.models.blas import find_openblas
+    from troupe.actors.models.blas import find_openblas
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model")
     p.add_argument("--prompt-tokens", type=int, default=512)
     args = p.parse_args()
     model_dir = args.model or subprocess.run(
-        [sys.executable, "-m", "api.cli", "pull"], check=True, capture_output=True, text=True
+        [sys.executable, "-m", "troupe.api.cli", "pull"], check=True, capture_output=True, text=True
     ).stdout.strip().splitlines()[-1]
     openblas = find_openblas()
     runs = [measure(model_dir, args.prompt_tokens, None)]

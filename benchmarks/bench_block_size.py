@@ -20,12 +20,12 @@ from pathlib import Path
 
 from mlx_lm import load
 
-from actors.engine.config import EngineConfig
-from actors.engine.core import Engine
-from actors.engine.kv_blocks import to_numpy
-from actors.engine.prefix import model_fingerprint
-from actors.messages import SamplingParams, TokensGenerated
-from actors.models.blas import preload_command
+from troupe.actors.engine.config import EngineConfig
+from troupe.actors.engine.core import Engine
+from troupe.actors.engine.kv_blocks import to_numpy
+from troupe.actors.engine.prefix import model_fingerprint
+from troupe.actors.messages import SamplingParams, TokensGenerated
+from troupe.actors.models.blas import preload_command
 
 TEXT = ("In a quiet valley a river carved its way through layers of ancient stone, and every "
         "season it carried a little more of the mountain to the sea. ")
@@ -54,7 +54,7 @@ def main() -> None:
     if plan is not None:
         os.execve(sys.executable, *plan)
     model_dir = args.model or subprocess.run(
-        [sys.executable, "-m", "api.cli", "pull"], check=True, capture_output=True, text=True
+        [sys.executable, "-m", "troupe.api.cli", "pull"], check=True, capture_output=True, text=True
     ).stdout.strip().splitlines()[-1]
     model, tok = load(model_dir)
     fp = model_fingerprint(Path(model_dir))

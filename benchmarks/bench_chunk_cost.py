@@ -63,7 +63,7 @@ def main() -> None:
 
     import msgspec
 
-    from actors.messages import SamplingParams
+    from troupe.actors.messages import SamplingParams
 
     model, tok = load_ceiling(args.model or resolve_default_model())
     engine = served_engine(model, tok, SamplingParams(max_tokens=1, temperature=0.0))

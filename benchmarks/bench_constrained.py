@@ -58,7 +58,7 @@ def chat(tok: Any, i: int, rnd: str) -> list[int]:
 def round_steps(engine: Any, tok: Any, grammars: Any, constrained: bool, steps: int,
                 rnd: str) -> list[float]:
     """Add 16 requests, step until done; the wall times of full decode steps."""
-    from actors.messages import OutputFormat, SamplingParams
+    from troupe.actors.messages import OutputFormat, SamplingParams
 
     fmt = OutputFormat(type="json_schema", schema=SCHEMA)
     for i in range(16):
@@ -89,9 +89,9 @@ def main() -> None:
     import mlx.core as mx
     import msgspec
 
-    from actors.config import ServeConfig
-    from actors.engine.core import Engine
-    from actors.engine.grammar import Grammars
+    from troupe.actors.config import ServeConfig
+    from troupe.actors.engine.core import Engine
+    from troupe.actors.engine.grammar import Grammars
 
     model, tok = load_ceiling(str(resolve_default_model()))
     grammars = Grammars(tok)

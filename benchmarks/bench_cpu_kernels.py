@@ -48,7 +48,7 @@ def child(model_dir: str, choice: str, home: str) -> None:
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
-    from actors.engine import cpu_kernels
+    from troupe.actors.engine import cpu_kernels
 
     kernels = cpu_kernels.enable(choice, Path(home))
     model, _ = load(model_dir)

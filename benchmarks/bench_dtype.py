@@ -35,8 +35,8 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from actors.models.gguf import DTYPES, QUANTIZED, convert_gguf  # noqa: E402
-from actors.models.store import bundled_gguf_path  # noqa: E402
+from troupe.actors.models.gguf import DTYPES, QUANTIZED, convert_gguf  # noqa: E402
+from troupe.actors.models.store import bundled_gguf_path  # noqa: E402
 
 QUESTION = "What is the capital of France?"
 # Plain prose, repeated to the requested prompt length.

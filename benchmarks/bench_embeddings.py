@@ -186,7 +186,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         embed_dir = embedding_copy(chat_dir, Path(tmp) / f"{chat_dir.name}-embedding")
         port = free_port()
         proc = subprocess.Popen([
-            sys.executable, "-m", "api.cli", "serve", "--model", str(chat_dir), "--model",
+            sys.executable, "-m", "troupe.api.cli", "serve", "--model", str(chat_dir), "--model",
             str(embed_dir), "--port", str(port), "--cache-dir", str(Path(tmp) / "cache"),
             "--log-level", "warning"], cwd=REPO)
         base = f"http://127.0.0.1:{port}"

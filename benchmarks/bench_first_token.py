@@ -49,8 +49,8 @@ def main() -> None:
     args = p.parse_args()
     same_blas_as_troupe_serve()
 
-    from actors.engine.runner import Runner
-    from actors.messages import SamplingParams
+    from troupe.actors.engine.runner import Runner
+    from troupe.actors.messages import SamplingParams
 
     model, tok = load_ceiling(args.model or resolve_default_model())  # troupe's CPU kernels
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

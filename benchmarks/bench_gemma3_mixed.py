@@ -39,7 +39,7 @@ def once(model: Any, tok: Any, long_prompt: list[int], chunk: int,
     from engine_helpers import engine_config, greedy
     from reference import PROMPTS
 
-    from actors.engine.core import Engine
+    from troupe.actors.engine.core import Engine
 
     engine = Engine(model, tok, engine_config(prefill_step_size=chunk, mixed_step=mixed))
     assert engine.runner.mixed is mixed
@@ -68,7 +68,7 @@ def main() -> None:
     from reference import PROMPTS
     from tiny_model import make_tiny_model
 
-    from actors.engine import cpu_kernels
+    from troupe.actors.engine import cpu_kernels
 
     if args.kernels == "native":
         print(cpu_kernels.enable("native"))

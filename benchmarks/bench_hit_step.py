@@ -58,7 +58,7 @@ ANSWER = 16  # tokens of the first turn's answer (greedy, EOS ignored)
 def run(engine: Any, rid: str, ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
     """One request to its end, from its prompt's cached blocks (as the scheduler finds
     them): the answer's tokens, and the CPU ms of each step (the first with ``add``)."""
-    from actors.messages import SamplingParams, TokensGenerated
+    from troupe.actors.messages import SamplingParams, TokensGenerated
 
     sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     blocks = engine.blocks.lookup(engine.prompt_hashes(ids))
@@ -90,9 +90,9 @@ def main() -> None:
 
     import mlx.core as mx
 
-    from actors.config import ServeConfig
-    from actors.engine.core import Engine
-    from actors.engine.hot_cache import HOT_ENTRIES
+    from troupe.actors.config import ServeConfig
+    from troupe.actors.engine.core import Engine
+    from troupe.actors.engine.hot_cache import HOT_ENTRIES
 
     model_dir = args.model or resolve_default_model()
     model, tok = load_ceiling(model_dir, args.kernels)
@@ -180,8 +180,8 @@ def disk_hit(engine: Any, ids: list[int], args: argparse.Namespace, decode: floa
     files' read time at the disk's measured speed (see the module's docstring)."""
     import tempfile
 
-    from actors import block_store
-    from actors.engine.kv_blocks import from_numpy, to_numpy
+    from troupe.actors import block_store
+    from troupe.actors.engine.kv_blocks import from_numpy, to_numpy
 
     engine.blocks.hot.max_entries = 0
     engine.blocks.drop_hot()

@@ -71,7 +71,7 @@ async def measure(args: argparse.Namespace) -> dict:
     cache_dir = tempfile.mkdtemp(prefix="bench-idle-memory-")
     log = open(args.log, "w")  # noqa: SIM115 (open for the server's whole life)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "api.cli", "serve", "--model", model_dir, "--port", str(port),
+        [sys.executable, "-m", "troupe.api.cli", "serve", "--model", model_dir, "--port", str(port),
          "--cache-dir", cache_dir, "--log-level", "warning"],
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
     result: dict = {"model": Path(model_dir).name, "prompts": args.prompts,

@@ -58,9 +58,9 @@ class Stack:
         self.config = config
 
     async def __aenter__(self) -> Stack:
-        from actors.serving import start_serving
-        from api.server import start_http
-        from runtime import ActorSystem
+        from troupe.actors.serving import start_serving
+        from troupe.api.server import start_http
+        from troupe.runtime import ActorSystem
 
         self.system = ActorSystem()
         await self.system.__aenter__()
@@ -73,7 +73,7 @@ class Stack:
         await self.system.__aexit__(None, None, None)
 
     async def set_limit(self, limit: int) -> None:
-        from actors.memory_messages import SetMemoryLimit
+        from troupe.actors.memory_messages import SetMemoryLimit
 
         await self.handles.monitor.ask(SetMemoryLimit(limit=limit), timeout=10)
 
@@ -82,7 +82,7 @@ class Stack:
 
 
 def serve_config(model: str | list[str], **fields: Any) -> Any:
-    from actors.config import ServeConfig
+    from troupe.actors.config import ServeConfig
 
     return ServeConfig.of(model=model, host="127.0.0.1", port=0, block_size=0,
                           memory_poll_ms=50, **fields)
@@ -177,8 +177,8 @@ async def time_to_413(model: str, args: argparse.Namespace, tokens: list[int]) -
 async def swap(model: str, args: argparse.Namespace) -> dict:
     import aiohttp
 
-    from actors.engine.memory_estimate import model_memory_of
-    from actors.models.store import resolve_model
+    from troupe.actors.engine.memory_estimate import model_memory_of
+    from troupe.actors.models.store import resolve_model
 
     path = resolve_model(model).path
     with tempfile.TemporaryDirectory(prefix="bench-swap-") as tmp:
@@ -219,8 +219,8 @@ async def swap(model: str, args: argparse.Namespace) -> dict:
 async def run(args: argparse.Namespace) -> dict:
     from mlx_lm.utils import load_tokenizer
 
-    from actors.models.blas import loaded_blas
-    from actors.models.store import resolve_model
+    from troupe.actors.models.blas import loaded_blas
+    from troupe.actors.models.store import resolve_model
 
     if args.tiny:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -229,7 +229,7 @@ async def run(args: argparse.Namespace) -> dict:
         model = str(make_tiny_model(Path(tempfile.mkdtemp(prefix="bench-memory-")) / "tiny"))
     else:
         model = str(resolve_model(args.model).path)
-    from actors.scheduler import context_length
+    from troupe.actors.scheduler import context_length
 
     context = context_length(json.loads((Path(model) / "config.json").read_text()))
     # Prompt plus max_tokens must fit the context, or the answer is a 400, not a 413.
@@ -296,7 +296,7 @@ def main() -> None:
     parser.add_argument("--skip-unguarded", action="store_true")
     args = parser.parse_args()
 
-    from actors.models import blas
+    from troupe.actors.models import blas
 
     plan = blas.preload_command([str(Path(__file__).resolve()), *sys.argv[1:]])
     if plan is not None:

@@ -65,14 +65,14 @@ def main() -> None:
         make_prompt_cache,
     )
 
-    from actors.engine import cpu_kernels
-    from actors.engine.forward import (
+    from troupe.actors.engine import cpu_kernels
+    from troupe.actors.engine.forward import (
         chunk_attention,
         head_sizes,
         mixed_forward,
         supports_mixed,
     )
-    from actors.models.store import troupe_home
+    from troupe.actors.models.store import troupe_home
 
     cpu_kernels.enable(args.kernels, troupe_home())
     model_dir = args.model or resolve_default_model()

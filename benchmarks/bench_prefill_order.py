@@ -53,8 +53,8 @@ def main() -> None:
     args = p.parse_args()
     same_blas_as_troupe_serve()
 
-    from actors.engine import schedule
-    from actors.messages import SamplingParams, TokensGenerated
+    from troupe.actors.engine import schedule
+    from troupe.actors.messages import SamplingParams, TokensGenerated
 
     model, tok = load_ceiling(args.model or resolve_default_model())
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)

@@ -118,7 +118,7 @@ async def main_async(args) -> dict:
     results: dict[str, dict[str, float]] = {"mlx-troupe": {}, "mlx_lm.server": {}}
 
     port = free_port()
-    troupe = [sys.executable, "-m", "api.cli", "serve", "--model", model_dir, "--port",
+    troupe = [sys.executable, "-m", "troupe.api.cli", "serve", "--model", model_dir, "--port",
               str(port), "--cache-dir", cache_dir, "--log-level", "warning"]
 
     async def first_run(base: str) -> None:

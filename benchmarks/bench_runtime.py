@@ -16,7 +16,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runtime import Actor, ActorSystem, Message  # noqa: E402
+from troupe.runtime import Actor, ActorSystem, Message  # noqa: E402
 
 
 class Bump(Message):

@@ -85,8 +85,8 @@ WORKLOADS = {
 def load_draft(model_dir: str, layers: int | None, tok: Any) -> Any:
     """A draft model (``draft_model.DraftModel``) from ``model_dir``, cut to its first
     ``layers`` layers when given, checked against the served model's tokenizer."""
-    from actors.config import ServeConfig
-    from actors.engine.draft_model import DraftModel, check_draft_model, vocabulary
+    from troupe.actors.config import ServeConfig
+    from troupe.actors.engine.draft_model import DraftModel, check_draft_model, vocabulary
 
     model, draft_tok = load_ceiling(model_dir)
     if layers:
@@ -100,7 +100,7 @@ def run_once(engine: Any, prompts: list[list[int]], max_tokens: int,
              drafts: bool) -> dict[str, Any]:
     """The prompts at once, greedy, to ``max_tokens`` each: their tokens, and the decode
     tokens/s of them all (from the first token of any to the last)."""
-    from actors.messages import SamplingParams, TokensGenerated
+    from troupe.actors.messages import SamplingParams, TokensGenerated
 
     engine.runner.speculative = drafts
     before = _counts(engine)
@@ -211,7 +211,7 @@ def main() -> None:
     args = p.parse_args()
     same_blas_as_troupe_serve()
 
-    from actors.messages import SamplingParams
+    from troupe.actors.messages import SamplingParams
 
     model_dir = args.model or resolve_default_model()
     model, tok = load_ceiling(model_dir)

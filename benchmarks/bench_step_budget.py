@@ -56,7 +56,7 @@ def percentile(values: list[float], q: float) -> float | None:
 def run_once(engine: Any, tok: Any, scenario: str, args: argparse.Namespace,
              key: str) -> dict[str, Any]:
     """One scenario on ``engine`` as it is configured: the figures of one run."""
-    from actors.messages import SamplingParams, TokensGenerated
+    from troupe.actors.messages import SamplingParams, TokensGenerated
 
     stream = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
     streams = [f"stream-{i}" for i in range(args.streams if scenario == "streams" else 0)]
@@ -112,7 +112,7 @@ def main() -> None:
 
     import msgspec
 
-    from actors.messages import SamplingParams
+    from troupe.actors.messages import SamplingParams
 
     model, tok = load_ceiling(args.model or resolve_default_model())
     engine = served_engine(model, tok, SamplingParams(max_tokens=1, temperature=0.0))

@@ -145,7 +145,7 @@ def main() -> None:
     model = Path(args.model) if args.model else make_model(out.parent / "vision-gemma3-random")
     py = sys.executable
     servers = {
-        "troupe": [py, "-m", "api.cli", "serve", "--model", str(model), "--port", "8731",
+        "troupe": [py, "-m", "troupe.api.cli", "serve", "--model", str(model), "--port", "8731",
                    "--cache-dir", str(out.parent / "vision-kv")],
         "mlx-vlm": [py, "-m", "mlx_vlm.server", "--model", str(model), "--host", "127.0.0.1",
                     "--port", "8732"],

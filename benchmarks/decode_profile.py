@@ -66,10 +66,10 @@ def main() -> None:
     from mlx_lm.models.llama import swiglu
     from mlx_lm.sample_utils import make_sampler
 
-    from actors.engine import cpu_kernels
-    from actors.engine.forward import mixed_forward
-    from actors.messages import SamplingParams
-    from actors.models.store import troupe_home
+    from troupe.actors.engine import cpu_kernels
+    from troupe.actors.engine.forward import mixed_forward
+    from troupe.actors.messages import SamplingParams
+    from troupe.actors.models.store import troupe_home
 
     cpu_kernels.enable(args.kernels, troupe_home())
     model_dir = args.model or resolve_default_model()

@@ -26,8 +26,8 @@ def served_engine(model: Any, tok: Any, sampling: Any, draft: Any = None) -> Any
     import mlx.core as mx
     import msgspec
 
-    from actors.config import ServeConfig
-    from actors.engine.core import Engine
+    from troupe.actors.config import ServeConfig
+    from troupe.actors.engine.core import Engine
 
     cfg = ServeConfig().engine
     if draft is not None:
@@ -42,7 +42,7 @@ def served_engine(model: Any, tok: Any, sampling: Any, draft: Any = None) -> Any
 def first_tokens(engine: Any, batch: list[list[int]], sampling: Any) -> tuple[list[float], int]:
     """Add ``batch`` at once and step: the seconds from adding to each prompt's first token
     (sorted), and the steps until the last of them; the requests then run to their end."""
-    from actors.messages import TokensGenerated
+    from troupe.actors.messages import TokensGenerated
 
     sent: dict[str, float] = {}
     first: dict[str, float] = {}

@@ -55,8 +55,8 @@ START_ENV = dict(os.environ)
 tempfile.gettempdir()  # cached now: the ceiling's CPU kernels later point TMPDIR at their JIT
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]  # actors.models.blas, and plot.py beside this
 
-from actors.models.blas import GEMV_LIB, without_troupe_gemv  # noqa: E402  (MLX-free)
-from tools.soak.report import interpolated_percentile as percentile  # noqa: E402
+from troupe.actors.models.blas import GEMV_LIB, without_troupe_gemv  # noqa: E402  (MLX-free)
+from troupe.tools.soak.report import interpolated_percentile as percentile  # noqa: E402
 
 TROUPE = "mlx-troupe"
 BASELINE = "mlx-troupe@baseline"  # another commit's checkout (--baseline), served the same way
@@ -378,7 +378,7 @@ def server_command(name: str, model_dir: str, port: int, cache_dir: str,
     if name in (TROUPE, BASELINE):
         extra = (args.baseline_args if name == BASELINE and args.baseline_args is not None
                  else args.troupe_args)
-        return [sys.executable, "-m", "api.cli", "serve", "--model", model_dir, "--port",
+        return [sys.executable, "-m", "troupe.api.cli", "serve", "--model", model_dir, "--port",
                 str(port), "--cache-dir", cache_dir, "--log-level", "warning",
                 *shlex.split(extra)]
     return [sys.executable, "-m", "mlx_lm", "server", "--model", model_dir, "--port",
@@ -549,8 +549,8 @@ def load_ceiling(model_dir: str, kernels: str = "native") -> tuple[Any, Any]:
     both), so the ceiling measures what serving costs, not the kernels."""
     from mlx_lm import load  # lazy: the harness drives servers without MLX loaded
 
-    from actors.engine import cpu_kernels
-    from actors.models.store import troupe_home
+    from troupe.actors.engine import cpu_kernels
+    from troupe.actors.models.store import troupe_home
 
     cpu_kernels.enable(kernels, troupe_home())
     return load(model_dir)
@@ -564,9 +564,9 @@ def ceiling_level(model: Any, tok: Any, messages: list[Messages], concurrency: i
     what serving costs, not the step."""
     from mlx_lm.sample_utils import greedy_sampler
 
-    from actors.config import ServeConfig
-    from actors.engine.config import EngineConfig
-    from actors.engine.runner import Runner
+    from troupe.actors.config import ServeConfig
+    from troupe.actors.engine.config import EngineConfig
+    from troupe.actors.engine.runner import Runner
 
     cfg = ServeConfig().engine
     runner = Runner(model, EngineConfig(max_batch_size=cfg.max_batch_size,
@@ -744,7 +744,7 @@ def markdown(report: dict[str, Any]) -> str:
 def same_blas_as_troupe_serve() -> None:
     """Re-execute with OpenBLAS preloaded when ``troupe serve`` would preload it, so both
     servers (which inherit the environment) and the in-process ceiling use the same BLAS."""
-    from actors.models.blas import preload_command
+    from troupe.actors.models.blas import preload_command
 
     # The script being run (sys.argv[0]): other benchmarks call this too.
     plan = preload_command([str(Path(sys.argv[0]).resolve()), *sys.argv[1:]])
@@ -764,7 +764,7 @@ def blas_name() -> str:
 
 
 def resolve_default_model() -> str:
-    out = subprocess.run([sys.executable, "-m", "api.cli", "pull"], check=True, cwd=REPO,
+    out = subprocess.run([sys.executable, "-m", "troupe.api.cli", "pull"], check=True, cwd=REPO,
                          capture_output=True, text=True).stdout
     return out.strip().splitlines()[-1]
 

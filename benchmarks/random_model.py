@@ -74,7 +74,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     base = args.base or subprocess.run(
-        [sys.executable, "-m", "api.cli", "pull"], check=True, cwd=REPO, capture_output=True,
+        [sys.executable, "-m", "troupe.api.cli", "pull"], check=True, cwd=REPO, capture_output=True,
         text=True).stdout.strip().splitlines()[-1]
     print(make(Path(args.out), args.arch, Path(base), args.seed))
 

@@ -58,7 +58,7 @@ import harness  # noqa: E402  (beside this file: the harness's helpers)
 import sessions_peers as peers  # noqa: E402
 import sessions_workload as scripts  # noqa: E402
 
-from actors.tool_prompt import with_tools_in_prompt  # noqa: E402  (json only; the path is set)
+from troupe.actors.tool_prompt import with_tools_in_prompt  # noqa: E402  (json only; the path is set)
 
 TROUPE, MLX_LM, VLLM, LLAMACPP = "mlx-troupe", "mlx_lm.server", "vllm-mlx", "llama.cpp"
 ALIASES = {"troupe": TROUPE, TROUPE: TROUPE, "mlx_lm": MLX_LM, MLX_LM: MLX_LM,
@@ -232,7 +232,7 @@ def server_command(name: str, args: argparse.Namespace, model_dir: str, port: in
                    cache_dir: str, sessions: int, ram_budget: int | None) -> list[str]:
     if name == TROUPE:
         budget = [] if ram_budget is None else ["--cache-ram-max", str(ram_budget)]
-        return [sys.executable, "-m", "api.cli", "serve", "--model", model_dir, "--port",
+        return [sys.executable, "-m", "troupe.api.cli", "serve", "--model", model_dir, "--port",
                 str(port), "--cache-dir", cache_dir, "--log-level", "info", *budget,
                 *shlex.split(args.troupe_args)]
     if name == MLX_LM:

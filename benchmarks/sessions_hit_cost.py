@@ -56,8 +56,8 @@ def main() -> None:
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
-    from actors.engine import cpu_kernels
-    from actors.models.store import troupe_home
+    from troupe.actors.engine import cpu_kernels
+    from troupe.actors.models.store import troupe_home
 
     mlx_sdpa = mx.fast.scaled_dot_product_attention
     cpu_kernels.enable(args.kernels, troupe_home())

@@ -186,7 +186,7 @@ def system_prompt(tokenizer: Any, seed: int, n_tokens: int, tools: list[dict[str
                   ) -> tuple[Message, int]:
     """The shared system message, sized so that it and the tools (as troupe writes them into
     a template without a tool format) make about ``n_tokens``; and their rendered size."""
-    from actors.tool_prompt import tools_instructions
+    from troupe.actors.tool_prompt import tools_instructions
 
     tools_size = len(tokenizer.encode(tools_instructions(tools), add_special_tokens=False))
     rng = random.Random(f"{seed}-system")

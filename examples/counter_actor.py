@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from runtime import Actor, ActorSystem, Message, Restart
+from troupe.runtime import Actor, ActorSystem, Message, Restart
 
 
 class Add(Message):

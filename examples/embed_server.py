@@ -23,8 +23,8 @@ import aiohttp
 import msgspec
 from mlx_lm.utils import load_tokenizer
 
-from actors.config import ServeConfig
-from actors.messages import (
+from troupe.actors.config import ServeConfig
+from troupe.actors.messages import (
     AddRequest,
     DescribeEngine,
     ModelCard,
@@ -32,9 +32,9 @@ from actors.messages import (
     SamplingParams,
     TokensGenerated,
 )
-from actors.serving import start_serving
-from api.server import serve_http
-from runtime import Actor, ActorRef, ActorSystem, Message
+from troupe.actors.serving import start_serving
+from troupe.api.server import serve_http
+from troupe.runtime import Actor, ActorRef, ActorSystem, Message
 
 
 class Watch(Message):

@@ -3,14 +3,14 @@
 It knows nothing of LLMs, MLX or HTTP. See docs/actors.md.
 """
 
-from runtime.actor import Actor
-from runtime.errors import ActorDead, AskTimeout, MailboxFull
-from runtime.messages import Message
-from runtime.ref import ActorRef
-from runtime.reply import Reply, ReplyStream
-from runtime.snapshot import ActorSnapshot, ActorState, ErrorInfo
-from runtime.supervision import Restart
-from runtime.system import ActorSystem
+from troupe.runtime.actor import Actor
+from troupe.runtime.errors import ActorDead, AskTimeout, MailboxFull
+from troupe.runtime.messages import Message
+from troupe.runtime.ref import ActorRef
+from troupe.runtime.reply import Reply, ReplyStream
+from troupe.runtime.snapshot import ActorSnapshot, ActorState, ErrorInfo
+from troupe.runtime.supervision import Restart
+from troupe.runtime.system import ActorSystem
 
 __all__ = [
     "Actor",

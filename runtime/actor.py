@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from runtime.cell import ActorCell
-    from runtime.ref import ActorRef
-    from runtime.reply import Reply
-    from runtime.system import ActorSystem
+    from troupe.runtime.cell import ActorCell
+    from troupe.runtime.ref import ActorRef
+    from troupe.runtime.reply import Reply
+    from troupe.runtime.system import ActorSystem
 
 
 class Actor:

@@ -21,18 +21,18 @@ from collections import deque
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from runtime.actor import Actor
-from runtime.errors import ActorDead, AskTimeout
-from runtime.mailbox import Mailbox
-from runtime.messages import Envelope
-from runtime.ref import ActorRef
-from runtime.reply import AskReply, Reply
-from runtime.snapshot import ENDED, ActorSnapshot, ActorState, ErrorInfo
-from runtime.supervision import Restart, RestartBudget
-from runtime.threads import ActorThread, Lane
+from troupe.runtime.actor import Actor
+from troupe.runtime.errors import ActorDead, AskTimeout
+from troupe.runtime.mailbox import Mailbox
+from troupe.runtime.messages import Envelope
+from troupe.runtime.ref import ActorRef
+from troupe.runtime.reply import AskReply, Reply
+from troupe.runtime.snapshot import ENDED, ActorSnapshot, ActorState, ErrorInfo
+from troupe.runtime.supervision import Restart, RestartBudget
+from troupe.runtime.threads import ActorThread, Lane
 
 if TYPE_CHECKING:
-    from runtime.system import ActorSystem
+    from troupe.runtime.system import ActorSystem
 
 T = TypeVar("T")
 

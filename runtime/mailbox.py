@@ -7,8 +7,8 @@ import asyncio
 import anyio
 from anyio import BrokenResourceError, ClosedResourceError, EndOfStream, WouldBlock
 
-from runtime.errors import ActorDead, MailboxFull
-from runtime.messages import Envelope
+from troupe.runtime.errors import ActorDead, MailboxFull
+from troupe.runtime.messages import Envelope
 
 
 class Mailbox:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import msgspec
 
 if TYPE_CHECKING:
-    from runtime.reply import Reply
+    from troupe.runtime.reply import Reply
 
 
 class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", tag=str.lower):

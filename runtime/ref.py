@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from runtime.messages import Envelope
-from runtime.reply import ReplyStream, open_reply
-from runtime.snapshot import ENDED
-from runtime.threads import call_on, run_on
+from troupe.runtime.messages import Envelope
+from troupe.runtime.reply import ReplyStream, open_reply
+from troupe.runtime.snapshot import ENDED
+from troupe.runtime.threads import call_on, run_on
 
 if TYPE_CHECKING:
-    from runtime.cell import ActorCell
+    from troupe.runtime.cell import ActorCell
 
 
 def _check(msg: object) -> None:

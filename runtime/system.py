@@ -10,12 +10,12 @@ from collections.abc import Coroutine
 from types import TracebackType
 from typing import Any
 
-from runtime.actor import Actor
-from runtime.cell import ActorCell
-from runtime.ref import ActorRef
-from runtime.snapshot import ENDED, ActorSnapshot
-from runtime.supervision import Restart, RestartBudget
-from runtime.threads import ActorThread, run_on
+from troupe.runtime.actor import Actor
+from troupe.runtime.cell import ActorCell
+from troupe.runtime.ref import ActorRef
+from troupe.runtime.snapshot import ENDED, ActorSnapshot
+from troupe.runtime.supervision import Restart, RestartBudget
+from troupe.runtime.threads import ActorThread, run_on
 
 log = logging.getLogger("runtime")
 

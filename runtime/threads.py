@@ -10,7 +10,7 @@ from collections import deque
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from runtime.errors import ActorDead
+from troupe.runtime.errors import ActorDead
 
 T = TypeVar("T")
 

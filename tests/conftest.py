@@ -80,7 +80,7 @@ def tokenizer():
     """The default model's tokenizer (SmolLM2's 49k vocabulary), as mlx-lm loads it."""
     from mlx_lm.utils import load_tokenizer
 
-    from actors.models.store import resolve_model
+    from troupe.actors.models.store import resolve_model
 
     return load_tokenizer(resolve_model(None).path)
 
@@ -88,7 +88,7 @@ def tokenizer():
 @pytest.fixture(scope="session")
 def grammars(tokenizer):
     """The default model's grammar compiler (``actors.engine.grammar.Grammars``)."""
-    from actors.engine.grammar import Grammars
+    from troupe.actors.engine.grammar import Grammars
 
     return Grammars(tokenizer)
 

@@ -84,7 +84,7 @@ def make_reranker_model(root: Path, *, context: int = 2048,
 def run_job(embedder: Any, kind: str, inputs: list[list[int]], budget: int = 512) -> list[Any]:
     """``inputs`` as one job through ``embedder`` (an ``Embedder`` or ``EncoderEmbedder``),
     stepped ``budget`` tokens at a time; its results."""
-    from actors.engine.embed import EmbedJob
+    from troupe.actors.engine.embed import EmbedJob
 
     got: dict[str, Any] = {}
     embedder.add(EmbedJob("job", kind, inputs, lambda r, e: got.update(r=r, e=e)))

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from actors.engine.config import EngineConfig
-from actors.engine.core import Engine
-from actors.engine.kv_blocks import KVBlock
-from actors.messages import RequestFinished, SamplingParams, TokensGenerated
+from troupe.actors.engine.config import EngineConfig
+from troupe.actors.engine.core import Engine
+from troupe.actors.engine.kv_blocks import KVBlock
+from troupe.actors.messages import RequestFinished, SamplingParams, TokensGenerated
 
 
 def engine_config(**settings) -> EngineConfig:

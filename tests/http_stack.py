@@ -35,8 +35,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
-from actors.config import ServeConfig
-from actors.messages import (
+from troupe.actors.config import ServeConfig
+from troupe.actors.messages import (
     AdmissionError,
     AdmissionTicket,
     AdmitChat,
@@ -58,13 +58,13 @@ from actors.messages import (
     TopLogprob,
     Usage,
 )
-from api.app import create_app
-from api.server import HttpServer, serve_http, start_http
-from runtime import Actor, ActorRef, ActorSystem, Message, Reply, ReplyStream
-from runtime.reply import open_reply
+from troupe.api.app import create_app
+from troupe.api.server import HttpServer, serve_http, start_http
+from troupe.runtime import Actor, ActorRef, ActorSystem, Message, Reply, ReplyStream
+from troupe.runtime.reply import open_reply
 
 if TYPE_CHECKING:
-    from actors.serving import ServingHandles
+    from troupe.actors.serving import ServingHandles
 
 MODEL = "tiny-test"
 BUSY_MODEL = "busy-test"  # admission refuses it with 429 and Retry-After
@@ -327,7 +327,7 @@ class RealStack:
 @asynccontextmanager
 async def real_stack(model_dir: Path, **fields: Any) -> AsyncIterator[RealStack]:
     """The real serving actors on ``model_dir``, served on 127.0.0.1 on a free port."""
-    from actors.serving import start_serving  # imports MLX: only tests that need it pay
+    from troupe.actors.serving import start_serving  # imports MLX: only tests that need it pay
 
     config = ServeConfig.of(model=str(model_dir), host="127.0.0.1", port=0, **fields)
     async with ActorSystem() as system:
@@ -341,7 +341,7 @@ async def real_client(
     aiohttp_client: Any, config: ServeConfig
 ) -> tuple[TestClient, ActorSystem, ServingHandles]:
     """The real serving actors behind a test client; they stop when its app cleans up."""
-    from actors.serving import start_serving  # imports MLX: only tests that need it pay
+    from troupe.actors.serving import start_serving  # imports MLX: only tests that need it pay
 
     system = ActorSystem()
     await system.__aenter__()
@@ -360,7 +360,7 @@ async def real_client_with_room(
 ) -> tuple[TestClient, ServingHandles]:
     """``real_client`` under a memory limit of ``room`` bytes above what the process uses once
     the model is loaded (the guard's 413 tests)."""
-    from actors.memory_messages import SetMemoryLimit
+    from troupe.actors.memory_messages import SetMemoryLimit
 
     client, system, handles = await real_client(aiohttp_client, config)
     usage = next(s for s in system.snapshot() if s.name == "memory_monitor").report
@@ -413,7 +413,7 @@ def serve_default_model(server_log: Path, *args: str) -> Iterator[str]:
     # session's servers (and in-process stacks on $TROUPE_HOME's) run side by side.
     cache = [] if "--cache-dir" in args else ["--cache-dir", str(server_log.parent / "kv-cache")]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "api.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+        [sys.executable, "-m", "troupe.api.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
          *cache, *args],
         stdout=log, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -449,7 +449,7 @@ def serve_logged(args: list[str], env: dict[str, str], cwd: Path
     """``troupe serve *args`` in a subprocess, once it logs where it serves: the process, its
     log lines so far (a thread keeps appending them, so the server never blocks on a full
     pipe) and the match of ``SERVING`` (model, url, host, port). The caller stops it."""
-    proc = subprocess.Popen([sys.executable, "-m", "api.cli", "serve", *args], cwd=cwd,
+    proc = subprocess.Popen([sys.executable, "-m", "troupe.api.cli", "serve", *args], cwd=cwd,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env=env)
     log: list[str] = []

@@ -19,9 +19,9 @@ from mlx_lm.utils import load_tokenizer
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-import actors.admission as admission_module
-from actors.admission import Admission, prompt_bound
-from actors.config import ServeConfig
+import troupe.actors.admission as admission_module
+from troupe.actors.admission import Admission, prompt_bound
+from troupe.actors.config import ServeConfig
 
 SENTENCE = "The quick brown fox jumps over the lazy dog. "
 GATE_S = 60.0  # how long a held encode waits for the test at the most (a hang guard only)

@@ -29,11 +29,11 @@ import pytest
 from http_stack import real_client, serve_logged
 from tiny_model import CHATML
 
-import actors.admission as admission_module
-from actors.admission import RENDER_CHARS_PER_TOKEN
-from actors.config import ServeConfig
-from actors.serving import start_serving
-from runtime import ActorSystem
+import troupe.actors.admission as admission_module
+from troupe.actors.admission import RENDER_CHARS_PER_TOKEN
+from troupe.actors.config import ServeConfig
+from troupe.actors.serving import start_serving
+from troupe.runtime import ActorSystem
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAT = "/v1/chat/completions"

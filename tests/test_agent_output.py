@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.engine.agent_output import (
+from troupe.actors.engine.agent_output import (
     FALLBACK_TOOL_FORMAT,
     OutputParser,
     Parsed,
@@ -21,7 +21,7 @@ from actors.engine.agent_output import (
     think_tags_of,
     tool_format_of,
 )
-from actors.messages import OutputSpec, ToolCall
+from troupe.actors.messages import OutputSpec, ToolCall
 
 TOOLS = [
     {

@@ -15,8 +15,8 @@ from typing import Any
 import jsonschema
 from http_stack import real_client
 
-from actors.config import ServeConfig
-from actors.tool_prompt import uses_tools, with_tools_in_prompt
+from troupe.actors.config import ServeConfig
+from troupe.actors.tool_prompt import uses_tools, with_tools_in_prompt
 
 TOOL = {
     "type": "function",

@@ -28,9 +28,9 @@ from http_stack import (
 )
 from mlx_lm.utils import load_tokenizer
 
-from actors.admission import Admission
-from actors.config import ServeConfig
-from actors.messages import (
+from troupe.actors.admission import Admission
+from troupe.actors.config import ServeConfig
+from troupe.actors.messages import (
     AddRequest,
     AdmitChat,
     Admitted,
@@ -44,10 +44,10 @@ from actors.messages import (
     ToolChoice,
     Usage,
 )
-from api.anthropic import MessagesRenderer, MessagesRequest
-from api.app import create_app
-from api.stops import MAX_STOP_CHARS, MAX_STOPS
-from runtime import Actor, ActorSystem
+from troupe.api.anthropic import MessagesRenderer, MessagesRequest
+from troupe.api.app import create_app
+from troupe.api.stops import MAX_STOP_CHARS, MAX_STOPS
+from troupe.runtime import Actor, ActorSystem
 
 MESSAGES = "/v1/messages"
 COUNT = "/v1/messages/count_tokens"

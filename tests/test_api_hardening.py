@@ -27,10 +27,10 @@ import pytest
 from aiohttp.test_utils import TestClient
 from http_stack import MODEL, Scripted, parse_data_sse, real_stack
 
-from actors.config import ServeConfig
-from api.cli import build_parser, serve_config
-from api.decode import MAX_JSON_DEPTH, json_depth_exceeds
-from api.server import HttpServer, exposed_without_key, max_connections
+from troupe.actors.config import ServeConfig
+from troupe.api.cli import build_parser, serve_config
+from troupe.api.decode import MAX_JSON_DEPTH, json_depth_exceeds
+from troupe.api.server import HttpServer, exposed_without_key, max_connections
 
 scripted, client = http_stack.scripted, http_stack.client
 
@@ -695,7 +695,7 @@ async def test_starting_exposed_without_a_key_logs_a_warning(
     scripted: Scripted, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The test binds 127.0.0.1 all the same: only the check is told otherwise.
-    monkeypatch.setattr("api.server.exposed_without_key", lambda config: True)
+    monkeypatch.setattr("troupe.api.server.exposed_without_key", lambda config: True)
     caplog.set_level(logging.WARNING, logger="api.server")
     server = await scripted.start()
     await server.close()

@@ -29,8 +29,8 @@ from http_stack import (
     parse_data_sse,
 )
 
-from actors.messages import AdmitChat, AdmitCompletion, OutputFormat
-from api.stops import MAX_STOP_CHARS
+from troupe.actors.messages import AdmitChat, AdmitCompletion, OutputFormat
+from troupe.api.stops import MAX_STOP_CHARS
 
 # --- fixtures and helpers ------------------------------------------------------------------
 

@@ -25,9 +25,9 @@ from http_stack import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from api.cli import build_parser, serve_config
-from api.shutdown import INFLIGHT
-from runtime import Actor, Message
+from troupe.api.cli import build_parser, serve_config
+from troupe.api.shutdown import INFLIGHT
+from troupe.runtime import Actor, Message
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -404,7 +404,7 @@ async def test_requests_arriving_after_shutdown_began_are_refused(client: TestCl
 
 async def troupe(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "api.cli", *args, cwd=ROOT,
+        sys.executable, "-m", "troupe.api.cli", *args, cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )

@@ -35,7 +35,7 @@ from http_stack import (
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from actors.messages import AdmitChat, OutputFormat, ToolChoice
+from troupe.actors.messages import AdmitChat, OutputFormat, ToolChoice
 
 RESPONSES = "/v1/responses"
 HELLO = "Hello world"
@@ -822,7 +822,7 @@ async def test_custom_call_comes_back_as_a_custom_tool_call_item(client: TestCli
 
 
 async def test_custom_call_input_that_is_not_one_string_keeps_the_arguments() -> None:
-    from api.responses_tools import freeform_input
+    from troupe.api.responses_tools import freeform_input
 
     assert freeform_input('{"input": "x"}') == "x"
     for arguments in ('{"input": "x", "more": 1}', '{"input": 3}', "[1]", "not json"):
@@ -920,7 +920,7 @@ async def test_local_shell_call_out_and_back(client: TestClient, scripted: Scrip
 
 
 async def test_local_shell_call_that_is_not_an_exec_action_is_a_function_call() -> None:
-    from api.responses_tools import local_shell_action
+    from troupe.api.responses_tools import local_shell_action
 
     assert local_shell_action('{"command": ["ls"], "workdir": "/w", "timeout_ms": 5}') == {
         "type": "exec", "command": ["ls"], "timeout_ms": 5, "working_directory": "/w",

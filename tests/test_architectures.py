@@ -28,11 +28,11 @@ from mlx_lm import load
 from reference import PROMPTS, reference_tokens
 from tiny_model import make_tiny_model
 
-from actors import block_store
-from actors.engine.core import Engine
-from actors.engine.kv_blocks import KVBlock, from_numpy, to_numpy
-from actors.engine.prefix import model_fingerprint, usable_blocks
-from actors.messages import TokensGenerated
+from troupe.actors import block_store
+from troupe.actors.engine.core import Engine
+from troupe.actors.engine.kv_blocks import KVBlock, from_numpy, to_numpy
+from troupe.actors.engine.prefix import model_fingerprint, usable_blocks
+from troupe.actors.messages import TokensGenerated
 
 BLOCK = 16
 # Crosses several blocks and every sliding window (8 or 18 tokens) many times over.

@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from actors.config import ServeConfig
-from actors.serving import start_serving
-from api.app import create_app
-from runtime import ActorSystem
+from troupe.actors.config import ServeConfig
+from troupe.actors.serving import start_serving
+from troupe.api.app import create_app
+from troupe.runtime import ActorSystem
 
 
 async def steps_for(aiohttp_client, model_dir: Path, window_ms: float, prompts: list[str],
@@ -61,7 +61,7 @@ async def test_a_steady_trickle_does_not_hold_the_first_step_back(aiohttp_client
                                                                   tiny_model_dir) -> None:
     """Requests arriving every 40 ms never leave a quiet 100 ms window; the first still
     starts within ARRIVAL_WINDOWS_MAX windows and answers before the trickle ends."""
-    from actors.scheduler import ARRIVAL_WINDOWS_MAX
+    from troupe.actors.scheduler import ARRIVAL_WINDOWS_MAX
 
     trickle_s = 2 * ARRIVAL_WINDOWS_MAX * 0.1 + 1.0
     config = ServeConfig.of(model=str(tiny_model_dir), block_size=0, arrival_window_ms=100)

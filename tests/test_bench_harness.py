@@ -40,7 +40,7 @@ LEVEL_KEYS = {"tokens_per_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "err
 def bench_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("bench")
     subprocess.run(
-        [sys.executable, "-m", "api.cli", "bench", "--model", str(tiny_model_dir),
+        [sys.executable, "-m", "troupe.api.cli", "bench", "--model", str(tiny_model_dir),
          "--concurrency", "1,2", "--max-tokens", "4", "--long-tokens", "64", "--streams", "2",
          "--warm-chunks", "3", "--stream-tokens", "256", "--reps", "1", "--out", str(out)],
         cwd=REPO, check=True, timeout=240, capture_output=True,

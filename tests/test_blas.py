@@ -10,14 +10,14 @@ import sys
 
 import pytest
 
-from actors.models import blas
+from troupe.actors.models import blas
 
 GREEDY = """
 import json, sys
 from mlx_lm import load
 from mlx_lm.generate import stream_generate
-from actors.models.blas import loaded_blas
-from actors.models.store import resolve_model
+from troupe.actors.models.blas import loaded_blas
+from troupe.actors.models.store import resolve_model
 model, tok = load(str(resolve_model(None).path))
 prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                  add_generation_prompt=True)
@@ -56,8 +56,8 @@ def test_preload_is_planned_only_when_it_helps(monkeypatch, tmp_path):
         monkeypatch.delenv(key, raising=False)
 
     # auto: troupe's matrix-vector product first (MLX binds to its cblas_sgemm), then OpenBLAS
-    command, env = blas.preload_command(["-m", "api.cli", "serve"])
-    assert command == [sys.executable, "-m", "api.cli", "serve"]
+    command, env = blas.preload_command(["-m", "troupe.api.cli", "serve"])
+    assert command == [sys.executable, "-m", "troupe.api.cli", "serve"]
     assert env["LD_PRELOAD"] == f"{shim} {fake}"
     assert env[blas.REEXEC_MARK] == f"{shim} {fake}"
 

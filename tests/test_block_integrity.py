@@ -18,8 +18,8 @@ import pytest
 import safetensors.numpy
 from test_ssd_writer import FP, eventually, make_block, make_chain, running_cache
 
-from actors import block_store
-from actors.cache_messages import FORMAT_VERSION, ReadBlocks
+from troupe.actors import block_store
+from troupe.actors.cache_messages import FORMAT_VERSION, ReadBlocks
 
 
 def data_region(data: bytes) -> tuple[int, int]:

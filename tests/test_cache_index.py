@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from actors import block_store
-from actors.cache_index import CACHE_INDEX_THREAD, CacheIndex, DiskTable
-from actors.cache_messages import (
+from troupe.actors import block_store
+from troupe.actors.cache_index import CACHE_INDEX_THREAD, CacheIndex, DiskTable
+from troupe.actors.cache_messages import (
     BlockData,
     BlockPersisted,
     BlockWriteFailed,
@@ -28,7 +28,7 @@ from actors.cache_messages import (
     MakeRoom,
     OnDisk,
 )
-from runtime import Actor, ActorRef, ActorSystem
+from troupe.runtime import Actor, ActorRef, ActorSystem
 
 FP = "test-model@0123abcd"
 KB = 1024

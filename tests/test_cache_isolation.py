@@ -16,12 +16,12 @@ import http_stack
 import pytest
 from http_stack import MODEL, Scripted, real_client
 
-from actors.config import ServeConfig
-from actors.messages import AdmitChat, AdmitCompletion
-from actors.serving import start_serving
-from api.app import create_app
-from api.cli import build_parser, serve_config
-from runtime import ActorSystem
+from troupe.actors.config import ServeConfig
+from troupe.actors.messages import AdmitChat, AdmitCompletion
+from troupe.actors.serving import start_serving
+from troupe.api.app import create_app
+from troupe.api.cli import build_parser, serve_config
+from troupe.runtime import ActorSystem
 
 scripted = http_stack.scripted
 

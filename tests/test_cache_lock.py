@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from actors.cache_lock import LOCK_FILE, CacheDirBusy, CacheDirLock
-from actors.distributed.shards import rank_cache_dir
-from actors.follower_disk import FollowerDisk
+from troupe.actors.cache_lock import LOCK_FILE, CacheDirBusy, CacheDirLock
+from troupe.actors.distributed.shards import rank_cache_dir
+from troupe.actors.follower_disk import FollowerDisk
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,7 +42,7 @@ def test_a_directory_another_process_holds_is_refused_naming_that_process(tmp_pa
     holder = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(f"""
             import sys
-            from actors.cache_lock import CacheDirLock
+            from troupe.actors.cache_lock import CacheDirLock
             CacheDirLock.acquire({str(tmp_path)!r})
             print("held", flush=True)
             sys.stdin.read()
@@ -85,9 +85,9 @@ def test_a_read_only_directory_is_served_without_a_lock(tmp_path, caplog):
 
 async def test_a_second_server_on_a_cache_directory_refuses_to_start_until_the_first_stops(
         tiny_model_dir, tmp_path):
-    from actors.config import ServeConfig
-    from actors.serving import start_serving
-    from runtime import ActorSystem
+    from troupe.actors.config import ServeConfig
+    from troupe.actors.serving import start_serving
+    from troupe.runtime import ActorSystem
 
     config = ServeConfig(model=str(tiny_model_dir), cache_dir=str(tmp_path / "kv"))
     async with ActorSystem() as first:

@@ -41,8 +41,8 @@ def is_patch(text: str) -> bool:
     """Whether ``text`` is a sentence of Codex's apply_patch grammar (llguidance's reading)."""
     from mlx_lm.utils import load_tokenizer
 
-    from actors.engine.grammar import Grammars
-    from actors.models.store import resolve_model
+    from troupe.actors.engine.grammar import Grammars
+    from troupe.actors.models.store import resolve_model
 
     ll = Grammars(load_tokenizer(resolve_model(None).path)).llg_tokenizer()
     matcher = LLMatcher(ll, LLMatcher.grammar_from_lark(APPLY_PATCH_GRAMMAR), log_level=0)

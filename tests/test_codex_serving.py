@@ -18,11 +18,11 @@ from http_stack import real_client
 from llguidance import LLMatcher
 from openai.types.responses import Response
 
-from actors.config import ServeConfig
-from actors.messages import ToolChoice
-from actors.tool_prompt import with_tools_in_prompt
-from api.responses import InputItem, _messages
-from api.responses_tools import tool_set
+from troupe.actors.config import ServeConfig
+from troupe.actors.messages import ToolChoice
+from troupe.actors.tool_prompt import with_tools_in_prompt
+from troupe.api.responses import InputItem, _messages
+from troupe.api.responses_tools import tool_set
 
 # A freeform tool whose input is short by its grammar (a random model ends it), with the
 # characters JSON escapes: a quote, a backslash, a newline.
@@ -141,6 +141,6 @@ async def test_a_required_call_whose_grammar_dead_ends_fails_with_no_call(
 
 
 def _tool(tool: dict[str, Any]) -> Any:
-    from api.responses_tools import Tool
+    from troupe.api.responses_tools import Tool
 
     return Tool(**tool)

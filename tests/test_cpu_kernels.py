@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from actors.engine import cpu_kernels
+from troupe.actors.engine import cpu_kernels
 
 
 @pytest.fixture
@@ -209,7 +209,7 @@ LOGITS = """
 import json, sys, hashlib
 import numpy as np
 import mlx.core as mx
-from actors.engine import cpu_kernels
+from troupe.actors.engine import cpu_kernels
 if sys.argv[2] == "native":
     cpu_kernels.enable("native", __import__("pathlib").Path(sys.argv[3]))
 from mlx_lm import load

@@ -19,9 +19,9 @@ from agent_shapes import APPLY_PATCH_GRAMMAR
 from llguidance import LLMatcher
 from mlx_lm.tool_parsers import json_tools, mistral, qwen3_coder
 
-from actors.engine.custom_tools import FreeformError, check_format, json_string_grammar
-from actors.engine.grammar import Constraint, Grammars
-from actors.messages import OutputFormat, ToolChoice
+from troupe.actors.engine.custom_tools import FreeformError, check_format, json_string_grammar
+from troupe.actors.engine.grammar import Constraint, Grammars
+from troupe.actors.messages import OutputFormat, ToolChoice
 
 PROMPT = [1, 2, 3]
 FORMATS = ["json_tools", "qwen3_coder", "mistral", "llama3_json"]

@@ -19,8 +19,8 @@ import http_stack
 import pytest
 from http_stack import BUSY_MODEL, MODEL, Scripted
 
-from api.dashboard import HUB, INTERVAL_S, PUBLIC_PATHS, EventHub, History, RequestBoard
-from runtime import Actor, ActorSnapshot, Message, Restart
+from troupe.api.dashboard import HUB, INTERVAL_S, PUBLIC_PATHS, EventHub, History, RequestBoard
+from troupe.runtime import Actor, ActorSnapshot, Message, Restart
 
 scripted = http_stack.scripted
 
@@ -310,9 +310,9 @@ def test_history_counts_tokens_per_bucket_across_a_scheduler_reload() -> None:
 
 
 def test_request_board_keeps_the_last_fifty() -> None:
-    from api.metrics import Metrics
-    from api.telemetry import RequestRecord
-    from runtime import ActorSystem
+    from troupe.api.metrics import Metrics
+    from troupe.api.telemetry import RequestRecord
+    from troupe.runtime import ActorSystem
 
     board = RequestBoard()
     metrics = Metrics(ActorSystem())
@@ -343,7 +343,7 @@ def test_views_read_the_serving_actors_reports(pinned: bool) -> None:
                             "ram_max_bytes": 100, "hit_tokens": 64, "miss_tokens": 64}),
         _snap("memory_monitor", {"limit_bytes": 100, "usage_bytes": 40, "pressure": "soft"}),
     ]
-    from api.dashboard import cache_view, memory_view, models_view
+    from troupe.api.dashboard import cache_view, memory_view, models_view
 
     (cache,) = cache_view(snaps)
     # RAM and the hits from the scheduler (every prompt token served from cache), the disk

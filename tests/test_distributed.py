@@ -29,9 +29,9 @@ import httpx
 import msgspec
 import pytest
 
-from actors.distributed.follower import connect, follow
-from actors.distributed.leader import Followers
-from actors.distributed.protocol import (
+from troupe.actors.distributed.follower import connect, follow
+from troupe.actors.distributed.leader import Followers
+from troupe.actors.distributed.protocol import (
     SECRET_ENV,
     SECRET_FILE_ENV,
     Abort,
@@ -40,18 +40,18 @@ from actors.distributed.protocol import (
     Welcome,
     read_secret,
 )
-from actors.distributed.shards import (
+from troupe.actors.distributed.shards import (
     MODES,
     check_tensor_split,
     engine_config_for,
     rank_cache_dir,
     shard_memory,
 )
-from actors.engine.config import EngineConfig
-from actors.engine.memory_estimate import ModelMemory
-from actors.engine.prefix_cache import PrefixCache
-from actors.engine.schedule import SchedulerOutput
-from actors.messages import SamplingParams
+from troupe.actors.engine.config import EngineConfig
+from troupe.actors.engine.memory_estimate import ModelMemory
+from troupe.actors.engine.prefix_cache import PrefixCache
+from troupe.actors.engine.schedule import SchedulerOutput
+from troupe.actors.messages import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -521,7 +521,7 @@ class Ranks:
         self.port = free_port()
         # A cache directory of the test's own unless ``extra`` names one (never ~/.cache).
         cache = () if "--cache-dir" in extra else ("--cache-dir", str(tmp / "kv-cache"))
-        args = [sys.executable, "-m", "api.cli", "serve", "--model", str(model),
+        args = [sys.executable, "-m", "troupe.api.cli", "serve", "--model", str(model),
                 "--distributed", mode, "--distributed-port", str(free_port()),
                 "--port", str(self.port), "--arrival-window", "0", *cache, *extra]
         self.procs = []
@@ -568,7 +568,7 @@ class Single:
         self.port = free_port()
         self.out = open(log, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "api.cli", "serve", "--model", str(model), "--port",
+            [sys.executable, "-m", "troupe.api.cli", "serve", "--model", str(model), "--port",
              str(self.port), "--no-prefix-cache", "--arrival-window", "0"],
             cwd=ROOT, stdout=self.out, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -774,7 +774,7 @@ def test_ranks_started_by_mlx_launch_take_the_secret_from_its_environment_and_se
         launcher = subprocess.Popen(
             [str(Path(sys.executable).with_name("mlx.launch")), "--backend", "ring",
              "--hosts", "127.0.0.1", "-n", "2", "--starting-port", str(free_port()), "--",
-             sys.executable, "-m", "api.cli", "serve", "--model", str(model),
+             sys.executable, "-m", "troupe.api.cli", "serve", "--model", str(model),
              "--distributed", "tensor", "--distributed-port", str(free_port()),
              "--port", str(port), "--arrival-window", "0",
              "--cache-dir", str(tmp_path / "kv-cache")],

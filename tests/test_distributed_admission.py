@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 from tiny_model import make_tiny_model
 
-from actors.admission import Admission
-from actors.distributed.shards import rank_memory_of
-from actors.engine.memory_estimate import OK, model_memory_of, prompt_need
-from actors.memory_messages import MemoryLimits
-from actors.messages import (
+from troupe.actors.admission import Admission
+from troupe.actors.distributed.shards import rank_memory_of
+from troupe.actors.engine.memory_estimate import OK, model_memory_of, prompt_need
+from troupe.actors.memory_messages import MemoryLimits
+from troupe.actors.messages import (
     AddRequest,
     AdmissionError,
     AdmissionTicket,
@@ -29,7 +29,7 @@ from actors.messages import (
     SamplingParams,
     Usage,
 )
-from runtime import Actor, ActorRef, ActorSystem
+from troupe.runtime import Actor, ActorRef, ActorSystem
 
 STEP = 512
 PROMPT = list(range(10, 74))  # 64 token ids of the tiny vocabulary

@@ -19,17 +19,17 @@ import mlx.core as mx
 import pytest
 from test_distributed import SECRET, Grammars, _following, _pair, _plan, free_port
 
-from actors import block_store
-from actors.distributed.follower import connect, follow
-from actors.distributed.leader import Followers
-from actors.distributed.protocol import Supply, combine
-from actors.engine.config import EngineConfig
-from actors.engine.kv_blocks import KV, KVBlock, layout, to_numpy
-from actors.engine.prefix import block_hashes, namespace_root, usable_blocks
-from actors.engine.prefix_cache import PrefixCache
-from actors.follower_cache import FollowerCache, SupplyError
-from actors.follower_disk import FollowerDisk
-from actors.messages import SamplingParams
+from troupe.actors import block_store
+from troupe.actors.distributed.follower import connect, follow
+from troupe.actors.distributed.leader import Followers
+from troupe.actors.distributed.protocol import Supply, combine
+from troupe.actors.engine.config import EngineConfig
+from troupe.actors.engine.kv_blocks import KV, KVBlock, layout, to_numpy
+from troupe.actors.engine.prefix import block_hashes, namespace_root, usable_blocks
+from troupe.actors.engine.prefix_cache import PrefixCache
+from troupe.actors.follower_cache import FollowerCache, SupplyError
+from troupe.actors.follower_disk import FollowerDisk
+from troupe.actors.messages import SamplingParams
 
 B = 4  # tokens per block
 PROMPT = list(range(100, 115))  # 15 tokens: 3 usable blocks, then 3 tokens
@@ -222,8 +222,8 @@ def test_blocks_only_on_a_followers_disk_are_read_supplied_and_promoted_after_a_
 def test_a_followers_blocks_go_through_the_cache_index_and_the_ssd_writer(tmp_path):
     """One disk tier on every rank: a follower's files are kept by the same actors as rank
     0's, the catalogue by the cache index and the files by the SSD writer."""
-    from actors.cache_index import CacheIndex
-    from actors.ssd_writer import SsdWriter
+    from troupe.actors.cache_index import CacheIndex
+    from troupe.actors.ssd_writer import SsdWriter
 
     disk = FollowerDisk(tmp_path, "fp", 1 << 30)
     kinds = {s.name: s.actor_class for s in disk.system.snapshot()}
@@ -520,8 +520,8 @@ def test_rank_0_counts_the_fullest_followers_memory_while_it_leads():
 
 
 async def test_the_memory_monitor_sees_the_fullest_rank():
-    from actors.memory_messages import RanksMemory
-    from actors.memory_monitor import MemoryMonitor
+    from troupe.actors.memory_messages import RanksMemory
+    from troupe.actors.memory_monitor import MemoryMonitor
 
     limit = 8 << 30
     monitor = MemoryMonitor(limit=limit)
@@ -553,10 +553,10 @@ async def test_rank_0s_scheduler_tells_the_monitor_the_other_ranks_memory(
 def test_the_engines_memory_gate_counts_the_fullest_rank(tiny_model_dir: Path):
     from mlx_lm import load
 
-    from actors.engine.core import Engine as RealEngine
-    from actors.engine.memory_estimate import model_memory
-    from actors.messages import RequestFinished
-    from actors.scheduler import weights_profile
+    from troupe.actors.engine.core import Engine as RealEngine
+    from troupe.actors.engine.memory_estimate import model_memory
+    from troupe.actors.messages import RequestFinished
+    from troupe.actors.scheduler import weights_profile
 
     model, tok, config = load(str(tiny_model_dir), return_config=True)
     weights, dtype_bytes = weights_profile(model)

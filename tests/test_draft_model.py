@@ -20,12 +20,12 @@ from mlx_lm import load
 from reference import reference_tokens
 from tiny_model import make_tiny_model, write_tokenizer
 
-from actors.config import ServeConfig
-from actors.engine.config import speculation
-from actors.engine.core import Engine
-from actors.engine.draft_model import DraftModel, DraftModelError, check_draft_model, vocabulary
-from actors.engine.speculate import MAX_DRAFT
-from actors.messages import SamplingParams, TokensGenerated
+from troupe.actors.config import ServeConfig
+from troupe.actors.engine.config import speculation
+from troupe.actors.engine.core import Engine
+from troupe.actors.engine.draft_model import DraftModel, DraftModelError, check_draft_model, vocabulary
+from troupe.actors.engine.speculate import MAX_DRAFT
+from troupe.actors.messages import SamplingParams, TokensGenerated
 
 TEXTS = ["The quick brown fox jumps over the lazy dog. " * 5, "Numbers like 12345 and 12345 and",
          "def add(a, b): return a + b\n" * 3, "Paris"]
@@ -244,7 +244,7 @@ def test_drafts_drawn_from_a_draft_model_leave_tokens_distributed_as_one_a_step(
     import mlx.core as mx
     from test_speculative import CHI2_999, chi2
 
-    from actors.engine.request import RowSampler
+    from troupe.actors.engine.request import RowSampler
 
     def normed(rows: list[list[float]]) -> mx.array:
         x = mx.array(rows)
@@ -322,7 +322,7 @@ def test_troupe_serve_refuses_contradicting_flags_before_loading(tmp_path: Path)
     for flags, said in ((["--speculative", "draft"], "needs a draft model"),
                         (["--draft-model", "x", "--distributed", "tensor"],
                          "not served with --distributed")):
-        out = subprocess.run([sys.executable, "-m", "api.cli", "serve", "--model",
+        out = subprocess.run([sys.executable, "-m", "troupe.api.cli", "serve", "--model",
                               str(tmp_path / "none"), *flags], capture_output=True, text=True,
                              timeout=60, env={"TROUPE_HOME": str(tmp_path), "PATH": ""})
         assert out.returncode == 1 and said in out.stderr
@@ -359,8 +359,8 @@ async def test_a_server_with_a_draft_model_answers_and_counts_its_drafts(
 
 async def test_a_server_refuses_a_draft_model_of_another_vocabulary_at_start(
         dirs: dict[str, Path], tmp_path: Path) -> None:
-    from actors.serving import start_serving
-    from runtime import ActorSystem
+    from troupe.actors.serving import start_serving
+    from troupe.runtime import ActorSystem
 
     other = make_tiny_model(tmp_path / "v", arch="llama", layers=1)
     write_tokenizer(other, vocab_size=300)

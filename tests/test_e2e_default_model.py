@@ -32,7 +32,7 @@ def test_default_model_is_listed(model: str) -> None:
 
 
 def test_start_up_log_names_the_blas(model: str, server_log: Path) -> None:
-    from actors.models.blas import find_openblas
+    from troupe.actors.models.blas import find_openblas
 
     line = next(ln for ln in server_log.read_text().splitlines() if "serving" in ln)
     assert "BLAS: " in line

@@ -20,9 +20,9 @@ from embed_models import (
 from mlx_lm import load
 from mlx_lm.utils import load_config
 
-from actors.engine.config import EngineConfig
-from actors.engine.dense import read_dense
-from actors.engine.embed import (
+from troupe.actors.engine.config import EngineConfig
+from troupe.actors.engine.dense import read_dense
+from troupe.actors.engine.embed import (
     RERANK_SUFFIX,
     Embedder,
     EmbedJob,
@@ -32,15 +32,15 @@ from actors.engine.embed import (
     read_embed_spec,
     rerank_tokens,
 )
-from actors.engine.memory_estimate import (
+from troupe.actors.engine.memory_estimate import (
     KV_STEP,
     embed_step_need,
     model_memory,
     prefill_transient,
 )
-from actors.engine.schedule import STEP_BUDGET_FLOOR, StepState, embed_budget, step_budget
-from actors.messages import AdmissionError
-from actors.scheduler import STEP_EMA, ThreadLoad
+from troupe.actors.engine.schedule import STEP_BUDGET_FLOOR, StepState, embed_budget, step_budget
+from troupe.actors.messages import AdmissionError
+from troupe.actors.scheduler import STEP_EMA, ThreadLoad
 
 TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog",
          "def add(a, b): return a + b", "a"]

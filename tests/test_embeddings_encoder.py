@@ -23,9 +23,9 @@ from encoder_models import make_encoder
 from http_stack import real_client_with_room, real_stack
 from tiny_model import make_tiny_model
 
-from actors.config import ServeConfig
-from actors.engine.embed import EmbedJob, detect_task
-from actors.engine.encoder import (
+from troupe.actors.config import ServeConfig
+from troupe.actors.engine.embed import EmbedJob, detect_task
+from troupe.actors.engine.encoder import (
     EncoderEmbedder,
     EncoderUnavailable,
     check_encoder,
@@ -33,8 +33,8 @@ from actors.engine.encoder import (
     pair_tokens,
     read_config,
 )
-from actors.engine.memory_estimate import embed_step_need, model_memory
-from actors.scheduler import context_length
+from troupe.actors.engine.memory_estimate import embed_step_need, model_memory
+from troupe.actors.scheduler import context_length
 
 ROOT = Path(__file__).resolve().parent.parent
 MB = 1 << 20

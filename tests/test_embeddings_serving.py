@@ -21,10 +21,10 @@ from embed_models import QUERY_PROMPT, make_embedding_model, make_reranker_model
 from http_stack import RealStack, real_client, real_client_with_room, real_stack
 from mlx_lm import load
 
-from actors.config import ServeConfig
-from actors.engine.embed import Embedder, EmbedJob, answer_token, read_embed_spec, rerank_tokens
-from actors.engine.schedule import STEP_BUDGET_FLOOR
-from actors.messages import AbortRequest, AdmissionError, AdmitEmbed
+from troupe.actors.config import ServeConfig
+from troupe.actors.engine.embed import Embedder, EmbedJob, answer_token, read_embed_spec, rerank_tokens
+from troupe.actors.engine.schedule import STEP_BUDGET_FLOOR
+from troupe.actors.messages import AbortRequest, AdmissionError, AdmitEmbed
 
 MB = 1 << 20
 

@@ -11,11 +11,11 @@ from hypothesis import strategies as st
 from mlx_lm import load
 from reference import PROMPTS, detokenize, reference_tokens
 
-from actors.engine.core import Engine
-from actors.engine.grammar import Grammars
-from actors.engine.output import StopStringFilter
-from actors.engine.schedule import MIN_MIXED_CHUNK, MIN_PREFILL_CHUNK
-from actors.messages import (
+from troupe.actors.engine.core import Engine
+from troupe.actors.engine.grammar import Grammars
+from troupe.actors.engine.output import StopStringFilter
+from troupe.actors.engine.schedule import MIN_MIXED_CHUNK, MIN_PREFILL_CHUNK
+from troupe.actors.messages import (
     OutputFormat,
     OutputSpec,
     RequestFinished,
@@ -371,7 +371,7 @@ def test_a_long_prompt_is_prefilled_in_budgeted_chunks_while_streams_decode(load
 def test_a_short_prompt_is_never_split_even_beside_a_long_one(loaded):
     """Under the budget, a chat-sized prompt (its rest within SHORT_PROMPT budgets) is
     prefilled in one step: the budget holds back long prompts, not short ones."""
-    from actors.engine.schedule import SHORT_PROMPT
+    from troupe.actors.engine.schedule import SHORT_PROMPT
 
     model, tok = loaded
     engine = Engine(model, tok, engine_config(prefill_step_size=512, prefill_interleave=1.0))
@@ -465,7 +465,7 @@ def test_a_long_prefill_beside_a_decoding_row_runs_chunks_that_fit_the_step_budg
 
 
 def test_step_times_are_learned_from_whole_steps():
-    from actors.engine.core import EMA
+    from troupe.actors.engine.core import EMA
 
     engine = Engine.__new__(Engine)
     engine._decode_s = engine._token_s = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jsonschema
 import pytest
 
-from actors.engine.finite_schema import _Finite, unsatisfiable
+from troupe.actors.engine.finite_schema import _Finite, unsatisfiable
 
 # The reproductions.
 SELF = {"$ref": "#"}

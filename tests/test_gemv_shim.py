@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from actors.models import blas
+from troupe.actors.models import blas
 
 # In a subprocess started with a given LD_PRELOAD: products at the default model's shapes and
 # odd ones (three calls each: past the shim's two checked calls), then the logits of a prompt
@@ -21,7 +21,7 @@ import ctypes, hashlib, json
 import mlx.core as mx, numpy as np
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
-from actors.models.store import resolve_model
+from troupe.actors.models.store import resolve_model
 h = hashlib.sha256()
 rng = np.random.default_rng(7)
 for n, k in [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576), (1000, 333),

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 from mlx.utils import tree_map
 
-from actors.models import store as model_store
-from actors.models.gguf import DEFAULT_DTYPE, _unpermute_rows
-from actors.models.store import (
+from troupe.actors.models import store as model_store
+from troupe.actors.models.gguf import DEFAULT_DTYPE, _unpermute_rows
+from troupe.actors.models.store import (
     COMPLETE_MARKER,
     DEFAULT_MODEL,
     ModelResolutionError,
@@ -412,7 +412,7 @@ def test_weights_are_dense_float32_by_default(default_model: ResolvedModel) -> N
 
 
 def test_default_dtype_keeps_big_files_packed(tmp_path: Path) -> None:
-    from actors.models.gguf import DENSE_DEFAULT_MAX_GGUF_BYTES, QUANTIZED, default_dtype
+    from troupe.actors.models.gguf import DENSE_DEFAULT_MAX_GGUF_BYTES, QUANTIZED, default_dtype
 
     small, big = tmp_path / "small.gguf", tmp_path / "big.gguf"
     small.write_bytes(b"GGUF")

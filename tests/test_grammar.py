@@ -20,14 +20,14 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.tool_parsers import json_tools, mistral, qwen3_coder
 from reference import PROMPTS, reference_tokens
 
-from actors.engine.grammar import (
+from troupe.actors.engine.grammar import (
     Constraint,
     GrammarError,
     Grammars,
     thinking_budget_processor,
 )
-from actors.engine.runner import Runner
-from actors.messages import OutputFormat, ToolChoice
+from troupe.actors.engine.runner import Runner
+from troupe.actors.messages import OutputFormat, ToolChoice
 
 PET = {
     "type": "object",

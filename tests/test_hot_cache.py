@@ -17,14 +17,14 @@ from engine_helpers import greedy as engine_greedy
 from engine_helpers import run as run_all
 from mlx_lm import load
 
-from actors.engine import core
-from actors.engine.core import Engine
-from actors.engine.hot_cache import HOT_ENTRIES
-from actors.engine.kv_blocks import common_prefix
-from actors.engine.memory_estimate import model_memory
-from actors.engine.prefix import model_fingerprint
-from actors.messages import RequestFinished, SamplingParams
-from actors.scheduler import weights_profile
+from troupe.actors.engine import core
+from troupe.actors.engine.core import Engine
+from troupe.actors.engine.hot_cache import HOT_ENTRIES
+from troupe.actors.engine.kv_blocks import common_prefix
+from troupe.actors.engine.memory_estimate import model_memory
+from troupe.actors.engine.prefix import model_fingerprint
+from troupe.actors.messages import RequestFinished, SamplingParams
+from troupe.actors.scheduler import weights_profile
 
 BLOCK = 16
 LONG = ("The quick brown fox jumps over the lazy dog. " * 6

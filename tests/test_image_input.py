@@ -29,7 +29,7 @@ from http_stack import MODEL, Scripted
 from PIL import Image, ImageFile
 
 import api.images
-from actors.images import (
+from troupe.actors.images import (
     MAX_IMAGE_PIXELS,
     ImageError,
     decode_image,
@@ -37,12 +37,12 @@ from actors.images import (
     image_bytes,
     image_parts,
 )
-from actors.messages import AdmitChat, CountTokens
-from api.anthropic import MessagesRequest, admit_message
-from api.errors import ApiError
-from api.openai import ChatCompletionRequest, admit_chat
-from api.responses import ResponsesRequest, prepare_turn
-from api.responses_store import ResponseStore
+from troupe.actors.messages import AdmitChat, CountTokens
+from troupe.api.anthropic import MessagesRequest, admit_message
+from troupe.api.errors import ApiError
+from troupe.api.openai import ChatCompletionRequest, admit_chat
+from troupe.api.responses import ResponsesRequest, prepare_turn
+from troupe.api.responses_store import ResponseStore
 
 scripted, client = http_stack.scripted, http_stack.client
 

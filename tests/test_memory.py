@@ -17,13 +17,13 @@ from http_stack import real_client
 from mlx_lm.utils import load_tokenizer
 from tiny_model import make_tiny_model
 
-from actors import scheduler as scheduler_module
-from actors.config import ServeConfig
-from actors.engine.memory_estimate import model_memory_of, prompt_need
-from actors.memory_messages import SetMemoryLimit
-from actors.messages import DescribeEngine
-from actors.serving import ServingHandles
-from runtime import ActorSystem
+from troupe.actors import scheduler as scheduler_module
+from troupe.actors.config import ServeConfig
+from troupe.actors.engine.memory_estimate import model_memory_of, prompt_need
+from troupe.actors.memory_messages import SetMemoryLimit
+from troupe.actors.messages import DescribeEngine
+from troupe.actors.serving import ServingHandles
+from troupe.runtime import ActorSystem
 
 MB = 1_000_000
 SENTENCE = "The quick brown fox jumps over the lazy dog. "
@@ -258,7 +258,7 @@ async def test_limits_reach_an_engine_loaded_after_the_monitor_started_within_on
 async def test_two_models_swap_under_a_budget_that_fits_one(
     aiohttp_client, tiny_model_dir, second_model_dir
 ):
-    from actors.engine.memory_estimate import model_memory_of
+    from troupe.actors.engine.memory_estimate import model_memory_of
 
     one = model_memory_of(tiny_model_dir).weights_bytes
     client, system, handles = await serve(
@@ -469,6 +469,6 @@ async def test_no_memory_is_released_while_a_request_runs(
 def test_trim_heap_asks_glibc_on_linux() -> None:
     import sys
 
-    from actors.memory_monitor import trim_heap
+    from troupe.actors.memory_monitor import trim_heap
 
     assert trim_heap() is sys.platform.startswith("linux")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from actors.engine.memory_estimate import (
+from troupe.actors.engine.memory_estimate import (
     HARD,
     KV_STEP,
     NATIVE_SCORE_FACTOR,
@@ -117,7 +117,7 @@ def test_transient_with_troupes_cpu_attention_matches_what_mlx_measured():
 
 
 def test_the_factor_follows_the_attention_in_use():
-    from actors.engine import cpu_kernels
+    from troupe.actors.engine import cpu_kernels
 
     was = cpu_kernels.enabled()
     try:
@@ -278,7 +278,7 @@ def test_joining_a_long_sequence_pads_every_decoding_sequence_to_its_length():
 
 
 def test_memory_and_pool_flags_fill_serve_config():
-    from api.cli import build_parser, serve_config
+    from troupe.api.cli import build_parser, serve_config
 
     config = serve_config(build_parser().parse_args([
         "serve", "--model", "a", "--model", "b", "--memory-limit", "800MB",

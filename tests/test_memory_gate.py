@@ -9,11 +9,11 @@ import pytest
 from engine_helpers import engine_config
 from mlx_lm import load
 
-from actors.engine import schedule
-from actors.engine.core import Engine
-from actors.engine.memory_estimate import model_memory, model_memory_of, prompt_need
-from actors.messages import RequestFinished, SamplingParams, TokensGenerated
-from actors.scheduler import weights_profile
+from troupe.actors.engine import schedule
+from troupe.actors.engine.core import Engine
+from troupe.actors.engine.memory_estimate import model_memory, model_memory_of, prompt_need
+from troupe.actors.messages import RequestFinished, SamplingParams, TokensGenerated
+from troupe.actors.scheduler import weights_profile
 
 SENTENCE = "The quick brown fox jumps over the lazy dog. "
 

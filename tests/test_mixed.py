@@ -16,11 +16,11 @@ from mlx_lm.models.rope_utils import YarnRoPE
 from reference import PROMPTS, reference_tokens
 from tiny_model import make_tiny_model
 
-from actors.engine.core import Engine
-from actors.engine.forward import mixed_forward, supports_mixed
-from actors.engine.ragged_cache import MERGE_SLACK, RaggedKVCache
-from actors.engine.runner import Runner
-from actors.messages import TokensGenerated
+from troupe.actors.engine.core import Engine
+from troupe.actors.engine.forward import mixed_forward, supports_mixed
+from troupe.actors.engine.ragged_cache import MERGE_SLACK, RaggedKVCache
+from troupe.actors.engine.runner import Runner
+from troupe.actors.messages import TokensGenerated
 
 
 def batch_cache(model, prompts: list[list[int]]) -> list:
@@ -193,8 +193,8 @@ def test_one_set_of_rope_angles_per_group_gives_the_same_bits(loaded, monkeypatc
     the first layer's offsets copied before any layer moves them, and every layer reuses
     them: the logits and the caches are bit for bit those of angles made layer by layer
     from each layer's own cache (two decode groups and a prefill chunk at three positions)."""
-    from actors.engine import cpu_kernels
-    from actors.engine import forward as forward_pass
+    from troupe.actors.engine import cpu_kernels
+    from troupe.actors.engine import forward as forward_pass
 
     model, tok = loaded
     short = [encode(tok, PROMPTS[0]), encode(tok, PROMPTS[1])]

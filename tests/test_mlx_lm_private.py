@@ -8,8 +8,8 @@ import inspect
 
 import pytest
 
-from actors import mlx_lm_private
-from actors.mlx_lm_private import ATTRIBUTES, FUNCTIONS, PATCHED, UntestedMlxLm, check_mlx_lm
+from troupe.actors import mlx_lm_private
+from troupe.actors.mlx_lm_private import ATTRIBUTES, FUNCTIONS, PATCHED, UntestedMlxLm, check_mlx_lm
 
 
 @pytest.mark.parametrize(("module", "name"), [(m, n) for m, n, _ in FUNCTIONS])

@@ -25,19 +25,19 @@ import pytest
 from http_stack import real_client, real_stack
 from tiny_model import CHATML, make_tiny_model
 
-from actors.admission import with_model_defaults
-from actors.config import ServeConfig
-from actors.engine.memory_estimate import model_memory_of
-from actors.engine.prefix import model_fingerprint
-from actors.messages import (
+from troupe.actors.admission import with_model_defaults
+from troupe.actors.config import ServeConfig
+from troupe.actors.engine.memory_estimate import model_memory_of
+from troupe.actors.engine.prefix import model_fingerprint
+from troupe.actors.messages import (
     DEFAULTABLE,
     AdmitChat,
     AdmitCompletion,
     SamplingDefaults,
     SamplingParams,
 )
-from actors.models.generation_config import sampling_defaults
-from actors.models.store import resolve_model
+from troupe.actors.models.generation_config import sampling_defaults
+from troupe.actors.models.store import resolve_model
 
 scripted, client = http_stack.scripted, http_stack.client
 

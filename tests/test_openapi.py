@@ -40,11 +40,11 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from actors.config import ServeConfig
-from api import anthropic, openai, responses
-from api.errors import AnthropicErrorBody, ErrorBody
-from api.openapi import OPENAPI_PATH, OpenApiRoute, build_document
-from api.server import HttpServer
+from troupe.actors.config import ServeConfig
+from troupe.api import anthropic, openai, responses
+from troupe.api.errors import AnthropicErrorBody, ErrorBody
+from troupe.api.openapi import OPENAPI_PATH, OpenApiRoute, build_document
+from troupe.api.server import HttpServer
 
 CHECKS = [
     not_a_server_error,

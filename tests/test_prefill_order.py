@@ -10,9 +10,9 @@ from typing import Any
 from engine_helpers import encode, engine_config, greedy, run
 from reference import PROMPTS
 
-from actors.engine.core import Engine
-from actors.engine.schedule import LONG_PROMPT, SchedulerOutput
-from actors.messages import TokensGenerated
+from troupe.actors.engine.core import Engine
+from troupe.actors.engine.schedule import LONG_PROMPT, SchedulerOutput
+from troupe.actors.messages import TokensGenerated
 
 SENTENCE = "The quick brown fox jumps over the lazy dog. "
 QUESTION = "What is the capital of France? The capital of France is Paris. "

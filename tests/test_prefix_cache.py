@@ -10,9 +10,9 @@ import threading
 import numpy as np
 import pytest
 
-from actors.engine.kv_blocks import KVBlock
-from actors.engine.prefix import block_hashes, namespace_root
-from actors.engine.prefix_cache import PrefixCache
+from troupe.actors.engine.kv_blocks import KVBlock
+from troupe.actors.engine.prefix import block_hashes, namespace_root
+from troupe.actors.engine.prefix_cache import PrefixCache
 
 KB = 1024
 

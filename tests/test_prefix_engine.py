@@ -14,10 +14,10 @@ from engine_helpers import engine_config, ram_hit
 from mlx_lm import load
 from tiny_model import make_tiny_model
 
-from actors.engine.core import Engine
-from actors.engine.kv_blocks import common_prefix, from_numpy, to_numpy
-from actors.engine.prefix import block_hashes, model_fingerprint, usable_blocks
-from actors.messages import RequestFinished, SamplingParams, TokensGenerated
+from troupe.actors.engine.core import Engine
+from troupe.actors.engine.kv_blocks import common_prefix, from_numpy, to_numpy
+from troupe.actors.engine.prefix import block_hashes, model_fingerprint, usable_blocks
+from troupe.actors.messages import RequestFinished, SamplingParams, TokensGenerated
 
 BLOCK = 16
 LONG = ("The quick brown fox jumps over the lazy dog. " * 6

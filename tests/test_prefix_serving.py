@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from actors.admission import without_billing_header
-from actors.config import ServeConfig
-from actors.serving import start_serving
-from api.app import create_app
-from runtime import ActorSystem
+from troupe.actors.admission import without_billing_header
+from troupe.actors.config import ServeConfig
+from troupe.actors.serving import start_serving
+from troupe.api.app import create_app
+from troupe.runtime import ActorSystem
 
 BLOCK = 16
 LONG = ("The quick brown fox jumps over the lazy dog. " * 8
@@ -111,8 +111,8 @@ async def test_a_block_corrupted_on_disk_between_runs_is_dropped_and_the_answer_
     # cached prefix's answer into 16 <|endoftext|> after every restart.
     from test_block_integrity import overwrite_data
 
-    from actors import block_store
-    from actors.engine.prefix import model_fingerprint
+    from troupe.actors import block_store
+    from troupe.actors.engine.prefix import model_fingerprint
 
     cache_dir = tmp_path / "c"
     client, system, model = await serve(aiohttp_client, tiny_model_dir, cache_dir)
@@ -173,11 +173,11 @@ async def test_a_stuck_writer_costs_the_scheduler_at_most_a_bounded_wait(tiny_mo
                                                                         tmp_path):
     # A writer that never finishes a write, with a one-message queue: the scheduler waits at
     # most ~250 ms per step for room, then drops the block and counts it; requests go on.
-    from actors.cache_messages import WriteBlock
-    from actors.engine.config import EngineConfig
-    from actors.messages import AddRequest, DescribeEngine, RequestFinished, SamplingParams
-    from actors.scheduler import MLX_THREAD, WRITE_WAIT_S, Scheduler
-    from runtime import Actor
+    from troupe.actors.cache_messages import WriteBlock
+    from troupe.actors.engine.config import EngineConfig
+    from troupe.actors.messages import AddRequest, DescribeEngine, RequestFinished, SamplingParams
+    from troupe.actors.scheduler import MLX_THREAD, WRITE_WAIT_S, Scheduler
+    from troupe.runtime import Actor
 
     release = asyncio.Event()
 
@@ -218,8 +218,8 @@ def test_while_streams_decode_new_blocks_go_to_disk_a_few_megabytes_a_step():
     each step takes about PERSIST_BYTES_PER_STEP (at least one block); at shutdown, all."""
     import mlx.core as mx
 
-    from actors.engine.kv_blocks import KVBlock
-    from actors.scheduler import PERSIST_BYTES_PER_STEP, Scheduler
+    from troupe.actors.engine.kv_blocks import KVBlock
+    from troupe.actors.scheduler import PERSIST_BYTES_PER_STEP, Scheduler
 
     layer = (mx.zeros((1, 3, 64, 64)), mx.zeros((1, 3, 64, 64)))  # 98 KB a layer
     block = KVBlock(block_hash="h", parent_hash=None, n_tokens=64, layers=[layer] * 30)
@@ -242,11 +242,11 @@ async def test_a_prompt_whose_blocks_are_all_in_ram_asks_the_cache_index_nothing
         tiny_model_dir):
     """The RAM tier is the engine's own table: a lookup there is a plain call, and the index
     (the disk catalogue) is asked only for what RAM does not hold."""
-    from actors.cache_messages import FoundOnDisk, LookupDisk
-    from actors.engine.config import EngineConfig
-    from actors.messages import AddRequest, DescribeEngine, RequestFinished, SamplingParams
-    from actors.scheduler import MLX_THREAD, Scheduler
-    from runtime import Actor
+    from troupe.actors.cache_messages import FoundOnDisk, LookupDisk
+    from troupe.actors.engine.config import EngineConfig
+    from troupe.actors.messages import AddRequest, DescribeEngine, RequestFinished, SamplingParams
+    from troupe.actors.scheduler import MLX_THREAD, Scheduler
+    from troupe.runtime import Actor
 
     asked: list = []
 
@@ -357,9 +357,9 @@ async def test_a_disk_lookup_does_not_hold_the_step(tiny_model_dir):
     asks by message and gets the answer as a message, never awaiting the index in a step)."""
     from mlx_lm.utils import load_tokenizer
 
-    from actors.cache_messages import FoundOnDisk, LookupDisk
-    from actors.engine.config import EngineConfig
-    from actors.messages import (
+    from troupe.actors.cache_messages import FoundOnDisk, LookupDisk
+    from troupe.actors.engine.config import EngineConfig
+    from troupe.actors.messages import (
         AbortRequest,
         AddRequest,
         DescribeEngine,
@@ -367,8 +367,8 @@ async def test_a_disk_lookup_does_not_hold_the_step(tiny_model_dir):
         RequestStarted,
         SamplingParams,
     )
-    from actors.scheduler import MLX_THREAD, Scheduler
-    from runtime import Actor
+    from troupe.actors.scheduler import MLX_THREAD, Scheduler
+    from troupe.runtime import Actor
 
     asked, release = asyncio.Event(), asyncio.Event()
 
@@ -429,10 +429,10 @@ async def test_a_lookup_the_index_never_answers_starts_the_request_from_ram_alon
     runs from what RAM holds."""
     from mlx_lm.utils import load_tokenizer
 
-    from actors.engine.config import EngineConfig
-    from actors.messages import AddRequest, DescribeEngine, RequestFinished, SamplingParams
-    from actors.scheduler import MLX_THREAD, Scheduler
-    from runtime import Actor
+    from troupe.actors.engine.config import EngineConfig
+    from troupe.actors.messages import AddRequest, DescribeEngine, RequestFinished, SamplingParams
+    from troupe.actors.scheduler import MLX_THREAD, Scheduler
+    from troupe.runtime import Actor
 
     class SilentDisk(Actor):
         """An index that takes every message and answers none."""

@@ -34,9 +34,9 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from actors import block_store
-from actors.cache_index import CACHE_INDEX_THREAD, CacheIndex, DiskTable
-from actors.cache_messages import (
+from troupe.actors import block_store
+from troupe.actors.cache_index import CACHE_INDEX_THREAD, CacheIndex, DiskTable
+from troupe.actors.cache_messages import (
     BlockData,
     BlocksRead,
     FlushWrites,
@@ -45,10 +45,10 @@ from actors.cache_messages import (
     ReadBlocks,
     WriteBlock,
 )
-from actors.engine.kv_blocks import KVBlock
-from actors.engine.prefix_cache import PrefixCache
-from actors.ssd_writer import SSD_THREAD, SsdWriter
-from runtime import Actor, ActorSystem, Message
+from troupe.actors.engine.kv_blocks import KVBlock
+from troupe.actors.engine.prefix_cache import PrefixCache
+from troupe.actors.ssd_writer import SSD_THREAD, SsdWriter
+from troupe.runtime import Actor, ActorSystem, Message
 
 FP = "prop-model@0123abcd"
 TIMEOUT_S = 10.0

@@ -37,7 +37,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from runtime import Actor, ActorDead, ActorRef, ActorSystem, MailboxFull, Message, Restart
+from troupe.runtime import Actor, ActorDead, ActorRef, ActorSystem, MailboxFull, Message, Restart
 
 # How long one step may take to settle before it counts as hung.
 SETTLE_S = 5.0

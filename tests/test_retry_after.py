@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from actors.admission import Admission, TrackedEvents
-from actors.config import ServeConfig
-from actors.messages import AddRequest, ModelCard, RequestFinished, Usage
-from actors.retry import (
+from troupe.actors.admission import Admission, TrackedEvents
+from troupe.actors.config import ServeConfig
+from troupe.actors.messages import AddRequest, ModelCard, RequestFinished, Usage
+from troupe.actors.retry import (
     DRAIN_WINDOW_S,
     RETRY_AFTER_MAX_S,
     RETRY_AFTER_MIN_S,
@@ -22,9 +22,9 @@ from actors.retry import (
     FinishPace,
     retry_after_estimate,
 )
-from api.app import create_app
-from runtime import Actor, ActorSystem
-from runtime.reply import open_reply
+from troupe.api.app import create_app
+from troupe.runtime import Actor, ActorSystem
+from troupe.runtime.reply import open_reply
 
 
 def test_the_estimate_grows_with_the_queue_and_stays_within_its_bounds() -> None:
@@ -185,7 +185,7 @@ def test_a_schedulers_pace_counts_finishes_since_it_got_busy_within_the_window()
 
 
 def test_failure_of_relays_the_schedulers_retry_after() -> None:
-    from api.generation import failure_of
+    from troupe.api.generation import failure_of
 
     full = RequestFinished(request_id="r", finish_reason="error", error="queue full",
                            error_kind="overloaded", retry_after=12.5,

@@ -10,7 +10,7 @@ from typing import Any
 import anyio
 import pytest
 
-from runtime import Actor, ActorDead, ActorSystem, AskTimeout, Message
+from troupe.runtime import Actor, ActorDead, ActorSystem, AskTimeout, Message
 
 
 class Double(Message):

@@ -9,7 +9,7 @@ import anyio
 import msgspec
 import pytest
 
-from runtime import Actor, ActorSystem, MailboxFull, Message
+from troupe.runtime import Actor, ActorSystem, MailboxFull, Message
 
 
 class Note(Message):

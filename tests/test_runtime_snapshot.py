@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from runtime import Actor, ActorSnapshot, ActorSystem, Message, Restart
+from troupe.runtime import Actor, ActorSnapshot, ActorSystem, Message, Restart
 
 
 class Hit(Message):

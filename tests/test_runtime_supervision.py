@@ -10,8 +10,8 @@ from typing import Any
 import anyio
 import pytest
 
-from runtime import Actor, ActorDead, ActorSystem, Message, Restart
-from runtime.supervision import RestartBudget
+from troupe.runtime import Actor, ActorDead, ActorSystem, Message, Restart
+from troupe.runtime.supervision import RestartBudget
 
 
 class Crash(Message):

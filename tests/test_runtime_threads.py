@@ -10,8 +10,8 @@ import anyio
 import mlx.core as mx
 import pytest
 
-from runtime import Actor, ActorRef, ActorSystem, MailboxFull, Message
-from runtime.threads import ActorThread
+from troupe.runtime import Actor, ActorRef, ActorSystem, MailboxFull, Message
+from troupe.runtime.threads import ActorThread
 
 
 class Where(Message):

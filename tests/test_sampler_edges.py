@@ -10,8 +10,8 @@ from __future__ import annotations
 from engine_helpers import encode, engine_config, run
 from reference import PROMPTS
 
-from actors.engine.core import Engine
-from actors.messages import SamplingParams
+from troupe.actors.engine.core import Engine
+from troupe.actors.messages import SamplingParams
 
 
 def sampled(**fields) -> SamplingParams:

@@ -10,10 +10,10 @@ import math
 import subprocess
 import sys
 
-from actors.engine import schedule as schedule_module
-from actors.engine.config import EngineConfig
-from actors.engine.memory_estimate import ADMIT_HEADROOM, Member, ModelMemory, plan_step
-from actors.engine.schedule import (
+from troupe.actors.engine import schedule as schedule_module
+from troupe.actors.engine.config import EngineConfig
+from troupe.actors.engine.memory_estimate import ADMIT_HEADROOM, Member, ModelMemory, plan_step
+from troupe.actors.engine.schedule import (
     LONG_PROMPT,
     MIN_MIXED_CHUNK,
     MIN_PREFILL_CHUNK,

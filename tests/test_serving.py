@@ -17,11 +17,11 @@ import pytest
 from mlx_lm import load
 from reference import PROMPTS, detokenize, reference_tokens
 
-import actors.admission as admission_module
-from actors.config import ServeConfig
-from actors.serving import start_serving
-from api.app import create_app
-from runtime import ActorSystem
+import troupe.actors.admission as admission_module
+from troupe.actors.config import ServeConfig
+from troupe.actors.serving import start_serving
+from troupe.api.app import create_app
+from troupe.runtime import ActorSystem
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,9 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 import pytest
 
-from actors.config import ServeConfig, serve_settings
-from actors.engine.config import EngineConfig, Setting
-from api.cli import build_parser, serve_config, setting_flags
+from troupe.actors.config import ServeConfig, serve_settings
+from troupe.actors.engine.config import EngineConfig, Setting
+from troupe.api.cli import build_parser, serve_config, setting_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = ("TROUPE_API_KEY", "TROUPE_ADMIN_API_KEY")

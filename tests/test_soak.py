@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from tools.soak.corpus import build_corpus, error_shape_problem
-from tools.soak.judge import Ledger, judge_answer, judge_refusal, parse_answer
-from tools.soak.traffic import Spec
+from troupe.tools.soak.corpus import build_corpus, error_shape_problem
+from troupe.tools.soak.judge import Ledger, judge_answer, judge_refusal, parse_answer
+from troupe.tools.soak.traffic import Spec
 
 REPO = Path(__file__).resolve().parents[1]
 PHASES = ["baseline", "load", "burst", "disk_full", "disk_deleted", "disk_readonly",
@@ -34,7 +34,7 @@ SOAK_TIMEOUT_S = 900
 def soak(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path, int]:
     out = tmp_path_factory.mktemp("soak")
     done = subprocess.run(
-        [sys.executable, "-m", "api.cli", "soak", "--minutes", "2", "--out", str(out)],
+        [sys.executable, "-m", "troupe.api.cli", "soak", "--minutes", "2", "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=SOAK_TIMEOUT_S - 60,
     )
     assert (out / "soak.json").exists(), done.stderr[-3000:]

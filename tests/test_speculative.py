@@ -18,9 +18,9 @@ from mlx_lm import load
 from reference import reference_tokens
 from tiny_model import make_tiny_model
 
-from actors.engine.core import Engine
-from actors.engine.speculate import MAX_DRAFT, Drafter
-from actors.messages import AdmitChat, AdmitCompletion, SamplingParams, TokensGenerated
+from troupe.actors.engine.core import Engine
+from troupe.actors.engine.speculate import MAX_DRAFT, Drafter
+from troupe.actors.messages import AdmitChat, AdmitCompletion, SamplingParams, TokensGenerated
 
 scripted, client = http_stack.scripted, http_stack.client
 
@@ -239,7 +239,7 @@ def test_sliding_window_models_take_drafts_with_the_same_answers(
     """Rows of different lengths (left padding) whose windows wrapped, drafts kept whole and
     in part, rows drafting beside rows that do not: the answers of decoding without drafts,
     and mlx-lm's own."""
-    from actors.engine import runner
+    from troupe.actors.engine import runner
 
     model, tok = sliding
     prompts = {f"r{i}": tok.encode(t) for i, t in enumerate(TEXTS)}
@@ -300,7 +300,7 @@ def hybrid(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 def restores_seen(monkeypatch: pytest.MonkeyPatch) -> list[tuple[list[int], int]]:
     """Each step's rows whose recurrent state went back (``runner._restore``), and the rows
     decoding then."""
-    from actors.engine import runner
+    from troupe.actors.engine import runner
 
     seen: list[tuple[list[int], int]] = []
     restore = runner._restore
@@ -354,8 +354,8 @@ def test_a_hybrid_cache_after_drafts_holds_the_state_of_its_tokens(hybrid: Any) 
     from mlx_lm.models.cache import ArraysCache, make_prompt_cache
     from mlx_lm.sample_utils import greedy_sampler
 
-    from actors.engine.request import RowSampler
-    from actors.engine.runner import Runner
+    from troupe.actors.engine.request import RowSampler
+    from troupe.actors.engine.runner import Runner
 
     model, tok = hybrid
     runner = Runner(model, engine_config(speculative="ngram"))
@@ -389,7 +389,7 @@ def test_a_hybrid_row_runs_what_it_carries_in_a_batch_too_large_for_drafts(hybri
     in the plain step that follows, before its next input."""
     from mlx_lm.sample_utils import greedy_sampler
 
-    from actors.engine.runner import SPECULATE_ROWS, Runner
+    from troupe.actors.engine.runner import SPECULATE_ROWS, Runner
 
     model, tok = hybrid
     runner = Runner(model, engine_config(speculative="ngram"))
@@ -430,8 +430,8 @@ def test_a_hybrid_prefix_hit_after_a_drafted_run_answers_the_same(
     did."""
     from engine_helpers import ram_hit
 
-    from actors.engine import runner
-    from actors.engine.prefix import usable_blocks
+    from troupe.actors.engine import runner
+    from troupe.actors.engine.prefix import usable_blocks
 
     model, tok = hybrid
     a = tok.encode(HYBRID_TEXTS[1])
@@ -529,7 +529,7 @@ def test_verified_drafts_are_distributed_as_tokens_drawn_one_a_step(settings: di
     the draft is likely or not."""
     import mlx.core as mx
 
-    from actors.engine.request import RowSampler
+    from troupe.actors.engine.request import RowSampler
 
     logits = mx.array([[2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -9.0],
                        [0.0, 1.0, 2.0, 0.3, -1.0, 0.8, 1.2, -9.0]])

@@ -25,9 +25,9 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from actors import block_store
-from actors.cache_index import CACHE_INDEX_THREAD, CacheIndex
-from actors.cache_messages import (
+from troupe.actors import block_store
+from troupe.actors.cache_index import CACHE_INDEX_THREAD, CacheIndex
+from troupe.actors.cache_messages import (
     FORMAT_VERSION,
     BlockData,
     BlocksRead,
@@ -38,8 +38,8 @@ from actors.cache_messages import (
     ReadBlocks,
     WriteBlock,
 )
-from actors.ssd_writer import SSD_THREAD, SsdWriter
-from runtime import Actor, ActorRef, ActorSystem
+from troupe.actors.ssd_writer import SSD_THREAD, SsdWriter
+from troupe.runtime import Actor, ActorRef, ActorSystem
 
 FP = "test-model@0123abcd"
 _real_fsync = os.fsync

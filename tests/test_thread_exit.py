@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime import Actor, ActorSystem
-from runtime.threads import at_thread_exit
+from troupe.runtime import Actor, ActorSystem
+from troupe.runtime.threads import at_thread_exit
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,10 +65,10 @@ async def test_exit_hooks_run_once_on_the_actor_thread_after_its_actors_stopped(
 SCRIPT = r"""
 import asyncio, ctypes, sys, time
 
-from actors.engine.config import EngineConfig
-from actors.messages import AddRequest, RequestFinished, SamplingParams
-from actors.scheduler import MLX_THREAD, Scheduler
-from runtime import Actor, ActorSystem
+from troupe.actors.engine.config import EngineConfig
+from troupe.actors.messages import AddRequest, RequestFinished, SamplingParams
+from troupe.actors.scheduler import MLX_THREAD, Scheduler
+from troupe.runtime import Actor, ActorSystem
 
 libc = ctypes.CDLL(None)
 register = libc.__cxa_thread_atexit_impl

@@ -25,8 +25,8 @@ from typing import Any
 import http_stack
 import pytest
 
-from api.server import HttpServer
-from runtime import Actor
+from troupe.api.server import HttpServer
+from troupe.runtime import Actor
 
 ROOT = Path(__file__).resolve().parents[1]
 ANSI = re.compile(rb"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Z0-9]|\x1b[=>]")
@@ -52,7 +52,7 @@ async def server() -> AsyncIterator[HttpServer]:
 def _top(*args: str, **popen: Any) -> subprocess.Popen[bytes]:
     env = {**os.environ, "TERM": "xterm-256color"}
     env.pop("TROUPE_API_KEY", None)
-    return subprocess.Popen([sys.executable, "-m", "api.cli", "top", *args], cwd=ROOT, env=env,
+    return subprocess.Popen([sys.executable, "-m", "troupe.api.cli", "top", *args], cwd=ROOT, env=env,
                             **popen)
 
 

@@ -27,15 +27,15 @@ from tiny_vlm import (
     make_tiny_qwen3_vl_moe,
 )
 
-from actors import block_store
-from actors.engine import runner
-from actors.engine.core import Engine
-from actors.engine.kv_blocks import from_numpy, to_numpy
-from actors.engine.prefix import model_fingerprint
-from actors.engine.speculate import Drafter
-from actors.engine.vision import VisionTower, image_token_ids, split_image_token, why_no_images
-from actors.engine.vision_prompt import image_token, load_processor, with_images
-from actors.messages import ImageInput
+from troupe.actors import block_store
+from troupe.actors.engine import runner
+from troupe.actors.engine.core import Engine
+from troupe.actors.engine.kv_blocks import from_numpy, to_numpy
+from troupe.actors.engine.prefix import model_fingerprint
+from troupe.actors.engine.speculate import Drafter
+from troupe.actors.engine.vision import VisionTower, image_token_ids, split_image_token, why_no_images
+from troupe.actors.engine.vision_prompt import image_token, load_processor, with_images
+from troupe.actors.messages import ImageInput
 
 mlx_vlm = pytest.importorskip("mlx_vlm")  # the vision extra; `make setup` installs it
 

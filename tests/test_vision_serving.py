@@ -26,11 +26,11 @@ from tiny_vlm import (
     make_tiny_qwen3_vl,
 )
 
-from actors.config import ServeConfig
-from actors.engine.memory_estimate import tower_transient
-from actors.engine.vision import VisionTower
-from actors.engine.vision_prompt import image_token, load_processor, with_images
-from actors.tool_prompt import with_tools_in_prompt
+from troupe.actors.config import ServeConfig
+from troupe.actors.engine.memory_estimate import tower_transient
+from troupe.actors.engine.vision import VisionTower
+from troupe.actors.engine.vision_prompt import image_token, load_processor, with_images
+from troupe.actors.tool_prompt import with_tools_in_prompt
 
 MB = 1 << 20
 

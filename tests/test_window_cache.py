@@ -21,11 +21,11 @@ from mlx_lm import load
 from mlx_lm.generate import stream_generate
 from tiny_model import make_tiny_model
 
-from actors import block_store
-from actors.cache_messages import BlockData
-from actors.engine.core import Engine
-from actors.engine.kv_blocks import WINDOW, KVBlock, covered, from_numpy, to_numpy
-from actors.engine.prefix import model_fingerprint, usable_blocks
+from troupe.actors import block_store
+from troupe.actors.cache_messages import BlockData
+from troupe.actors.engine.core import Engine
+from troupe.actors.engine.kv_blocks import WINDOW, KVBlock, covered, from_numpy, to_numpy
+from troupe.actors.engine.prefix import model_fingerprint, usable_blocks
 
 # (architecture, layers, its window)
 MODELS = [("gemma3_text", 4, 18), ("mistral", 2, 8), ("gpt_oss", 2, 8)]

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from actors.workers import DaemonPool, Overrun, Watchdog
+from troupe.actors.workers import DaemonPool, Overrun, Watchdog
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,7 +20,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from actors.distributed.protocol import (
+from troupe.actors.distributed.protocol import (
     CONNECT_TIMEOUT_S,
     HANDSHAKE_FRAME_MAX,
     HANDSHAKE_TIMEOUT_S,
@@ -50,10 +50,10 @@ from actors.distributed.protocol import (
     recv_msg,
     send_msg,
 )
-from actors.engine.memory_estimate import machine_memory
+from troupe.actors.engine.memory_estimate import machine_memory
 
 if TYPE_CHECKING:
-    from actors.follower_cache import Disk
+    from troupe.actors.follower_cache import Disk
 
 log = logging.getLogger(__name__)
 
@@ -128,8 +128,8 @@ def follow(engine: Any, sock: socket.socket, rank: int, grammars: Any = None,
     cannot supply the cached blocks it promised, or rank 0 sent a frame it cannot read."""
     import mlx.core as mx
 
-    from actors.engine.schedule import SchedulerOutput
-    from actors.follower_cache import FollowerCache, SupplyError
+    from troupe.actors.engine.schedule import SchedulerOutput
+    from troupe.actors.follower_cache import FollowerCache, SupplyError
 
     lock = threading.Lock()  # answers to probes also go from the disk clerk's thread
 

@@ -16,9 +16,9 @@ from typing import Any
 
 import msgspec
 
-from actors.distributed.follower import connect, follow
-from actors.distributed.protocol import read_secret
-from actors.distributed.shards import MODES, engine_config_for, load_shard, rank_cache_dir
+from troupe.actors.distributed.follower import connect, follow
+from troupe.actors.distributed.protocol import read_secret
+from troupe.actors.distributed.shards import MODES, engine_config_for, load_shard, rank_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +65,10 @@ def _serve_follower(config: Any, spec: str | None, group: Any, open_disk: OpenDi
     """A follower rank: load its shard, connect to rank 0, run its batch until it stops."""
     import mlx.core as mx
 
-    from actors.engine.core import Engine
-    from actors.engine.grammar import Grammars
-    from actors.engine.prefix import model_fingerprint
-    from actors.models.store import resolve_model
+    from troupe.actors.engine.core import Engine
+    from troupe.actors.engine.grammar import Grammars
+    from troupe.actors.engine.prefix import model_fingerprint
+    from troupe.actors.models.store import resolve_model
 
     rank = group.rank()
     signals = 0

@@ -25,7 +25,7 @@ from typing import Any
 
 import msgspec
 
-from actors.distributed.protocol import (
+from troupe.actors.distributed.protocol import (
     CONNECT_TIMEOUT_S,
     HANDSHAKE_FRAME_MAX,
     HANDSHAKE_TIMEOUT_S,
@@ -57,8 +57,8 @@ from actors.distributed.protocol import (
     recv_msg,
     send_msg,
 )
-from actors.engine.config import EngineConfig
-from actors.messages import OutputSpec, SamplingParams
+from troupe.actors.engine.config import EngineConfig
+from troupe.actors.messages import OutputSpec, SamplingParams
 
 log = logging.getLogger(__name__)
 

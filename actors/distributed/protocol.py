@@ -28,8 +28,8 @@ from typing import Any
 
 import msgspec
 
-from actors.engine.config import EngineConfig
-from actors.messages import OutputSpec, SamplingParams
+from troupe.actors.engine.config import EngineConfig
+from troupe.actors.messages import OutputSpec, SamplingParams
 
 # How long rank 0 waits for every follower to connect, and a follower for rank 0 to listen
 # (loading a large shard can take minutes on either side).

@@ -15,8 +15,8 @@ from typing import Any
 
 import msgspec
 
-from actors.engine.config import EngineConfig
-from actors.engine.memory_estimate import ModelMemory, model_memory_of
+from troupe.actors.engine.config import EngineConfig
+from troupe.actors.engine.memory_estimate import ModelMemory, model_memory_of
 
 MODES = ("tensor", "pipeline")
 

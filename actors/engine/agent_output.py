@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from actors.messages import OutputSpec, ToolCall
+from troupe.actors.messages import OutputSpec, ToolCall
 
 log = logging.getLogger("actors.engine.agent_output")
 

@@ -17,9 +17,9 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, TokenBuffer, dynamic_roll
 
-from actors.engine.mrope import Placement
-from actors.engine.ragged_cache import RaggedKVCache
-from actors.engine.speculate import DraftLength
+from troupe.actors.engine.mrope import Placement
+from troupe.actors.engine.ragged_cache import RaggedKVCache
+from troupe.actors.engine.speculate import DraftLength
 
 
 class Status(enum.Enum):

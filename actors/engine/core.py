@@ -20,11 +20,11 @@ from mlx_lm.sample_utils import (
     make_logits_processors,
 )
 
-from actors.engine.agent_output import OutputParser
-from actors.engine.config import DEFAULTS, EngineConfig
-from actors.engine.draft_model import DraftModel
-from actors.engine.grammar import GrammarProcessor, thinking_budget_processor
-from actors.engine.kv_blocks import (
+from troupe.actors.engine.agent_output import OutputParser
+from troupe.actors.engine.config import DEFAULTS, EngineConfig
+from troupe.actors.engine.draft_model import DraftModel
+from troupe.actors.engine.grammar import GrammarProcessor, thinking_budget_processor
+from troupe.actors.engine.kv_blocks import (
     ARRAYS,
     WINDOW,
     KVBlock,
@@ -39,13 +39,13 @@ from actors.engine.kv_blocks import (
     usable,
     window_parts,
 )
-from actors.engine.memory_estimate import Member, ModelMemory, idle_floor, prompt_need, too_large
-from actors.engine.output import StopStringFilter, delta, token_logprobs
-from actors.engine.prefix import block_hashes, chain_hash, namespace_root, usable_blocks
-from actors.engine.prefix_cache import PrefixCache
-from actors.engine.request import Request, make_request_sampler
-from actors.engine.runner import ModelOutput, Runner
-from actors.engine.schedule import (
+from troupe.actors.engine.memory_estimate import Member, ModelMemory, idle_floor, prompt_need, too_large
+from troupe.actors.engine.output import StopStringFilter, delta, token_logprobs
+from troupe.actors.engine.prefix import block_hashes, chain_hash, namespace_root, usable_blocks
+from troupe.actors.engine.prefix_cache import PrefixCache
+from troupe.actors.engine.request import Request, make_request_sampler
+from troupe.actors.engine.runner import ModelOutput, Runner
+from troupe.actors.engine.schedule import (
     Memory,
     Pending,
     SchedulerOutput,
@@ -55,7 +55,7 @@ from actors.engine.schedule import (
     schedule,
     start_order,
 )
-from actors.messages import (
+from troupe.actors.messages import (
     ErrorKind,
     OutputSpec,
     RequestFinished,

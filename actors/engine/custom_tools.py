@@ -31,7 +31,7 @@ from typing import Any
 
 from llguidance import LLMatcher
 
-from actors.messages import OutputFormat
+from troupe.actors.messages import OutputFormat
 
 # The one parameter a freeform tool takes.
 INPUT = "input"

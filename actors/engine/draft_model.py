@@ -28,7 +28,7 @@ import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from actors.engine.speculate import DraftLength
+from troupe.actors.engine.speculate import DraftLength
 
 
 class DraftModelError(ValueError):

@@ -27,13 +27,13 @@ from typing import Any, Literal
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from actors.engine.config import EngineConfig
-from actors.engine.dense import Dense, apply_dense
-from actors.engine.embed_gate import StepShape, gate_step
-from actors.engine.encoder import encoder_task, read_config
-from actors.engine.kv_blocks import build_cache, cut_blocks
-from actors.engine.memory_estimate import ModelMemory, kv_slots
-from actors.engine.prefix import block_hashes
+from troupe.actors.engine.config import EngineConfig
+from troupe.actors.engine.dense import Dense, apply_dense
+from troupe.actors.engine.embed_gate import StepShape, gate_step
+from troupe.actors.engine.encoder import encoder_task, read_config
+from troupe.actors.engine.kv_blocks import build_cache, cut_blocks
+from troupe.actors.engine.memory_estimate import ModelMemory, kv_slots
+from troupe.actors.engine.prefix import block_hashes
 
 Task = Literal["generate", "embed", "rerank"]
 Pooling = Literal["last", "mean"]

@@ -9,8 +9,8 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from actors.engine.memory_estimate import ModelMemory, embed_step_need, idle_floor, too_large
-from actors.messages import AdmissionError
+from troupe.actors.engine.memory_estimate import ModelMemory, embed_step_need, idle_floor, too_large
+from troupe.actors.messages import AdmissionError
 
 
 class StepShape(NamedTuple):

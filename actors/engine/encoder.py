@@ -27,12 +27,12 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from actors.engine.dense import Dense, apply_dense, dense_folders
-from actors.engine.embed_gate import StepShape, gate_step
-from actors.engine.memory_estimate import ModelMemory
+from troupe.actors.engine.dense import Dense, apply_dense, dense_folders
+from troupe.actors.engine.embed_gate import StepShape, gate_step
+from troupe.actors.engine.memory_estimate import ModelMemory
 
 if TYPE_CHECKING:
-    from actors.engine.embed import EmbedJob, Task
+    from troupe.actors.engine.embed import EmbedJob, Task
 
 # Encoder families as configs name them (``model_type``). Those mlx-vlm serves, by its module
 # name: roberta is XLM-RoBERTa's architecture (the same layers, position offset and head).

@@ -52,8 +52,8 @@ from mlx_lm.models.base import (
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 from mlx_lm.models.gemma3_text import clip_residual
 
-from actors.engine import cpu_kernels
-from actors.engine.ragged_cache import RaggedKVCache
+from troupe.actors.engine import cpu_kernels
+from troupe.actors.engine.ragged_cache import RaggedKVCache
 
 # Model types whose decoder layer is exactly: x + attn(norm(x)), then h + mlp(norm(h)), or
 # (SANDWICH_MODEL_TYPES) gemma3's x + norm(attn(norm(x))), then h + norm(mlp(norm(h))).

@@ -28,10 +28,10 @@ import mlx.core as mx
 import numpy as np
 from llguidance import LLMatcher, LLTokenizer
 
-from actors.engine.custom_tools import LarkInput, nested_grammars, with_inputs
-from actors.engine.finite_schema import unsatisfiable
-from actors.messages import OutputFormat, ToolChoice
-from actors.mlx_lm_private import hf_tokenizer
+from troupe.actors.engine.custom_tools import LarkInput, nested_grammars, with_inputs
+from troupe.actors.engine.finite_schema import unsatisfiable
+from troupe.actors.messages import OutputFormat, ToolChoice
+from troupe.actors.mlx_lm_private import hf_tokenizer
 
 log = logging.getLogger("actors.engine.grammar")
 

@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
-from actors.cache_messages import BlockData
+from troupe.actors.cache_messages import BlockData
 
 KV = "kv"
 ARRAYS = "arrays"

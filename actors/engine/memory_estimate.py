@@ -241,7 +241,7 @@ def kv_bytes(m: ModelMemory, tokens: int, batch: int = 1) -> int:
 def score_factor() -> float:
     """How many copies of the attention scores a prefill chunk holds with this process's
     attention: troupe's CPU kernels, or MLX's."""
-    from actors.engine import cpu_kernels  # MLX-free until it is enabled
+    from troupe.actors.engine import cpu_kernels  # MLX-free until it is enabled
 
     return NATIVE_SCORE_FACTOR if cpu_kernels.enabled() else SCORE_FACTOR
 

@@ -24,7 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from actors.engine.vision import split_image_token
+from troupe.actors.engine.vision import split_image_token
 
 # The families whose images are placed by M-RoPE, checked against mlx-vlm's generation in
 # tests/test_vision.py: by model type, whether the head's frequencies take the three positions

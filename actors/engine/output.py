@@ -10,8 +10,8 @@ from typing import Any, NamedTuple
 
 import mlx.core as mx
 
-from actors.engine.agent_output import Parsed
-from actors.messages import TokenLogprob, TokensGenerated, TopLogprob
+from troupe.actors.engine.agent_output import Parsed
+from troupe.actors.messages import TokenLogprob, TokensGenerated, TopLogprob
 
 
 class StopStringFilter:

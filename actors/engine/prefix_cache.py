@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Container, Iterator, Sequence
 from typing import Any
 
-from actors.engine.hot_cache import HOT_ENTRIES, HotCaches
-from actors.engine.kv_blocks import KVBlock, common_prefix
-from actors.engine.lru import Lru
+from troupe.actors.engine.hot_cache import HOT_ENTRIES, HotCaches
+from troupe.actors.engine.kv_blocks import KVBlock, common_prefix
+from troupe.actors.engine.lru import Lru
 
 # Most blocks one store or one spill frees: a bounded burst, the rest goes on the next call.
 EVICT_BURST = 32

@@ -10,10 +10,10 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, greedy_sampler, make_sampler
 
-from actors.engine.agent_output import OutputParser
-from actors.engine.grammar import GrammarProcessor
-from actors.engine.output import StopStringFilter
-from actors.messages import SamplingParams
+from troupe.actors.engine.agent_output import OutputParser
+from troupe.actors.engine.grammar import GrammarProcessor
+from troupe.actors.engine.output import StopStringFilter
+from troupe.actors.messages import SamplingParams
 
 # mx.random.key takes an unsigned 64-bit seed; any integer a request sends wraps into it.
 SEED_SPACE = 1 << 64

@@ -29,7 +29,7 @@ from mlx_lm.models.cache import (
 from mlx_lm.sample_utils import greedy_sampler
 from mlx_lm.utils import maybe_set_recommended_wired_limit
 
-from actors.engine.batch import (
+from troupe.actors.engine.batch import (
     PROMPT_CACHE_STEP,
     Rows,
     Sequence,
@@ -38,21 +38,21 @@ from actors.engine.batch import (
     roll_right_padding,
     split_last,
 )
-from actors.engine.config import EngineConfig, speculation
-from actors.engine.draft_model import DraftModel
-from actors.engine.forward import forward, supports_mixed
-from actors.engine.memory_estimate import Member
-from actors.engine.ragged_cache import RaggedKVCache
-from actors.engine.schedule import (
+from troupe.actors.engine.config import EngineConfig, speculation
+from troupe.actors.engine.draft_model import DraftModel
+from troupe.actors.engine.forward import forward, supports_mixed
+from troupe.actors.engine.memory_estimate import Member
+from troupe.actors.engine.ragged_cache import RaggedKVCache
+from troupe.actors.engine.schedule import (
     Pending,
     SchedulerOutput,
     StepState,
     max_decoding,
     name_tokens,
 )
-from actors.engine.speculate import MAX_DRAFT, Drafter
-from actors.engine.vision import VisionTower, split_image_token
-from actors.mlx_lm_private import in_temporal_order, patch_models
+from troupe.actors.engine.speculate import MAX_DRAFT, Drafter
+from troupe.actors.engine.vision import VisionTower, split_image_token
+from troupe.actors.mlx_lm_private import in_temporal_order, patch_models
 
 # Every this many decode steps MLX's allocator cache is given back (as mlx-lm's generator).
 CLEAR_CACHE_STEPS = 512

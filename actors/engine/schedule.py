@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from actors.engine.config import EngineConfig
-from actors.engine.memory_estimate import Member, ModelMemory, plan_step
+from troupe.actors.engine.config import EngineConfig
+from troupe.actors.engine.memory_estimate import Member, ModelMemory, plan_step
 
 # The fewest prompt tokens a prefilling sequence gets per step while sequences decode: a
 # prefill call of its own costs about a decode step, so tiny chunks waste it.

@@ -22,7 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from actors.engine.deepstack import Deepstack
+from troupe.actors.engine.deepstack import Deepstack
 
 # The families whose images troupe reads, checked against mlx-vlm's own generation in
 # tests/test_vision.py: Gemma 3 places an image's tokens at 1-D positions, as text; Qwen2-VL
@@ -122,7 +122,7 @@ class VisionTower:
         from mlx_vlm.utils import load_model
 
         # Imported here: mrope reads this module's image ids.
-        from actors.engine.mrope import MROPE_MODEL_TYPES, MRoPE
+        from troupe.actors.engine.mrope import MROPE_MODEL_TYPES, MRoPE
 
         self.config = vision_config(model_dir) or {}
         self.image_token = int(self.config.get("image_token_index",

@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from actors.engine.vision import image_key, image_token_ids, vision_config
-from actors.messages import ImageInput
+from troupe.actors.engine.vision import image_key, image_token_ids, vision_config
+from troupe.actors.messages import ImageInput
 
 
 def load_processor(model_dir: Path) -> Any:

@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from actors.models.home import troupe_home
+from troupe.actors.models.home import troupe_home
 
 # Set by the CLI when it re-executes itself (to the preload it asked for), so it never loops.
 REEXEC_MARK = "TROUPE_BLAS_PRELOADED"

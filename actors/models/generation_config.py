@@ -15,7 +15,7 @@ from pathlib import Path
 
 import msgspec
 
-from actors.messages import DEFAULTABLE, SamplingDefaults
+from troupe.actors.messages import DEFAULTABLE, SamplingDefaults
 
 log = logging.getLogger(__name__)
 

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from actors.mlx_lm_private import download
-from actors.models.gguf import CONVERTER_VERSION, DTYPES, convert_gguf, default_dtype
-from actors.models.home import troupe_home
+from troupe.actors.mlx_lm_private import download
+from troupe.actors.models.gguf import CONVERTER_VERSION, DTYPES, convert_gguf, default_dtype
+from troupe.actors.models.home import troupe_home
 
 log = logging.getLogger(__name__)
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import http_stack
 import pytest
 
-from actors.config import ServeConfig
-from actors.serving import start_serving
-from api.app import create_app
-from runtime import ActorSystem
+from troupe.actors.config import ServeConfig
+from troupe.actors.serving import start_serving
+from troupe.api.app import create_app
+from troupe.runtime import ActorSystem
 
 # The longest answer of the default model's server (its --max-tokens-limit).
 ANSWER_LIMIT = 160

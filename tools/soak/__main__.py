@@ -2,6 +2,6 @@
 
 import sys
 
-from tools.soak.run import main
+from troupe.tools.soak.run import main
 
 sys.exit(main())

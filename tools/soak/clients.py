@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
-from tools.soak.corpus import (
+from troupe.tools.soak.corpus import (
     Case,
     request_bytes,
 )
-from tools.soak.judge import (
+from troupe.tools.soak.judge import (
     RawAnswer,
     Record,
     json_or_none,
@@ -24,7 +24,7 @@ from tools.soak.judge import (
     judge_refusal,
     parse_answer,
 )
-from tools.soak.settings import (
+from troupe.tools.soak.settings import (
     BODY_TIMEOUT_S,
     CAPACITY_EWMA,
     IDLE_TIMEOUT_S,
@@ -33,10 +33,10 @@ from tools.soak.settings import (
     SLOW_BODY_PIECES,
     SLOW_READ_S,
 )
-from tools.soak.traffic import Spec
+from troupe.tools.soak.traffic import Spec
 
 if TYPE_CHECKING:
-    from tools.soak.run import Soak
+    from troupe.tools.soak.run import Soak
 
 
 async def raw_exchange(port: int, parts: list[bytes], *, pause: float = 0.0,

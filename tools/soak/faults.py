@@ -22,22 +22,22 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from tools.soak.clients import Clients
-from tools.soak.corpus import (
+from troupe.tools.soak.clients import Clients
+from troupe.tools.soak.corpus import (
     CHAT,
     MESSAGES,
 )
-from tools.soak.settings import (
+from troupe.tools.soak.settings import (
     BURST,
     FAULT_WINDOW_S,
     MIN_PHASE_S,
     SHUTDOWN_GRACE_S,
     TMPFS_BYTES,
 )
-from tools.soak.traffic import FAMILIES, WRITE_MIX, Spec
+from troupe.tools.soak.traffic import FAMILIES, WRITE_MIX, Spec
 
 if TYPE_CHECKING:
-    from tools.soak.run import Soak
+    from troupe.tools.soak.run import Soak
 
 
 @dataclass(slots=True)

@@ -11,11 +11,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tools.soak.corpus import (
+from troupe.tools.soak.corpus import (
     Shape,
     error_shape_problem,
 )
-from tools.soak.traffic import CITY_SCHEMA, Spec
+from troupe.tools.soak.traffic import CITY_SCHEMA, Spec
 
 # Outcomes: every request gets exactly one. The first are answers a server may give; the
 # last three fail the run.

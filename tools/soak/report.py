@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tools.soak.run import Soak
+    from troupe.tools.soak.run import Soak
 
 
 def build_report(soak: Soak, started: float) -> dict[str, Any]:

@@ -20,17 +20,17 @@ from typing import Any
 
 import aiohttp
 
-from tools.soak import faults
-from tools.soak.clients import Clients
-from tools.soak.corpus import (
+from troupe.tools.soak import faults
+from troupe.tools.soak.clients import Clients
+from troupe.tools.soak.corpus import (
     Case,
     build_corpus,
 )
-from tools.soak.faults import CacheDisk
-from tools.soak.judge import FAILED, Ledger, Record, json_or_none
-from tools.soak.report import build_report, markdown, write_report
-from tools.soak.server import Server, free_port, proc_usage
-from tools.soak.settings import (
+from troupe.tools.soak.faults import CacheDisk
+from troupe.tools.soak.judge import FAILED, Ledger, Record, json_or_none
+from troupe.tools.soak.report import build_report, markdown, write_report
+from troupe.tools.soak.server import Server, free_port, proc_usage
+from troupe.tools.soak.settings import (
     CACHE_RAM_MAX,
     CONCURRENCY_LEVELS,
     CORPUS_EVERY_S,
@@ -46,7 +46,7 @@ from tools.soak.settings import (
     RSS_SLACK,
     SHUTDOWN_GRACE_S,
 )
-from tools.soak.traffic import FAMILIES, LOAD_MIX, Traffic
+from troupe.tools.soak.traffic import FAMILIES, LOAD_MIX, Traffic
 
 # (phase, weight): a phase's share of the traffic time. Faults: one per phase after "burst".
 PLAN = (("baseline", 1), ("load", 4), ("burst", 1), ("disk_full", 1), ("disk_deleted", 1),

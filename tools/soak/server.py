@@ -16,7 +16,7 @@ from pathlib import Path
 
 import aiohttp
 
-from tools.soak.settings import (
+from troupe.tools.soak.settings import (
     BODY_TIMEOUT_S,
     CACHE_DISK_MAX,
     CACHE_RAM_MAX,
@@ -71,7 +71,7 @@ class Server:
 
     @property
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "api.cli", "serve", *self.flags]
+        return [sys.executable, "-m", "troupe.api.cli", "serve", *self.flags]
 
     @property
     def pid(self) -> int | None:

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from tools.soak.corpus import (
+from troupe.tools.soak.corpus import (
     CHAT,
     MESSAGES,
     Shape,
