@@ -7,7 +7,14 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from troupe.actors.engine.config import DEFAULTS, EngineConfig, Setting, setting, settings_of, speculation
+from troupe.actors.engine.config import (
+    DEFAULTS,
+    EngineConfig,
+    Setting,
+    setting,
+    settings_of,
+    speculation,
+)
 from troupe.actors.images import MAX_IMAGE_PIXELS
 
 # Seconds a chat template may take to render one request's conversation (admission's bound).

@@ -66,7 +66,12 @@ from troupe.actors.engine.embed import (
     model_task,
     read_embed_spec,
 )
-from troupe.actors.engine.encoder import EncoderEmbedder, encoder_positions, is_encoder, load_encoder
+from troupe.actors.engine.encoder import (
+    EncoderEmbedder,
+    encoder_positions,
+    is_encoder,
+    load_encoder,
+)
 from troupe.actors.engine.kv_blocks import KVBlock, from_numpy, to_numpy
 from troupe.actors.engine.memory_estimate import OK, ModelMemory, model_memory, with_draft
 from troupe.actors.engine.prefix import model_fingerprint

@@ -55,7 +55,8 @@ async def run(args: argparse.Namespace, model_dir: str) -> dict[str, list[float]
     base = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory(prefix="agents-reuse-") as cache_dir:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "troupe.api.cli", "serve", "--model", model_dir, "--port", str(port),
+            [sys.executable, "-m", "troupe.api.cli", "serve", "--model", model_dir, "--port",
+             str(port),
              "--cache-dir", cache_dir, "--max-tokens-limit", str(args.max_tokens_limit),
              "--log-level", "warning"], cwd=REPO)
         try:

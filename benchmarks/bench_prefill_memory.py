@@ -42,7 +42,11 @@ def main() -> None:
     from mlx_lm.models.cache import make_prompt_cache
 
     from troupe.actors.engine import cpu_kernels
-    from troupe.actors.engine.memory_estimate import model_memory_of, prefill_transient, score_factor
+    from troupe.actors.engine.memory_estimate import (
+        model_memory_of,
+        prefill_transient,
+        score_factor,
+    )
     from troupe.actors.models.home import troupe_home
 
     cpu_kernels.enable(args.kernels, troupe_home() / "jit")

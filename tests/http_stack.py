@@ -413,7 +413,8 @@ def serve_default_model(server_log: Path, *args: str) -> Iterator[str]:
     # session's servers (and in-process stacks on $TROUPE_HOME's) run side by side.
     cache = [] if "--cache-dir" in args else ["--cache-dir", str(server_log.parent / "kv-cache")]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "troupe.api.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+        [sys.executable, "-m", "troupe.api.cli", "serve", "--host", "127.0.0.1", "--port",
+         str(port),
          *cache, *args],
         stdout=log, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},

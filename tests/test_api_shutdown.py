@@ -144,9 +144,9 @@ def test_a_second_server_on_the_same_cache_directory_exits_naming_it_and_the_fir
     serve: Callable[[float], Served], tiny_model_dir: Path, tmp_path: Path,
 ) -> None:
     served = serve(30.0)
-    second = subprocess.run([sys.executable, "-m", "troupe.api.cli", "serve", *_args(tiny_model_dir)],
-                            cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True,
-                            timeout=120)
+    second = subprocess.run([sys.executable, "-m", "troupe.api.cli", "serve",
+                             *_args(tiny_model_dir)], cwd=ROOT, env=_env(tmp_path),
+                            capture_output=True, text=True, timeout=120)
     assert second.returncode == 1
     assert f"the cache directory {tmp_path / 'kv-cache'} is in use by another troupe server " \
            f"(pid {served.proc.pid})" in second.stderr, second.stderr

@@ -23,7 +23,12 @@ from tiny_model import make_tiny_model, write_tokenizer
 from troupe.actors.config import ServeConfig
 from troupe.actors.engine.config import speculation
 from troupe.actors.engine.core import Engine
-from troupe.actors.engine.draft_model import DraftModel, DraftModelError, check_draft_model, vocabulary
+from troupe.actors.engine.draft_model import (
+    DraftModel,
+    DraftModelError,
+    check_draft_model,
+    vocabulary,
+)
 from troupe.actors.engine.speculate import MAX_DRAFT
 from troupe.actors.messages import SamplingParams, TokensGenerated
 

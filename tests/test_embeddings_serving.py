@@ -22,7 +22,13 @@ from http_stack import RealStack, real_client, real_client_with_room, real_stack
 from mlx_lm import load
 
 from troupe.actors.config import ServeConfig
-from troupe.actors.engine.embed import Embedder, EmbedJob, answer_token, read_embed_spec, rerank_tokens
+from troupe.actors.engine.embed import (
+    Embedder,
+    EmbedJob,
+    answer_token,
+    read_embed_spec,
+    rerank_tokens,
+)
 from troupe.actors.engine.schedule import STEP_BUDGET_FLOOR
 from troupe.actors.messages import AbortRequest, AdmissionError, AdmitEmbed
 

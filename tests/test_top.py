@@ -52,8 +52,8 @@ async def server() -> AsyncIterator[HttpServer]:
 def _top(*args: str, **popen: Any) -> subprocess.Popen[bytes]:
     env = {**os.environ, "TERM": "xterm-256color"}
     env.pop("TROUPE_API_KEY", None)
-    return subprocess.Popen([sys.executable, "-m", "troupe.api.cli", "top", *args], cwd=ROOT, env=env,
-                            **popen)
+    return subprocess.Popen([sys.executable, "-m", "troupe.api.cli", "top", *args], cwd=ROOT,
+                            env=env, **popen)
 
 
 def _read_until(fd: int, want: list[bytes], timeout: float) -> bytes:

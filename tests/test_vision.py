@@ -33,7 +33,12 @@ from troupe.actors.engine.core import Engine
 from troupe.actors.engine.kv_blocks import from_numpy, to_numpy
 from troupe.actors.engine.prefix import model_fingerprint
 from troupe.actors.engine.speculate import Drafter
-from troupe.actors.engine.vision import VisionTower, image_token_ids, split_image_token, why_no_images
+from troupe.actors.engine.vision import (
+    VisionTower,
+    image_token_ids,
+    split_image_token,
+    why_no_images,
+)
 from troupe.actors.engine.vision_prompt import image_token, load_processor, with_images
 from troupe.actors.messages import ImageInput
 

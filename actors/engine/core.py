@@ -39,7 +39,13 @@ from troupe.actors.engine.kv_blocks import (
     usable,
     window_parts,
 )
-from troupe.actors.engine.memory_estimate import Member, ModelMemory, idle_floor, prompt_need, too_large
+from troupe.actors.engine.memory_estimate import (
+    Member,
+    ModelMemory,
+    idle_floor,
+    prompt_need,
+    too_large,
+)
 from troupe.actors.engine.output import StopStringFilter, delta, token_logprobs
 from troupe.actors.engine.prefix import block_hashes, chain_hash, namespace_root, usable_blocks
 from troupe.actors.engine.prefix_cache import PrefixCache
