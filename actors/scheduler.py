@@ -127,6 +127,8 @@ STUCK_EXIT_GRACE_S = 2.0
 ARRIVAL_WINDOWS_MAX = 5
 # A starting scheduler asks the memory monitor for the limits; it does not wait longer.
 LIMITS_TIMEOUT_S = 2.0
+# The weight of a step's time in a scheduler's smoothed step time (``ThreadLoad``).
+STEP_EMA = 0.3
 # An engine idle this long gives back the memory its last requests freed (MLX's buffer
 # cache, the C heap's free pages): a burst of long prompts left the process 2.3 GB larger
 # for good. Not at once: a request arriving soon after reuses that memory.
@@ -147,24 +149,34 @@ def context_length(config: dict[str, Any]) -> int:
 
 
 class ThreadLoad:
-    """Requests each model's scheduler has in flight, by scheduler name: every scheduler runs
-    on the one MLX thread, which runs the models' steps in turn, and an embedding model's step
-    keeps to the step budget while another model has requests waiting on it
-    (``schedule.embed_budget``). The engine pool makes one and gives it to every scheduler it
-    spawns; each writes its own entry, on that thread, after every message it handles."""
+    """Requests each model's scheduler has in flight, and how long its steps take (smoothed),
+    by scheduler name: every scheduler runs on the one MLX thread, which runs the models'
+    steps in turn, and an embedding model's step keeps to what the step budget leaves beside
+    the steps of the other models with requests waiting (``schedule.embed_budget``). The
+    engine pool makes one and gives it to every scheduler it spawns; each writes its own
+    entries, on that thread: after every message it handles, and after every step."""
 
     def __init__(self) -> None:
         self._in_flight: dict[str, int] = {}
+        self._step_s: dict[str, float] = {}
 
     def report(self, name: str, in_flight: int) -> None:
         self._in_flight[name] = in_flight
 
+    def stepped(self, name: str, wall: float) -> None:
+        """``name``'s step took ``wall`` seconds."""
+        old = self._step_s.get(name)
+        self._step_s[name] = wall if old is None else STEP_EMA * wall + (1 - STEP_EMA) * old
+
     def drop(self, name: str) -> None:
         self._in_flight.pop(name, None)
+        self._step_s.pop(name, None)
 
-    def others_busy(self, name: str) -> bool:
-        """Whether a scheduler other than ``name`` has requests in flight."""
-        return any(n for key, n in self._in_flight.items() if key != name)
+    def others_step_s(self, name: str) -> float | None:
+        """The time the steps of the schedulers other than ``name`` with requests in flight
+        take, one each (a step not timed yet counts as none); None when none has any."""
+        busy = [key for key, n in self._in_flight.items() if n and key != name]
+        return sum(self._step_s.get(key, 0.0) for key in busy) if busy else None
 
 
 class ReleaseMemory(Message, frozen=True, kw_only=True):
@@ -824,11 +836,13 @@ class Scheduler(Actor):
         if engine.has_work:
             limits = self.limits
             self._stepping = True
+            began = time.perf_counter()
             try:
                 events = engine.step(limit=limits.limit if limits and limits.guard else None,
                                      floor=limits.floor if limits else 0)
             finally:
                 self._stepping = False
+            self.thread_load.stepped(self.name, time.perf_counter() - began)
             self._last_active = time.monotonic()
             self._deliver(events)
             self._tps_window.append((time.perf_counter(), engine.generated_tokens))
@@ -845,8 +859,9 @@ class Scheduler(Actor):
 
     def _embed_step(self) -> None:
         """One step of embedding work, of the tokens ``schedule.embed_budget`` gives it (a
-        chat prefill chunk's: within ``step_budget_ms`` while another model's requests wait
-        on the MLX thread), if it fits in memory (the per-step gate: else its jobs fail)."""
+        chat prefill chunk's: while other models' requests wait on the MLX thread, what
+        ``step_budget_ms`` leaves beside their steps), if it fits in memory (the per-step
+        gate: else its jobs fail)."""
         embedder = self.embedder
         for rid in [rid for rid, a in self._embed_answers.items() if a.consumer_gone]:
             embedder.abort(rid)
@@ -854,11 +869,13 @@ class Scheduler(Actor):
         if not embedder.has_work:
             return
         limits = self.limits
-        others = self.thread_load.others_busy(self.name)
-        self._embed_budget = embed_budget(self.config, embedder.token_s, others_waiting=others)
+        others = self.thread_load.others_step_s(self.name)
+        self._embed_budget = embed_budget(self.config, embedder.token_s, others_step_s=others)
+        began = time.perf_counter()
         embedder.step(self._embed_budget,
                       limit=limits.limit if limits and limits.guard else None,
                       floor=limits.floor if limits else 0)
+        self.thread_load.stepped(self.name, time.perf_counter() - began)
         self._last_active = time.monotonic()
 
     def _tell_ranks_memory(self) -> None:

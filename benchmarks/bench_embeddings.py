@@ -11,10 +11,12 @@ requests sent back to back until the streams end. Then llama.cpp (xllamacpp, ``m
 bench-peers`` installs it) serves the GGUF the default model is converted from with
 ``--embeddings --pooling mean`` (64 slots: a 64-input request runs in one batch) and gets the
 same embedding requests; the cosine between the two servers' vectors of the same texts is
-reported. Its server serves embeddings or chat, not both: no chat runs beside it.
+reported (llama.cpp gets them one a request). Its server serves embeddings or chat, not
+both: no chat runs beside it.
 
     .venv/bin/python benchmarks/bench_embeddings.py
     .venv/bin/python benchmarks/bench_embeddings.py --inputs 512 --json out.json
+    .venv/bin/python benchmarks/bench_embeddings.py --beside-only   # the chat phase alone
 """
 
 from __future__ import annotations
@@ -169,7 +171,9 @@ async def llamacpp(args: argparse.Namespace) -> dict[str, Any] | None:
         await wait_healthy(base, proc)
         timeout = aiohttp.ClientTimeout(total=3600)
         async with aiohttp.ClientSession(timeout=timeout) as session:
-            probe = await vectors(session, base, "", probes())
+            # One text a request: several in one request change llama.cpp's vectors (a
+            # one-token text's aside), against the same texts sent one by one.
+            probe = [(await vectors(session, base, "", [text]))[0] for text in probes()]
             return {"embeddings": await rates(session, base, "", args), "probe": probe}
     finally:
         proc.terminate()
@@ -191,14 +195,18 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             chat, embed = ids[0], ids[1]
             timeout = aiohttp.ClientTimeout(total=3600)
             async with aiohttp.ClientSession(timeout=timeout) as session:
-                troupe = await rates(session, base, embed, args)
-                probe = await vectors(session, base, embed, probes())
+                if args.beside_only:  # loaded and warmed up, as the rates would leave it
+                    await embed_rate(session, base, embed, texts(8, args.tokens, -1), 8, 1)
+                    troupe, probe = [], []
+                else:
+                    troupe = await rates(session, base, embed, args)
+                    probe = await vectors(session, base, embed, probes())
                 alone = await chat_beside(session, base, chat, embed, args, busy=False)
                 beside = await chat_beside(session, base, chat, embed, args, busy=True)
         finally:
             proc.terminate()
             proc.wait()
-    peer = await llamacpp(args) if args.llamacpp else None
+    peer = await llamacpp(args) if args.llamacpp and not args.beside_only else None
     out = {"model": chat_dir.name, "tokens_per_input": args.tokens, "inputs": args.inputs,
            "embeddings": troupe, "chat_alone": alone, "chat_beside_embeddings": beside}
     if peer is not None:
@@ -218,10 +226,13 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--no-llamacpp", dest="llamacpp", action="store_false",
                    help="troupe alone (no llama.cpp run)")
+    p.add_argument("--beside-only", action="store_true",
+                   help="only the chat streams alone and beside embeddings (no rates, no "
+                        "llama.cpp)")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = p.parse_args()
     result = asyncio.run(run(args))
-    peer = result.get("llamacpp_embeddings") or [None] * 3
+    peer = result.get("llamacpp_embeddings") or [None] * len(result["embeddings"])
     for r, q in zip(result["embeddings"], peer, strict=True):
         versus = "" if q is None else (f"; llama.cpp {q['inputs_per_s']:8.1f} inputs/s "
                                        f"({q['errors']} errors)")

@@ -3,6 +3,12 @@
 The driver runs on the system's event loop for every actor; for a thread-pinned actor it runs
 each hook on the actor's thread and waits for it, so ordering, one-message-at-a-time, draining
 and supervision are the same code for both kinds.
+
+Actors pinned to one thread take turns on it, each hop through the driver letting the others
+run, so a pinned actor's turn is every message queued for it when the turn begins, handled
+back to back (they are in hand, no longer queued: the mailbox has room for as many more). A
+turn a message made its cheap messages (a memory monitor's limits, four a second) each wait
+for another actor's long handler (a model step) on that thread.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -80,6 +87,9 @@ class ActorCell:
         self._answer: AskReply | None = None  # an ask's answer the handler took to give later
         self._hook_task: asyncio.Task[Any] | None = None
         self._open_replies: set[Reply] = set()
+        # Messages taken from the mailbox for a turn and not handled yet (the turn stopped at
+        # an error or a stop); they come before the mailbox's.
+        self._held: deque[Envelope] = deque()
         self._stop_self = False
         self._stopping = False
 
@@ -184,7 +194,7 @@ class ActorCell:
             thread=None if self.thread is None else self.thread.name,
             group=self.group,
             restart=self.restart.value,
-            mailbox_depth=self.mailbox.depth,
+            mailbox_depth=self.mailbox.depth + len(self._held),
             mailbox_capacity=self.mailbox.capacity,
             waiting_senders=self.mailbox.waiting_senders,
             messages_handled=self.messages_handled,
@@ -222,7 +232,7 @@ class ActorCell:
                 async with self._lock:
                     if not await self._supervise(None):
                         return
-            envelope = await self.mailbox.get()
+            envelope = self._held.popleft() if self._held else await self.mailbox.get()
             async with self._lock:
                 if self.state in ENDED:
                     # A group-mate's restart failed this actor while we waited for the lock.
@@ -233,23 +243,43 @@ class ActorCell:
                     await self._stop_instance(None)
                     self._end("stopped")
                     return
-                error = await self._deliver(envelope)
+                error = await self._take_turn(envelope)
                 if error is not None and not await self._supervise(error):
                     return
 
-    async def _deliver(self, envelope: Envelope) -> BaseException | None:
-        """Handle one envelope; returns the error of a ``tell`` (it has no asker)."""
+    async def _take_turn(self, first: Envelope) -> BaseException | None:
+        """One turn: ``first``, and for a pinned actor every message queued behind it, handled
+        back to back in one hop to its thread; those after a ``tell``'s error or the actor's
+        ``stop_self`` wait in ``_held`` for the next turn. Returns that error."""
+        turn = [first]
+        if self._lane is not None:
+            turn += [*self._held, *self.mailbox.take_queued()]
+        self._held.clear()
         try:
-            error = await self._on_thread(self._invoke(envelope))
+            handled, error = await self._on_thread(self._invoke_turn(turn))
         except asyncio.CancelledError:
-            # Killed while handling: the asker must not wait for an answer that won't come.
-            self._fail_reply(envelope.reply, self._dead())
+            # Killed while handling: no asker may wait for an answer that won't come (one
+            # already answered keeps its answer).
+            for envelope in turn:
+                self._fail_reply(envelope.reply, self._dead())
             raise
         except Exception as exc:
-            # The pinned thread's lane ended under the handler.
-            error = exc if envelope.reply is None else None
-            self._fail_reply(envelope.reply, exc)
+            # The pinned thread's lane ended under the handlers.
+            for envelope in turn:
+                self._fail_reply(envelope.reply, exc)
+            return exc if any(envelope.reply is None for envelope in turn) else None
+        self._held.extend(turn[handled:])
         return error
+
+    async def _invoke_turn(self, turn: list[Envelope]) -> tuple[int, BaseException | None]:
+        """Runs on the actor's thread: ``_invoke`` each envelope of ``turn`` in order, up to a
+        ``tell``'s error or the actor stopping itself; returns how many it handled, and that
+        error."""
+        for handled, envelope in enumerate(turn, start=1):
+            error = await self._invoke(envelope)
+            if error is not None or self._stop_self:
+                return handled, error
+        return len(turn), None
 
     async def _invoke(self, envelope: Envelope) -> BaseException | None:
         """Runs on the actor's thread: handle and answer. An ask is answered from here, not
@@ -381,7 +411,8 @@ class ActorCell:
     def _end(self, state: ActorState) -> None:
         """Final state; whatever is still queued or open fails with ``ActorDead``."""
         self.state = state
-        for envelope in self.mailbox.discard():
+        held, self._held = list(self._held), deque()
+        for envelope in [*held, *self.mailbox.discard()]:
             self._fail_reply(envelope.reply, self._dead())
         self._fail_open_replies()
         if self._lane is not None:

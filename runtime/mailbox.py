@@ -71,6 +71,15 @@ class Mailbox:
             finally:
                 self._waiter = None
 
+    def take_queued(self) -> list[Envelope]:
+        """Every envelope queued now, without waiting (none when empty or closed)."""
+        taken: list[Envelope] = []
+        while True:
+            try:
+                taken.append(self._receive.receive_nowait())
+            except (WouldBlock, EndOfStream, ClosedResourceError):
+                return taken
+
     def close(self) -> None:
         """Refuse new messages; those queued stay for ``get`` (a draining stop).
 

@@ -77,12 +77,13 @@ class ActorThread:
         self.name = name
         self.loop = asyncio.new_event_loop()
         self._exit_hooks: list[Callable[[], object]] = []
+        self._turns = Turns()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def lane(self) -> Lane:
         """A new lane on this thread: one actor's coroutines, run one after another."""
-        return Lane(self.loop)
+        return Lane(self.loop, self._turns)
 
     async def join(self, timeout: float) -> None:
         """Stop the loop (cancelling what still runs on it) and wait for the thread to end."""
@@ -121,16 +122,62 @@ class ActorThread:
                 log.exception("thread %r: exit hook %r failed", self.name, fn)
 
 
+class Turns:
+    """The order in which the lanes of one thread start their jobs: the order the jobs came
+    in (an entry a job, added when its lane is kicked on the thread), skipping lanes still
+    busy with a job (one may await another lane's answer). A lane whose next job came while
+    its job ran went on with it at once, ahead of another lane's job that came first: an
+    embedding model's steps ran two and three in a row while a chat model's step waited.
+    Only the thread's own loop touches it."""
+
+    def __init__(self) -> None:
+        self._queue: deque[Lane] = deque()
+
+    def came(self, lane: Lane) -> None:
+        """A job of ``lane`` came."""
+        self._queue.append(lane)
+        self._wake_next()
+
+    def mine(self, lane: Lane) -> bool:
+        """Whether ``lane`` (idle, with a job) starts one now."""
+        return self._next() is lane
+
+    def take(self, lane: Lane) -> None:
+        """``lane`` starts the job its first entry stands for; the next idle lane may too."""
+        self._queue.remove(lane)
+        self._wake_next()
+
+    def free(self) -> None:
+        """A lane's job ended: the next in line may start."""
+        self._wake_next()
+
+    def drop(self, lane: Lane) -> None:
+        """``lane`` ended: its jobs will never start."""
+        self._queue = deque(other for other in self._queue if other is not lane)
+        self._wake_next()
+
+    def _next(self) -> Lane | None:
+        return next((lane for lane in self._queue if not lane.busy), None)
+
+    def _wake_next(self) -> None:
+        lane = self._next()
+        if lane is not None:
+            lane.wake()
+
+
 class Lane:
     """Runs coroutines handed over from the system loop, one at a time, inside one long-lived
-    task on a pinned thread's loop.
+    task on a pinned thread's loop, starting each in its turn among the thread's lanes
+    (``Turns``).
 
     Cheaper than a task per coroutine (``run_coroutine_threadsafe``), which measured about
     twice the round trip; and the hooks see the same ``asyncio.current_task()`` every time.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, turns: Turns) -> None:
         self._loop = loop
+        self._turns = turns
+        self.busy = False  # running a job
         self._jobs: deque[tuple[Coroutine[Any, Any, Any], asyncio.Future[Any]]] = deque()
         self._waiter: asyncio.Future[None] | None = None
         self._task: asyncio.Task[None] | None = None
@@ -166,6 +213,10 @@ class Lane:
             # Runs on the lane's thread after the job was queued: no job can slip past this.
             self._fail_jobs()
             return
+        self._turns.came(self)
+
+    def wake(self) -> None:
+        """Its turn has come (on the lane's thread)."""
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -179,9 +230,11 @@ class Lane:
         task = asyncio.current_task()
         try:
             while True:
-                while not jobs:
+                while not self._turns.mine(self):
                     self._waiter = self._loop.create_future()
                     await self._waiter
+                self.busy = True
+                self._turns.take(self)
                 coro, done = jobs.popleft()
                 try:
                     result = await coro
@@ -195,8 +248,12 @@ class Lane:
                     _settle(done, None, exc)
                 else:
                     _settle(done, result, None)
+                finally:
+                    self.busy = False
+                    self._turns.free()
         finally:
             self._ended = True
+            self._turns.drop(self)
             self._fail_jobs()
 
     def _fail_jobs(self) -> None:

@@ -40,6 +40,7 @@ from troupe.actors.engine.memory_estimate import (
 )
 from troupe.actors.engine.schedule import STEP_BUDGET_FLOOR, StepState, embed_budget, step_budget
 from troupe.actors.messages import AdmissionError
+from troupe.actors.scheduler import STEP_EMA, ThreadLoad
 
 TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog",
          "def add(a, b): return a + b", "a"]
@@ -280,7 +281,7 @@ def test_a_long_inputs_embedding_steps_keep_to_what_a_chat_chunk_gets(
     steps = []
     while embedder.has_work:
         token_s, before = embedder.token_s, embedder.tokens_run
-        embedder.step(embed_budget(config, token_s, others_waiting=True))
+        embedder.step(embed_budget(config, token_s, others_step_s=0.0))
         chat = step_budget(StepState(config=config, mixed=False, decoding=1, decode_len=8,
                                      prefilling=[], waiting=[], decode_s=0.0,
                                      token_s=token_s), [])
@@ -316,3 +317,22 @@ def test_a_dense_modules_pickled_weights_are_refused_by_name(tmp_path: Path) -> 
     with pytest.raises(ValueError, match="2_Dense/pytorch_model.bin"):
         read_dense(model_dir)
     assert read_dense(tmp_path) == []  # no sentence-transformers files: no Dense
+
+
+def test_the_thread_load_gives_the_smoothed_steps_of_the_other_models_with_requests() -> None:
+    load = ThreadLoad()
+    load.report("embed", 1)
+    load.stepped("embed", 0.5)
+    assert load.others_step_s("embed") is None  # nobody else waits: whole chunks
+    load.report("chat", 4)
+    assert load.others_step_s("embed") == 0.0  # not timed yet
+    load.stepped("chat", 0.1)
+    load.stepped("chat", 0.2)
+    assert load.others_step_s("embed") == pytest.approx(0.1 + STEP_EMA * 0.1)
+    load.report("other chat", 1)
+    load.stepped("other chat", 0.05)
+    assert load.others_step_s("embed") == pytest.approx(0.18)  # each waits for both
+    load.report("chat", 0)
+    assert load.others_step_s("embed") == pytest.approx(0.05)
+    load.drop("other chat")
+    assert load.others_step_s("embed") is None

@@ -10,7 +10,9 @@ one permit per message. So the test decides exactly what is handled when, and th
   is left waiting once its actor has ended;
 - the mailbox holds at most its capacity; what does not fit waits (``ask``) or is refused
   (``try_tell``: ``MailboxFull``), and a closed mailbox refuses with ``ActorDead``;
-- messages are handled one at a time, in the order they were accepted;
+- messages are handled one at a time, in the order they were accepted; the pinned actor's
+  turn takes every message queued when it begins (they leave the mailbox, which has room for
+  as many more), a loop actor's one message;
 - a stop handles what is queued, then calls ``on_stop`` once, and nothing is handled after;
   an error in a ``tell`` restarts the actor within its budget and fails it beyond; a kill
   fails what is queued at once; the system stops its actors in reverse start order.
@@ -126,8 +128,9 @@ class Sent:
 
 @dataclass
 class ActorModel:
-    """What must be true of one actor: its queue (the message in its handler first, then its
-    mailbox, then the asks waiting for room), its state, its restarts left."""
+    """What must be true of one actor: its queue (the messages of its turn first, the first
+    of them in its handler, then its mailbox, then the asks waiting for room), its state, its
+    restarts left."""
 
     name: str
     capacity: int
@@ -145,15 +148,27 @@ class ActorModel:
     starts: int = 1
     stops: int = 0
     stoppers: list[asyncio.Task[None]] = field(default_factory=list)
+    in_hand: int = 0  # the queue's first messages, taken for the actor's turn
 
     @property
     def buffered(self) -> int:
-        """Messages in the mailbox itself (the first queued is in the handler)."""
-        return min(self.capacity, max(0, len(self.queue) - 1))
+        """Messages in the mailbox itself (those of the turn are in hand)."""
+        return min(self.capacity, max(0, len(self.queue) - self.in_hand))
 
     @property
     def waiting(self) -> int:
-        return max(0, len(self.queue) - 1 - self.capacity)
+        return max(0, len(self.queue) - self.in_hand - self.capacity)
+
+    def accepted(self, sent: Sent) -> None:
+        """``sent`` joins the queue; an idle actor's turn begins with it alone."""
+        self.queue.append(sent)
+        if len(self.queue) == 1:
+            self.in_hand = 1
+
+    def next_turn(self) -> None:
+        """The turn is over: the next one takes every message queued (a pinned actor; asks
+        waiting for room included), or the first (a loop actor)."""
+        self.in_hand = min(len(self.queue), len(self.queue) if self.pinned else 1)
 
 
 # name -> (mailbox capacity, restart budget, pinned to a thread)
@@ -217,12 +232,11 @@ class RuntimeMachine(RuleBasedStateMachine):
         model.queue.clear()
 
     def _close_mailbox(self, model: ActorModel, *, in_handler: bool) -> None:
-        """The mailbox closes (a stop): asks still waiting for room are turned away.
-
-        ``in_handler``: the first queued message is in the handler (a stop from outside),
-        not in the mailbox (a stop from the handler, which has just returned)."""
+        """The mailbox closes (a stop): asks still waiting for room are turned away; the
+        turn's messages in hand are handled (``in_handler``: a stop from outside, the first of
+        them in the handler; else a stop from the handler, which has just returned)."""
         model.state = "stopping"
-        room = model.capacity + (1 if in_handler else 0)
+        room = model.capacity + model.in_hand
         while len(model.queue) > room:
             self._dead(model.queue.pop())
         if not model.queue:
@@ -232,6 +246,7 @@ class RuntimeMachine(RuleBasedStateMachine):
     def _handle_next(self, model: ActorModel) -> None:
         """The model of the runtime handling the first queued message."""
         sent = model.queue.popleft()
+        model.in_hand -= 1
         model.handled += 1
         if sent.task is not None:
             answer = ("error", sent.id) if sent.action == "raise" else ("answer", sent.id)
@@ -243,12 +258,17 @@ class RuntimeMachine(RuleBasedStateMachine):
             if model.restarts < model.max_restarts:
                 model.restarts += 1
                 model.starts += 1
+                model.next_turn()  # the turn ends at the error, a new one after the restart
             else:
                 self._end(model, "failed")
                 return
         if sent.action == "stop" and model.state == "running":
             self._close_mailbox(model, in_handler=False)
+            if model.state != "ended":
+                model.next_turn()  # the turn ends at the stop; the drain takes the rest
             return
+        if not model.in_hand:
+            model.next_turn()
         if model.state == "stopping" and not model.queue:
             model.stops += 1
             self._end(model, "stopped")
@@ -310,12 +330,12 @@ class RuntimeMachine(RuleBasedStateMachine):
             outcome = "dead"
         if model.state != "running":
             assert outcome == "dead"
-        elif len(model.queue) - 1 >= model.capacity:
-            # Full: the one in the handler plus ``capacity`` queued (and maybe waiting asks).
+        elif len(model.queue) - model.in_hand >= model.capacity:
+            # Full: the turn's in hand plus ``capacity`` queued (and maybe waiting asks).
             assert outcome == "full"
         else:
             assert outcome == "ok"
-            model.queue.append(sent)
+            model.accepted(sent)
         self._settle()
 
     async def _try_tell(self, ref: ActorRef, sent: Sent) -> None:
@@ -329,7 +349,7 @@ class RuntimeMachine(RuleBasedStateMachine):
         if model.state != "running":
             self._dead(sent)
         else:
-            model.queue.append(sent)  # in the mailbox, or waiting for room there
+            model.accepted(sent)  # in hand, in the mailbox, or waiting for room there
         self._settle()
 
     @rule(name=st.sampled_from(NAMES), action=st.sampled_from(ACTIONS))

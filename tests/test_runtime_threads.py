@@ -11,6 +11,7 @@ import mlx.core as mx
 import pytest
 
 from troupe.runtime import Actor, ActorRef, ActorSystem, MailboxFull, Message
+from troupe.runtime.threads import ActorThread
 
 
 class Where(Message):
@@ -206,3 +207,109 @@ async def test_an_actor_can_kill_itself_from_its_own_handler(thread: str | None)
             while ref.alive:
                 await asyncio.sleep(0.001)
             assert system.snapshot()[0].state == "stopped"
+
+
+class Tick(Message):
+    pass
+
+
+class Stepper(Actor):
+    """Steps as a model's scheduler does: each Tick queues the next one to itself until
+    ``until`` is in the shared ``log``, where every message handled goes."""
+
+    def __init__(self, log: list[str], until: str) -> None:
+        self.log = log
+        self.until = until
+
+    async def handle(self, msg: Any) -> Any:
+        self.log.append(f"{self.name}:{type(msg).__name__}")
+        if isinstance(msg, Tick) and self.until not in self.log:
+            self.ref.try_tell(Tick())
+
+
+async def test_a_pinned_actors_turn_on_a_shared_thread_takes_every_message_queued_for_it() -> None:
+    # Two models' schedulers on the MLX thread: a scheduler's next step must not wait for the
+    # other's steps once per message queued before it (a memory monitor's limits, 4 a second,
+    # each waited for an embedding step, and a chat stream's next token for seconds).
+    log: list[str] = []
+    with anyio.fail_after(10):
+        async with ActorSystem() as system:
+            busy = await system.spawn(Stepper, name="busy", thread="mlx", log=log,
+                                      until="other:Tick")
+            other = await system.spawn(Stepper, name="other", thread="mlx", log=log,
+                                       until="other:Tick")
+            await busy.tell(Tick())
+            while log.count("busy:Tick") < 5:
+                await asyncio.sleep(0.001)
+            for _ in range(20):  # queued together, as a burst of messages piles up
+                other.try_tell(Where())
+            other.try_tell(Tick())
+            while "other:Tick" not in log:
+                await asyncio.sleep(0.001)
+    mine = [i for i, entry in enumerate(log) if entry.startswith("other:")]
+    assert len(mine) == 21
+    # Handled back to back: none of the busy actor's steps ran between them.
+    assert mine == list(range(mine[0], mine[0] + 21))
+
+
+async def test_lanes_on_one_thread_start_their_jobs_in_the_order_the_jobs_came() -> None:
+    # A lane whose next job came while its job ran went on with it at once, ahead of another
+    # lane's job that came first: an embedding model's steps ran two and three in a row while
+    # a chat model's step waited on the same thread.
+    thread = ActorThread("shared")
+    first, second = thread.lane(), thread.lane()
+    order: list[str] = []
+    running, release = threading.Event(), threading.Event()
+
+    async def job(name: str) -> None:
+        if name == "first 1":
+            running.set()
+            release.wait()  # holds the thread while the other jobs come
+        order.append(name)
+
+    try:
+        with anyio.fail_after(5):
+            jobs = [asyncio.create_task(first.run(job("first 1")))]
+            await asyncio.to_thread(running.wait)
+            jobs.append(asyncio.create_task(second.run(job("second"))))
+            await asyncio.sleep(0)  # its job is queued on its lane before the next one
+            jobs.append(asyncio.create_task(first.run(job("first 2"))))
+            await asyncio.sleep(0)
+            release.set()
+            await asyncio.gather(*jobs)
+    finally:
+        release.set()
+        await thread.join(5)
+    assert order == ["first 1", "second", "first 2"]
+
+
+async def test_a_lane_waiting_in_its_job_for_another_lane_lets_that_lane_start_first() -> None:
+    # The engine pool's handler asks a scheduler on the MLX thread: the lane busy with its
+    # job must not hold back the other lane's job behind its own next one.
+    thread = ActorThread("shared")
+    waiting, answering = thread.lane(), thread.lane()
+    answered = asyncio.Event()
+    order: list[str] = []
+
+    async def wait_for_answer() -> None:
+        await answered.wait()
+        order.append("waited")
+
+    async def record(name: str) -> None:
+        order.append(name)
+
+    async def answer() -> None:
+        thread.loop.call_soon(answered.set)  # the event belongs to the thread's loop
+        order.append("answered")
+
+    try:
+        with anyio.fail_after(5):
+            jobs = [asyncio.create_task(waiting.run(wait_for_answer()))]
+            await asyncio.sleep(0)
+            jobs.append(asyncio.create_task(waiting.run(record("next"))))
+            await asyncio.sleep(0)
+            jobs.append(asyncio.create_task(answering.run(answer())))
+            await asyncio.gather(*jobs)
+    finally:
+        await thread.join(5)
+    assert order == ["answered", "waited", "next"]

@@ -186,24 +186,35 @@ def test_the_step_budget_waits_for_a_prompt_tokens_time_and_is_off_at_zero():
 
 
 def test_an_embedding_step_gets_what_the_step_budget_gives_a_chunk_streams_wait_on():
-    # The streams that wait on an embedding step are other models': no decode step of its own.
-    for token_s in (1e-6, 1e-4, 0.001, 0.0037, 0.01, 1.0):
-        chat = step_budget(state(config=BUDGET, decoding=1, decode_s=0.0, token_s=token_s),
-                           [seq(1, 6000)])
-        assert embed_budget(BUDGET, token_s, others_waiting=True) == chat
-    assert embed_budget(BUDGET, 0.001, others_waiting=True) == 192  # 200 ms at 1 ms, blocks
-    assert embed_budget(BUDGET, 1e-6, others_waiting=True) == 512  # never past the chunk
-    assert embed_budget(BUDGET, 1.0, others_waiting=True) == STEP_BUDGET_FLOOR
+    # The streams that wait on an embedding step are other models': their steps take the
+    # place of a chat chunk's decode step.
+    for others_s in (0.0, 0.04, 0.15, 0.3):
+        for token_s in (1e-6, 1e-4, 0.001, 0.0037, 0.01, 1.0):
+            chat = step_budget(state(config=BUDGET, decoding=1, decode_s=others_s,
+                                     token_s=token_s), [seq(1, 6000)])
+            assert embed_budget(BUDGET, token_s, others_step_s=others_s) == chat
+    assert embed_budget(BUDGET, 0.001, others_step_s=0.0) == 192  # 200 ms at 1 ms, blocks
+    assert embed_budget(BUDGET, 1e-6, others_step_s=0.0) == 512  # never past the chunk
+    assert embed_budget(BUDGET, 1.0, others_step_s=0.0) == STEP_BUDGET_FLOOR
+
+
+def test_an_embedding_step_leaves_the_other_models_steps_their_share_of_the_step_budget():
+    # Streams of a chat model beside it wait for their own step and the embedding step in
+    # turn: 200 ms between two of their tokens, as beside a chat prompt's chunk.
+    assert embed_budget(BUDGET, 0.001, others_step_s=0.0) == 192
+    assert embed_budget(BUDGET, 0.001, others_step_s=0.072) == 128
+    assert embed_budget(BUDGET, 0.001, others_step_s=0.15) == 50
+    assert embed_budget(BUDGET, 0.001, others_step_s=0.4) == STEP_BUDGET_FLOOR
 
 
 def test_an_embedding_step_runs_whole_chunks_unless_others_wait_and_the_floor_until_timed():
     # Nobody waits: whole chunks, as a lone chat prefill (step_budget gives it no bound).
     assert step_budget(state(config=BUDGET, token_s=0.001), [seq(1, 6000)]) is None
-    assert embed_budget(BUDGET, 0.001, others_waiting=False) == 512
-    assert embed_budget(BUDGET, None, others_waiting=True) == STEP_BUDGET_FLOOR
+    assert embed_budget(BUDGET, 0.001, others_step_s=None) == 512
+    assert embed_budget(BUDGET, None, others_step_s=0.1) == STEP_BUDGET_FLOOR
     off = EngineConfig(prefill_step_size=512, block_size=64, step_budget_ms=0.0)
-    assert embed_budget(off, None, others_waiting=True) == 512
-    assert embed_budget(off, 1.0, others_waiting=True) == 512
+    assert embed_budget(off, None, others_step_s=0.1) == 512
+    assert embed_budget(off, 1.0, others_step_s=0.1) == 512
 
 
 def test_the_memory_gate_fails_and_admits_as_plan_step_says_by_uid():

@@ -296,18 +296,19 @@ def budget_tokens(config: EngineConfig, token_s: float, spare_s: float) -> int:
 
 
 def embed_budget(config: EngineConfig, token_s: float | None, *,
-                 others_waiting: bool) -> int:
+                 others_step_s: float | None) -> int:
     """Tokens (padding included) the next embedding or rerank step of a model runs, as a
     prefill chunk gets them (``step_budget``): whole chunks while nobody waits on the step;
-    while others do (``others_waiting``: other models' streams or prompts on the same MLX
-    thread; an embedding model serves none of its own, so no decode step to leave room for),
-    what fills ``step_budget_ms`` at ``token_s`` a token, ``STEP_BUDGET_FLOOR`` before a
-    token is timed (a step short enough to time one by)."""
-    if config.step_budget_ms <= 0 or not others_waiting:
+    while others do (``others_step_s``: the time the steps of the other models on the same
+    MLX thread take, whose streams or prompts wait on this step as they wait on their own;
+    None: none has requests), what fills ``step_budget_ms`` less that time at ``token_s`` a
+    token, as a chat chunk fills it less its streams' decode step; ``STEP_BUDGET_FLOOR``
+    before a token is timed (a step short enough to time one by)."""
+    if config.step_budget_ms <= 0 or others_step_s is None:
         return config.prefill_step_size
     if token_s is None:
         return min(STEP_BUDGET_FLOOR, config.prefill_step_size)
-    return budget_tokens(config, token_s, config.step_budget_ms / 1e3)
+    return budget_tokens(config, token_s, config.step_budget_ms / 1e3 - others_step_s)
 
 
 def first_tokens_first(state: StepState) -> bool:
