@@ -9,15 +9,15 @@ import asyncio
 import json
 import threading
 from collections import deque
-from pathlib import Path
 
 import msgspec
 import pytest
 from engine_helpers import encode, engine_config, greedy
 from mlx_lm import load
 from reference import PROMPTS, detokenize, reference_tokens
+from test_serving import serve as serve_stack
+from test_text_stage import CharDetokenizer
 
-from troupe.actors.config import ServeConfig
 from troupe.actors.engine.core import Engine
 from troupe.actors.engine.grammar import Grammars
 from troupe.actors.engine.prefix import block_hashes, model_fingerprint
@@ -29,10 +29,7 @@ from troupe.actors.messages import (
     SamplingParams,
 )
 from troupe.actors.scheduler import MLX_THREAD
-from troupe.actors.serving import start_serving
 from troupe.actors.text_worker import TextWorker
-from troupe.api.app import create_app
-from troupe.runtime import ActorSystem
 from troupe.runtime.reply import open_reply
 
 BLOCK = 16
@@ -193,7 +190,7 @@ def test_the_worker_records_a_notice_before_it_sends_the_final_event():
             reply.close()
 
     class Chars:
-        detokenizer = property(lambda self: _Chars())
+        detokenizer = property(lambda self: CharDetokenizer())
         decode = staticmethod(lambda ids: "".join(map(chr, ids)))
 
     worker.open(TextOutput.of(Chars(), "a", 3, SamplingParams(max_tokens=9, stop=["!"]), None,
@@ -209,38 +206,7 @@ def test_the_worker_records_a_notice_before_it_sends_the_final_event():
     assert isinstance(items[-1], RequestFinished) and items[-1].stop_sequence == "!"
 
 
-class _Chars:
-    def __init__(self) -> None:
-        self.text, self.read = "", 0
-
-    def add_token(self, token: int) -> None:
-        self.text += chr(token)
-
-    def finalize(self) -> None:
-        pass
-
-    @property
-    def last_segment(self) -> str:
-        segment, self.read = self.text[self.read:], len(self.text)
-        return segment
-
-
 # -- serving -----------------------------------------------------------------------------------
-
-
-async def serve(aiohttp_client, model_dir: Path, **overrides):
-    config = ServeConfig.of(model=str(model_dir), **overrides)
-    system = ActorSystem()
-    await system.__aenter__()
-    handles = await start_serving(system, config)
-    app = create_app(system=system, admission=handles.admission, config=config)
-
-    async def close_system(_app) -> None:
-        await system.__aexit__(None, None, None)
-
-    app.on_cleanup.append(close_system)
-    client = await aiohttp_client(app)
-    return client, system.find("scheduler")._cell.instance, handles.models[0].id
 
 
 async def idle(scheduler) -> None:
@@ -262,8 +228,9 @@ async def test_serving_runs_the_text_off_the_mlx_thread_and_keeps_a_stopped_answ
     stop = full[len(before):len(before) + 3]
     assert full.find(stop) == len(before)
 
-    client, scheduler, name = await serve(aiohttp_client, tiny_model_dir, block_size=BLOCK,
-                                          cache_ram_max=1 << 30)
+    client, system, handles = await serve_stack(aiohttp_client, tiny_model_dir,
+                                                block_size=BLOCK, cache_ram_max=1 << 30)
+    scheduler, name = system.find("scheduler")._cell.instance, handles.models[0].id
     assert scheduler.engine.text is None and scheduler.text is not None
     threads: set[str] = set()
     feed = scheduler.text.stage.feed
