@@ -75,7 +75,7 @@ from troupe.actors.engine.encoder import (
 from troupe.actors.engine.kv_blocks import KVBlock, from_numpy, to_numpy
 from troupe.actors.engine.memory_estimate import OK, ModelMemory, model_memory, with_draft
 from troupe.actors.engine.prefix import model_fingerprint
-from troupe.actors.engine.schedule import embed_budget
+from troupe.actors.engine.schedule import ema, embed_budget
 from troupe.actors.engine.vision import VisionTower, why_no_images
 from troupe.actors.memory_messages import (
     DescribeLoad,
@@ -127,8 +127,6 @@ STUCK_EXIT_GRACE_S = 2.0
 ARRIVAL_WINDOWS_MAX = 5
 # A starting scheduler asks the memory monitor for the limits; it does not wait longer.
 LIMITS_TIMEOUT_S = 2.0
-# The weight of a step's time in a scheduler's smoothed step time (``ThreadLoad``).
-STEP_EMA = 0.3
 # An engine idle this long gives back the memory its last requests freed (MLX's buffer
 # cache, the C heap's free pages): a burst of long prompts left the process 2.3 GB larger
 # for good. Not at once: a request arriving soon after reuses that memory.
@@ -165,8 +163,7 @@ class ThreadLoad:
 
     def stepped(self, name: str, wall: float) -> None:
         """``name``'s step took ``wall`` seconds."""
-        old = self._step_s.get(name)
-        self._step_s[name] = wall if old is None else STEP_EMA * wall + (1 - STEP_EMA) * old
+        self._step_s[name] = ema(self._step_s.get(name), wall)
 
     def drop(self, name: str) -> None:
         self._in_flight.pop(name, None)

@@ -38,9 +38,15 @@ from troupe.actors.engine.memory_estimate import (
     model_memory,
     prefill_transient,
 )
-from troupe.actors.engine.schedule import STEP_BUDGET_FLOOR, StepState, embed_budget, step_budget
+from troupe.actors.engine.schedule import (
+    EMA,
+    STEP_BUDGET_FLOOR,
+    StepState,
+    embed_budget,
+    step_budget,
+)
 from troupe.actors.messages import AdmissionError
-from troupe.actors.scheduler import STEP_EMA, ThreadLoad
+from troupe.actors.scheduler import ThreadLoad
 
 TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog",
          "def add(a, b): return a + b", "a"]
@@ -328,7 +334,7 @@ def test_the_thread_load_gives_the_smoothed_steps_of_the_other_models_with_reque
     assert load.others_step_s("embed") == 0.0  # not timed yet
     load.stepped("chat", 0.1)
     load.stepped("chat", 0.2)
-    assert load.others_step_s("embed") == pytest.approx(0.1 + STEP_EMA * 0.1)
+    assert load.others_step_s("embed") == pytest.approx(0.1 + EMA * 0.1)
     load.report("other chat", 1)
     load.stepped("other chat", 0.05)
     assert load.others_step_s("embed") == pytest.approx(0.18)  # each waits for both

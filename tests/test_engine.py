@@ -465,7 +465,7 @@ def test_a_long_prefill_beside_a_decoding_row_runs_chunks_that_fit_the_step_budg
 
 
 def test_step_times_are_learned_from_whole_steps():
-    from troupe.actors.engine.core import EMA
+    from troupe.actors.engine.schedule import EMA
 
     engine = Engine.__new__(Engine)
     engine._decode_s = engine._token_s = None

@@ -56,6 +56,7 @@ from troupe.actors.engine.schedule import (
     StepState,
     Waiting,
     chunk_of,
+    ema,
     schedule,
     start_order,
 )
@@ -76,9 +77,6 @@ from troupe.actors.messages import (
 )
 
 log = logging.getLogger("actors.engine.core")
-
-# How fast the step-time estimates (a decode step, a prompt token) follow new measurements.
-EMA = 0.3
 
 # Penalties look back over this many tokens (mlx-lm's default of 20 forgets too quickly for
 # OpenAI's presence/frequency semantics, which cover the whole completion).
@@ -112,10 +110,6 @@ def sampled_logprobs(token: int, logprobs: mx.array, k: int) -> SampledLogprobs:
         order = mx.argsort(-vals)
         top = list(zip(idx[order].tolist(), vals[order].tolist(), strict=True))
     return SampledLogprobs(logprobs[token].item(), top)
-
-
-def _ema(old: float | None, new: float) -> float:
-    return new if old is None else EMA * new + (1 - EMA) * old
 
 
 class Engine:
@@ -609,7 +603,7 @@ class Engine:
         work cannot be told apart inside a step."""
         if not tokens:
             if decoding:
-                self._decode_s = _ema(self._decode_s, wall)
+                self._decode_s = ema(self._decode_s, wall)
             return
         if decoding and self._decode_s is None:
             if self._token_s is not None:
@@ -620,7 +614,7 @@ class Engine:
                 self._decode_s = max(wall - tokens * self._token_s, 0.0)
             return
         spent = wall - (self._decode_s if decoding else 0.0)
-        self._token_s = _ema(self._token_s, max(spent, 0.0) / tokens)
+        self._token_s = ema(self._token_s, max(spent, 0.0) / tokens)
 
     def _cut_at_boundaries(self, prompt_responses: list[Any]) -> None:
         """Cut the blocks a prefill completed: for hybrid models when a segment ends at a

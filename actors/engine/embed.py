@@ -34,6 +34,7 @@ from troupe.actors.engine.encoder import encoder_task, read_config
 from troupe.actors.engine.kv_blocks import build_cache, cut_blocks
 from troupe.actors.engine.memory_estimate import ModelMemory, kv_slots
 from troupe.actors.engine.prefix import block_hashes
+from troupe.actors.engine.schedule import ema
 
 Task = Literal["generate", "embed", "rerank"]
 Pooling = Literal["last", "mean"]
@@ -340,8 +341,7 @@ class Embedder:
         # Every step ends in an evaluation (its results read back): its time is its work.
         if self._padded > ran:
             per_token = (time.perf_counter() - started) / (self._padded - ran)
-            self.token_s = per_token if self.token_s is None else (
-                0.7 * self.token_s + 0.3 * per_token)
+            self.token_s = ema(self.token_s, per_token)
 
     def _plan(self, budget: int) -> tuple[list[tuple[EmbedJob, int]], StepShape, bool]:
         """The inputs the next step runs, its shape, and whether it starts a long input: the

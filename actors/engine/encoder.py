@@ -30,6 +30,7 @@ import mlx.core as mx
 from troupe.actors.engine.dense import Dense, apply_dense, dense_folders
 from troupe.actors.engine.embed_gate import StepShape, gate_step
 from troupe.actors.engine.memory_estimate import ModelMemory
+from troupe.actors.engine.schedule import ema
 
 if TYPE_CHECKING:
     from troupe.actors.engine.embed import EmbedJob, Task
@@ -250,8 +251,7 @@ class EncoderEmbedder:
             self._fail_jobs(list(self.jobs.values()), exc)
             return
         per_token = (time.perf_counter() - started) / (len(batch) * longest)
-        self.token_s = per_token if self.token_s is None else (
-            0.7 * self.token_s + 0.3 * per_token)
+        self.token_s = ema(self.token_s, per_token)
         for (job, i), out in zip(batch, outs, strict=True):
             self._done(job, i, out)
 

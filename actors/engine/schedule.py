@@ -18,6 +18,9 @@ from troupe.actors.engine.memory_estimate import Member, ModelMemory, plan_step
 # The fewest prompt tokens a prefilling sequence gets per step while sequences decode: a
 # prefill call of its own costs about a decode step, so tiny chunks waste it.
 MIN_PREFILL_CHUNK = 32
+# How fast a step-time estimate (a decode step, a prompt token, a model's step beside others)
+# follows new measurements.
+EMA = 0.3
 # With the chunk in the decode step's forward pass (actors/engine/forward.py) a prefill token
 # costs no call of its own, and a small chunk is no dearer per token than a large one.
 MIN_MIXED_CHUNK = 8
@@ -237,6 +240,11 @@ def startable(config: EngineConfig, prefilling: list[Pending], waiting: list[Pen
             return n
         left.append(tokens)
     return admit
+
+
+def ema(old: float | None, new: float) -> float:
+    """A timing smoothed over steps: ``new`` weighted ``EMA`` against the estimate so far."""
+    return new if old is None else EMA * new + (1 - EMA) * old
 
 
 def min_chunk(config: EngineConfig, mixed: bool) -> int:
