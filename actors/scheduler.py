@@ -817,7 +817,7 @@ class Scheduler(Actor):
         gone = [rid for rid, reply in self._replies.items() if reply.consumer_gone]
         if self.text is not None:
             for notice in self.text.take_notices():
-                if engine.end(notice.request_id, notice.uid):
+                if engine.end(notice):
                     self._finished(notice.request_id)
         for rid in gone:
             if rid in self._replies:

@@ -82,7 +82,7 @@ def run_beside(engine: Engine, requests: list[tuple], lag: int) -> tuple[dict[st
     while engine.has_work:
         while len(late) > lag:
             for notice in late.popleft():
-                engine.end(notice.request_id, notice.uid)
+                engine.end(notice)
         raw = engine.step()
         dropped += sum(len(e.token_ids) for e in raw
                        if isinstance(e, TokensSampled) and e.request_id in ended)
@@ -117,12 +117,14 @@ def test_the_clients_events_beside_the_engine_equal_those_inline(loaded, batch, 
     assert inline["stop"] != inline["plain"]  # the requests' answers differ
     assert inline["stop"][-1].finish_reason == "stop"
     assert inline["logprobs"][0].logprobs
-    beside, dropped = run_beside(Engine(model, tok, engine_config(), inline_text=False),
-                                 batch, lag)
+    engine = Engine(model, tok, engine_config(), inline_text=False)
+    beside, dropped = run_beside(engine, batch, lag)
     assert beside == inline
     # With a lag the engine made tokens for the stopped request after its text ended: none
-    # was shown or counted.
+    # was shown or counted, in the answers' usage nor in the engine's statistics.
     assert (dropped > 0) == (lag > 0)
+    assert engine.generated_tokens == sum(evs[-1].usage.completion_tokens
+                                          for evs in beside.values())
 
 
 @pytest.mark.parametrize("lag", [0, 2])
@@ -197,7 +199,7 @@ def test_the_worker_records_a_notice_before_it_sends_the_final_event():
                               prompt_tokens=1), Watched())
     worker.feed([TokensSampled(request_id="a", token_ids=[ord(c) for c in "hi!"])])
     worker.stop()
-    assert seen == [[EndRequest("a", 3, "stop string")]]
+    assert seen == [[EndRequest("a", 3, "stop string", 3)]]
 
     async def read():
         return [item async for item in stream]

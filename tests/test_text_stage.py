@@ -100,7 +100,7 @@ def test_a_stop_string_across_tokens_ends_the_request_with_a_notice_and_never_le
     assert (final.finish_reason, final.stop_sequence) == ("stop", "END")
     # Counted up to the token the stop string ended at ("D"), not the ones after it.
     assert final.usage == Usage(prompt_tokens=5, completion_tokens=5, cached_tokens=2)
-    assert notices == [EndRequest("a", 7, "stop string")]
+    assert notices == [EndRequest("a", 7, "stop string", 5)]
 
 
 def test_tokens_and_the_engines_finish_after_a_notice_are_dropped():
@@ -161,8 +161,8 @@ def test_reasoning_and_tool_calls_are_taken_out_and_counted():
 def test_a_repeated_call_ends_the_request_with_tool_calls_and_a_notice():
     stage = stage_with(output=OutputSpec(tool_format="json_tools", tools=[WEATHER]))
     events, notices = feed_text(stage, "a", CALL + "\n" + CALL + "\nmore", ttft_s=0.25)
-    assert notices == [EndRequest("a", 7, "repeated call")]
     final = events[-1]
+    assert notices == [EndRequest("a", 7, "repeated call", final.usage.completion_tokens)]
     assert isinstance(final, RequestFinished) and final.finish_reason == "tool_calls"
     calls = [c for e in events if isinstance(e, TokensGenerated) for c in e.tool_calls or []]
     assert len(calls) == 1
@@ -199,7 +199,7 @@ def test_a_failing_request_fails_alone_with_a_notice():
     stage.outputs["bad"].detokenizer = Broken()
     events, notices = stage.feed([TokensSampled(request_id="bad", token_ids=ids("x")),
                                   TokensSampled(request_id="good", token_ids=ids("y"))])
-    assert notices == [EndRequest("bad", 7, "error")]
+    assert notices == [EndRequest("bad", 7, "error", 1)]
     final = events[0]
     assert final.finish_reason == "error" and "exploded" in final.error
     assert [(e.request_id, e.text) for e in events[1:]] == [("good", "y")]

@@ -61,6 +61,7 @@ from troupe.actors.engine.schedule import (
     start_order,
 )
 from troupe.actors.engine.text import (
+    EndRequest,
     EngineEvent,
     Event,
     SampledLogprobs,
@@ -424,17 +425,19 @@ class Engine:
         events = self._through_text([self._finish(req, "abort")])
         return events[0] if events else None
 
-    def end(self, request_id: str, uid: int) -> bool:
-        """End a request its text ended (``text.EndRequest``): out of the batch, keeping the
-        blocks its answer completed; no event (the text stage gave its last). False when the
-        engine no longer runs it (it finished meanwhile, or was aborted)."""
-        req = self.requests.get(request_id)
-        if req is None or req.uid != uid:
+    def end(self, notice: EndRequest) -> bool:
+        """End a request its text ended: out of the batch, keeping the blocks its answer
+        completed; no event (the text stage gave its last). The tokens made after the end
+        leave the generated count, as they never reached the client. False when the engine
+        no longer runs it (it finished meanwhile, or was aborted)."""
+        req = self.requests.get(notice.request_id)
+        if req is None or req.uid != notice.uid:
             return False
+        self.generated_tokens -= max(0, req.generated - notice.generated)
         try:
             self._take_out(req)
         except Exception:  # its blocks are an optimisation: it leaves the batch regardless
-            log.exception("could not keep the blocks of %s", request_id)
+            log.exception("could not keep the blocks of %s", notice.request_id)
             self.runner.remove(req.uid)
         self._forget(req)
         return True
@@ -529,7 +532,7 @@ class Engine:
             return list(raw)
         events, notices = self.text.feed(raw)
         for notice in notices:
-            self.end(notice.request_id, notice.uid)
+            self.end(notice)
         return list(events)
 
     def _plan(self, limit: int | None) -> tuple[SchedulerOutput, int]:

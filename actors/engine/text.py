@@ -62,11 +62,13 @@ class TokensSampled(msgspec.Struct, kw_only=True, gc=False):
 class EndRequest(NamedTuple):
     """The stage ended a request that the engine still runs (``reason``: "stop string" or
     "repeated call"): the engine takes it out, keeping the blocks its answer completed.
-    ``uid``: the engine's sequence, so that a later request given the same id is not ended."""
+    ``uid``: the engine's sequence, so that a later request given the same id is not ended;
+    ``generated``: the answer's tokens up to the end (what its usage counts)."""
 
     request_id: str
     uid: int
     reason: str
+    generated: int
 
 
 Event = TokensGenerated | RequestFinished
@@ -264,7 +266,8 @@ class TextOutput:
             if matched:
                 events.append(delta(self, text, [token], logprobs, last=True, cut=True))
                 events.append(self.ended("stop", stop_sequence=self.stops.matched))
-                return events, EndRequest(self.request_id, self.uid, "stop string")
+                return events, EndRequest(self.request_id, self.uid, "stop string",
+                                           self.generated)
             if finish is not None:
                 text += self.stops.flush()
             events.append(delta(self, text, [token], logprobs, last=finish is not None,
@@ -273,7 +276,8 @@ class TextOutput:
                 # A call repeated an earlier one: the answer ended there, as at a stop string.
                 if finish is None:
                     events.append(self.ended("tool_calls"))
-                    return events, EndRequest(self.request_id, self.uid, "repeated call")
+                    return events, EndRequest(self.request_id, self.uid, "repeated call",
+                                               self.generated)
                 self.ended_by_call = True
         return events, None
 
@@ -336,7 +340,8 @@ class TextStage:
                 made, notice = text.tokens(ev)
             except Exception as exc:  # one request's text work failed: only it fails
                 log.exception("request %s failed", ev.request_id)
-                made, notice = [text.failed(exc)], EndRequest(ev.request_id, text.uid, "error")
+                made = [text.failed(exc)]
+                notice = EndRequest(ev.request_id, text.uid, "error", text.generated)
             out.extend(e for e in made if e is not None)
             if notice is not None:
                 del outputs[ev.request_id]
