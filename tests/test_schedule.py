@@ -83,6 +83,25 @@ def test_as_many_sequences_waiting_for_a_first_token_as_streams_get_whole_chunks
     assert schedule(state(**timings, decoding=8, prefilling=[seq(1, 2000)])).budget == 100
 
 
+def test_drafts_are_verified_unless_first_tokens_go_first():
+    """Decoding rows verify drafts except while as many sequences wait for their first token
+    as there are streams, or more: the step's time then goes to the prompts."""
+    timings = dict(decode_s=0.1, token_s=0.001)
+    assert schedule(state(**timings, decoding=3)).draft
+    # Fewer prompts than streams: the streams keep their share, drafts included.
+    assert schedule(state(**timings, decoding=3, prefilling=[seq(1, 600)],
+                          waiting=[seq(2, 500)])).draft
+    for decoding in (1, 2):
+        assert not schedule(state(**timings, decoding=decoding, prefilling=[seq(1, 600)],
+                                  waiting=[seq(2, 500)])).draft
+    # A full batch only decodes: nothing can start, so its rows draft (finishing sooner is
+    # what frees a place).
+    full = [seq(i, 100) for i in range(1, 5)]
+    assert schedule(state(**timings, decoding=CONFIG.max_batch_size, waiting=full)).draft
+    assert not schedule(state(**timings, decoding=CONFIG.max_batch_size - 1,
+                              waiting=[*full, *full])).draft
+
+
 def test_the_budget_waits_for_measurements_and_is_off_with_interleave_zero():
     decoding = dict(decoding=3, prefilling=[seq(1, 2000)])
     assert schedule(state(**decoding, decode_s=None, token_s=0.001)).budget is None

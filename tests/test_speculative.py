@@ -434,16 +434,20 @@ def test_a_hybrid_prefix_hit_after_a_drafted_run_answers_the_same(
     from troupe.actors.engine.prefix import usable_blocks
 
     model, tok = hybrid
-    a = tok.encode(HYBRID_TEXTS[1])
-    off, _ = serve_all(hybrid, "off", {"a": (a, greedy(200, ignore_eos=True))})
-    # Row a drafts its own answer (a wrong last token each time) in runs of five steps.
-    monkeypatch.setattr(runner, "Drafter", foreseeing({"a": a}, {"a": off["a"]["tokens"]},
-                                                      wrong=True))
+    # Two rows decode, so one prompt waiting for its first token leaves them their drafts
+    # (``schedule.drafts_allowed``).
+    prompts = {"a": tok.encode(HYBRID_TEXTS[1]), "a2": tok.encode(HYBRID_TEXTS[3])}
+    off, _ = serve_all(hybrid, "off",
+                       {rid: (p, greedy(200, ignore_eos=True)) for rid, p in prompts.items()})
+    # The rows draft their own answers (a wrong last token each time) in runs of five steps.
+    monkeypatch.setattr(runner, "Drafter", foreseeing(
+        prompts, {rid: off[rid]["tokens"] for rid in prompts}, wrong=True))
     e = Engine(model, tok, engine_config(speculative="ngram", block_size=16,
                                          prefill_step_size=16, mixed_step=mixed))
     long = tok.encode(TEXTS[0] + TEXTS[2] * 2)
-    e.add("a", a, greedy(200, ignore_eos=True))
-    got: dict[str, list[int]] = {"a": [], "b": []}
+    for rid, p in prompts.items():
+        e.add(rid, p, greedy(200, ignore_eos=True))
+    got: dict[str, list[int]] = {"a": [], "a2": [], "b": []}
     steps, drafted = 0, 0
     while e.has_work:
         if steps == 20:
@@ -452,10 +456,11 @@ def test_a_hybrid_prefix_hit_after_a_drafted_run_answers_the_same(
         for ev in e.step():
             if isinstance(ev, TokensGenerated):
                 if ev.request_id == "b" and not got["b"]:
-                    assert e.runner.drafts > drafted, "the row drafted while b prefilled"
+                    assert e.runner.drafts > drafted, "the rows drafted while b prefilled"
                 got[ev.request_id] += ev.token_ids
         steps += 1
-    assert got["a"] == off["a"]["tokens"] and e.runner.restored > 0
+    assert got["a"] == off["a"]["tokens"] and got["a2"] == off["a2"]["tokens"]
+    assert e.runner.restored > 0
     hit = ram_hit(e, long)
     assert len(hit) == usable_blocks(len(long), 16) >= 3
     e.add("c", long, greedy(40, ignore_eos=True), cached=hit)

@@ -204,7 +204,7 @@ def follow(engine: Any, sock: socket.socket, rank: int, grammars: Any = None,
                     return 1
                 plan = SchedulerOutput(fail=msg.fail, reject=msg.reject, admit=msg.admit,
                                        budget=msg.budget, chunk=msg.chunk, held=False,
-                                       start=msg.start, tokens=msg.tokens)
+                                       start=msg.start, tokens=msg.tokens, draft=msg.draft)
                 mx.reset_peak_memory()
                 engine.step(plan=plan)
                 cache.after_step()

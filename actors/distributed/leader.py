@@ -237,7 +237,7 @@ class Followers:
         runs it, and the digest of the tokens its last step sampled."""
         self._broadcast(Plan(step=step, fail=plan.fail, reject=plan.reject, admit=plan.admit,
                              budget=plan.budget, chunk=plan.chunk, previous_digest=digest,
-                             start=plan.start, tokens=plan.tokens))
+                             start=plan.start, tokens=plan.tokens, draft=plan.draft))
 
     def reset(self, reason: str) -> None:
         self._broadcast(Reset(reason=reason))

@@ -151,6 +151,7 @@ class Plan(msgspec.Struct, tag=True, frozen=True):
     previous_digest: int
     start: list[int]
     tokens: dict[int, int]
+    draft: bool
 
 
 class Reset(msgspec.Struct, tag=True, frozen=True):

@@ -594,10 +594,12 @@ class Engine:
         self.last_digest = _digest(out.responses)
         self.prefill_tokens += out.prefilled
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("step %d: %.0f ms, %d decoding, %d prompt tokens, budget %s, "
-                      "decode step %.0f ms, prompt token %.1f ms", self.steps, out.wall * 1e3,
-                      out.decoding, out.prefilled, plan.budget, (self._decode_s or 0) * 1e3,
-                      (self._token_s or 0) * 1e3)
+            log.debug("step %d: %.0f ms, %d decoding, %d drafted, %d prompt tokens, "
+                      "%d waiting for a first token, budget %s, decode step %.0f ms, "
+                      "prompt token %.1f ms", self.steps, out.wall * 1e3, out.decoding,
+                      out.drafted, out.prefilled, self.runner.waiting
+                      + self.runner.prefilling, plan.budget,
+                      (self._decode_s or 0) * 1e3, (self._token_s or 0) * 1e3)
         self._measure(out.prefilled, out.decoding, out.wall)
 
     def _measure(self, tokens: int, decoding: int, wall: float) -> None:

@@ -85,14 +85,15 @@ class Sampled(NamedTuple):
 
 class ModelOutput(NamedTuple):
     """What one step did: the prefilling sequences' progress, the tokens sampled, the prompt
-    tokens it ran through the model, how many sequences decoded, and its wall time in
-    seconds."""
+    tokens it ran through the model, how many sequences decoded, its wall time in seconds,
+    and the drafted tokens it verified."""
 
     prompt_responses: list[Prefilled]
     responses: list[Sampled]
     prefilled: int
     decoding: int
     wall: float
+    drafted: int = 0
 
 
 class _Chunk(NamedTuple):
@@ -283,12 +284,12 @@ class Runner:
     def execute(self, plan: SchedulerOutput) -> ModelOutput:
         """One step under ``plan``: the waiting sequences it names in ``start`` start
         prefilling, and each sequence runs the tokens ``plan.tokens`` gives it."""
-        decoding = len(self.batch.decode)
+        decoding, drafted = len(self.batch.decode), self.drafted
         began = time.perf_counter()
         with mx.stream(self.stream):
             prompt_responses, responses, prefilled = self._step(self.batch, plan)
         return ModelOutput(prompt_responses, responses, prefilled, decoding,
-                          time.perf_counter() - began)
+                           time.perf_counter() - began, self.drafted - drafted)
 
     def whole_chunks(self) -> SchedulerOutput:
         """A plan without the engine's policy: waiting sequences start while prefill slots
@@ -324,13 +325,13 @@ class Runner:
         sampled and the prompt tokens run."""
         pre, dec = batch.prefill, batch.decode
         if len(dec) >= max_decoding(self.config):
-            return [], self._decode(batch, None)[0], 0
+            return [], self._decode(batch, None, plan.draft)[0], 0
         self._admit(batch, plan.start)
         progress = self._join_decode(batch)
         prompts, ends = self._next_chunks(pre, plan.tokens, progress)
         prefilled = sum(len(p) for p in prompts)
         if not self.mixed:
-            responses = self._decode(batch, None)[0] if len(dec) else []
+            responses = self._decode(batch, None, plan.draft)[0] if len(dec) else []
             self._prefill(pre, prompts, plan.chunk)
             self._draft_keeps_pace(batch)
             return progress, responses, prefilled
@@ -339,7 +340,7 @@ class Runner:
         ended = None
         try:
             if len(dec):
-                responses, ended = self._decode(batch, ride)
+                responses, ended = self._decode(batch, ride, plan.draft)
             elif ride is not None:
                 _, ended = forward(self.model, None, None, ride.tokens, pre.cache, ride.ends)
                 mx.eval([c.state for c in pre.cache], [] if ended is None else ended)
@@ -524,13 +525,13 @@ class Runner:
 
         return embeddings
 
-    def _decode(self, batch: Batch, ride: _Chunk | None
+    def _decode(self, batch: Batch, ride: _Chunk | None, draft: bool = True
                 ) -> tuple[list[Sampled], mx.array | None]:
         """The decode rows' step (the chunk ``ride`` in the same pass), its tokens sampled;
-        finished rows leave. Also returns the logits of the chunk's rows that end a prompt
-        (None: none do)."""
+        finished rows leave; ``draft``: whether rows may verify drafts (the plan's). Also
+        returns the logits of the chunk's rows that end a prompt (None: none do)."""
         dec = batch.decode
-        drafts = self._drafts(dec) if self.speculative else None
+        drafts = self._drafts(dec) if self.speculative and draft else None
         if drafts is None and any(s.carried for s in dec.seqs):
             drafts = [[] for _ in dec.seqs]  # what rows carry runs in a pass of several tokens
         if drafts is not None:

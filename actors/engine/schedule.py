@@ -103,6 +103,9 @@ class SchedulerOutput(NamedTuple):
     # Tokens each sequence runs (uid -> n): 1 decoding, or joining the decode rows with its
     # last prompt token; its next chunk prefilling (``chunk_of``).
     tokens: dict[int, int]
+    # Whether decoding rows may verify drafts (speculative decoding) in the step: not while
+    # prompts are prefilled first (``drafts_allowed``).
+    draft: bool = True
 
 
 def schedule(state: StepState) -> SchedulerOutput:
@@ -138,7 +141,20 @@ def schedule(state: StepState) -> SchedulerOutput:
     chunk = cfg.prefill_step_size if budget is None else chunk_for(budget, work, state)
     start, tokens = name_tokens(state, prefilling, waiting, admit, chunk)
     return SchedulerOutput(fail=fail, reject=reject, admit=admit, budget=budget, chunk=chunk,
-                           held=held, start=start, tokens=tokens)
+                           held=held, start=start, tokens=tokens,
+                           draft=drafts_allowed(state, prefilling, waiting))
+
+
+def drafts_allowed(state: StepState, prefilling: list[Pending], waiting: list[Pending]
+                   ) -> bool:
+    """Whether the step's decoding rows may verify drafts: not while as many sequences wait
+    for their first token as there are streams, or more (``first_tokens_first``), and a
+    prompt can start or prefill: such a step is held to ``step_budget_ms``, and the drafts'
+    positions would take the prompt tokens' share of it. A full batch (nothing can start)
+    drafts: its rows finishing sooner is what frees a place."""
+    if not (prefilling or waiting) or state.decoding >= max_decoding(state.config):
+        return True
+    return not first_tokens_first(state)
 
 
 def max_decoding(config: EngineConfig) -> int:
