@@ -164,7 +164,8 @@ def weights_profile(model: Any) -> tuple[int, int | None]:
 class Scheduler(Actor):
     """Continuous batching for one model. Messages: AddRequest (via ``stream``), AbortRequest,
     DescribeEngine (via ``ask``), FoundOnDisk and HeldOnDisk (from the cache index), BlocksRead
-    (from the SSD writer), MemoryLimits and SpillRam (from the memory monitor), DescribeLoad and
+    (from the SSD writer) and PrefixSupplied (rank 0: the other ranks' answer to a probe), which
+    its disk tier takes, MemoryLimits and SpillRam (from the memory monitor), DescribeLoad and
     Retire (from the engine pool), and its own Step and ReleaseMemory."""
 
     def __init__(
@@ -175,7 +176,7 @@ class Scheduler(Actor):
         index: ActorRef | None = None,
         writer: ActorRef | None = None,
         model_id: str | None = None,
-        memory_monitor: str = "memory_monitor",
+        memory_monitor: ActorRef | None = None,
         thread_load: ThreadLoad | None = None,
         draft_model: str | None = None,
     ) -> None:
@@ -200,7 +201,9 @@ class Scheduler(Actor):
         # The disk tier's actors, injected at spawn (None: no disk tier), for ``self.disk``.
         self.index = index
         self.writer = writer
-        self.monitor_name = memory_monitor
+        # Injected at spawn; None: no memory monitor (a scheduler spawned alone, in a test):
+        # no limits until some are sent, and the other ranks' memory is told to no one.
+        self.memory_monitor = memory_monitor
         self.limits: MemoryLimits | None = None
         self.retired = False
         self._last_active = time.monotonic()
@@ -316,7 +319,7 @@ class Scheduler(Actor):
             "loaded %s from %s in %.1fs (warm-up %.1fs)", self.model_name, resolved.path,
             time.perf_counter() - started, warm,
         )
-        monitor = self.system.find(self.monitor_name)
+        monitor = self.memory_monitor
         if monitor is not None:
             # The limits from the first step on; from then the monitor sends them every poll.
             try:
@@ -617,7 +620,7 @@ class Scheduler(Actor):
         one that runs out). A peak the monitor could not take is told with the next step's."""
         followers = self.followers
         self._ranks_peak = max(self._ranks_peak, followers.take_peak())
-        monitor = self.system.find(self.monitor_name)
+        monitor = self.memory_monitor
         if monitor is None:
             return
         try:
