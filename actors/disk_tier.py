@@ -1,4 +1,4 @@
-"""The prefix cache's disk tier as rank 0's scheduler sees it: the cached blocks a new request
+"""The prefix cache's disk tier as the scheduler sees it: the cached blocks a new request
 waits for, the new blocks it writes, and the RAM blocks it spills.
 
 The engine holds the RAM tier (``Engine.blocks``, blocks as MLX arrays, within its byte

@@ -269,14 +269,15 @@ class Scheduler(Actor):
                             resolved.name, exc_info=True)
         # An encoder's engine never steps (its inputs run in ``EncoderEmbedder``); without
         # blocks it keeps no prefix cache.
-        self.engine = Engine(model, tokenizer,
-                             msgspec.structs.replace(self.config, block_size=0) if encoder
-                             else self.config,
-                             stream=stream, fingerprint=fingerprint, memory=memory,
-                             vision=vision, draft=draft,
-                             inline_text=bool(self.config.distributed))
-        self.disk = DiskTier(self.engine, scheduler=self.ref, index=self.index,
-                             writer=self.writer, start=self._start)
+        engine = Engine(model, tokenizer,
+                        msgspec.structs.replace(self.config, block_size=0) if encoder
+                        else self.config,
+                        stream=stream, fingerprint=fingerprint, memory=memory,
+                        vision=vision, draft=draft, inline_text=bool(self.config.distributed))
+        # Before the engine is seen: a report (read from any thread) has both or neither.
+        self.disk = DiskTier(engine, scheduler=self.ref, index=self.index, writer=self.writer,
+                             start=self._start)
+        self.engine = engine
         self.card = ModelCard(
             id=self.model_name,
             context_length=context_length(config),
