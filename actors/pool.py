@@ -43,6 +43,7 @@ from troupe.actors.memory_messages import (
     Retire,
     UnloadIdle,
 )
+from troupe.actors.memory_monitor import MEMORY_THREAD, MONITOR_NAME, MemoryMonitor
 from troupe.actors.messages import AdmissionError, ListModels, ModelCard
 from troupe.actors.models.generation_config import sampling_defaults
 from troupe.actors.models.store import resolve_model
@@ -105,7 +106,10 @@ class EnginePool(Actor):
     ``specs``: the models as given to ``--model`` (None: the bundled default). ``engine``:
     each model's engine settings. ``cache``: the prefix cache's disk settings (``cache_dir``,
     ``disk_max_bytes``), or None; the pool holds the directory's lock (``cache_lock``) while
-    it runs, so that a second server on it refuses to start.
+    it runs, so that a second server on it refuses to start. ``monitor``: the memory
+    monitor's settings (``MemoryMonitor``'s ``limit``, ``poll_s``, ``guard``), or None for
+    none: the pool starts it before it loads a model, giving it the pool's ref and every
+    scheduler the monitor's, so that no ref is looked up by name.
     """
 
     def __init__(
@@ -113,7 +117,7 @@ class EnginePool(Actor):
         *,
         specs: list[str | None],
         engine: EngineConfig,
-        memory_monitor: str = "memory_monitor",
+        monitor: dict[str, Any] | None = None,
         cache: dict[str, Any] | None = None,
         models_memory: int | None = None,
         pin: list[str] | None = None,
@@ -123,7 +127,8 @@ class EnginePool(Actor):
     ) -> None:
         self.specs = specs or [None]
         self.engine_config = engine
-        self.memory_monitor = memory_monitor
+        self.monitor_settings = monitor
+        self.monitor: ActorRef | None = None  # started with the pool (``_start_monitor``)
         self.cache = cache
         self.models_memory = models_memory
         self.pin = set(pin or [])
@@ -189,6 +194,7 @@ class EnginePool(Actor):
         unknown = self.pin - known
         if unknown:
             raise ValueError(f"--pin names models that are not served: {sorted(unknown)}")
+        await self._start_monitor()
         for slot in list(self.slots.values())[: self.preload]:
             await self._load(slot)
         if self.idle_ttl:
@@ -271,7 +277,7 @@ class EnginePool(Actor):
             index=slot.index,
             writer=slot.writer,
             config=self.engine_config,
-            memory_monitor=self.memory_monitor,
+            memory_monitor=self.monitor,
             thread_load=self.thread_load,
             draft_model=slot.card.draft_path,
         )
@@ -279,6 +285,24 @@ class EnginePool(Actor):
         self.loads += 1
         self.last_load_s = time.perf_counter() - started
         return slot.ref
+
+    async def _start_monitor(self) -> None:
+        """The memory monitor, before any scheduler: each gets its ref at spawn, and it gets
+        the pool's (it asks the pool to unload under hard pressure) and every scheduler's
+        name (they come and go with their models: it finds them at each poll). A restarted
+        pool adopts the monitor its predecessor started."""
+        if self.monitor_settings is None:
+            return
+        self.monitor = _alive(self.system.find(MONITOR_NAME)) or await self.system.spawn(
+            MemoryMonitor,
+            name=MONITOR_NAME,
+            thread=MEMORY_THREAD,
+            restart=Restart.PERMANENT,
+            mailbox_size=64,
+            pool=self.ref,
+            schedulers=[slot.names.scheduler for slot in self.slots.values()],
+            **self.monitor_settings,
+        )
 
     async def _start_cache(self, slot: EngineSlot) -> None:
         """The model's cache index and SSD writer: started with its first load and kept

@@ -9,19 +9,8 @@ The step loop is message driven: after handling any message, if requests are in 
 requests, aborts, blocks read from disk) sits ahead of that ``Step`` in the mailbox, so the
 mailbox is drained between every two model steps.
 
-Prefix cache: the engine holds the RAM tier (``Engine.blocks``, blocks as MLX arrays, within
-its byte budget) and cuts new blocks as requests cross block boundaries. The scheduler looks a
-prompt's leading blocks up there with a plain call; only when RAM stops short of the prompt's
-usable blocks does it ask the cache index how many of the next ones are on disk, and has the SSD
-writer read them: both answers arrive as messages (``FoundOnDisk``, ``BlocksRead``), and the
-request waits for them while the batch steps on; nothing on the step path waits on an ``ask``.
-It sends every new block to the writer as a numpy snapshot, and under memory pressure
-(``SpillRam``) frees RAM blocks, those the index says (``HeldOnDisk``) are on disk first.
-
-On rank 0 of a sharded model every rank holds its own shard of each block, and a hit must be a
-hit on every rank: before it adds a request with cached blocks, the scheduler asks the other
-ranks how many of them they can supply (``Followers.probe``; the request waits, the batch does
-not) and takes as many as every rank can (actors/distributed/).
+The prefix cache's disk tier (a request's wait for its cached blocks, new blocks written,
+RAM spilled) is actors/disk_tier.py's ``DiskTier``, which the scheduler owns and calls.
 """
 
 from __future__ import annotations
@@ -32,8 +21,6 @@ import logging
 import os
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -41,17 +28,8 @@ import msgspec
 from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_load
 
-from troupe.actors.cache_messages import (
-    BlocksRead,
-    CancelWrites,
-    FoundOnDisk,
-    HeldOnDisk,
-    LookupDisk,
-    OnDisk,
-    ReadBlocks,
-    SpillRam,
-    WriteBlock,
-)
+from troupe.actors.cache_messages import BlocksRead, FoundOnDisk, HeldOnDisk, SpillRam
+from troupe.actors.disk_tier import DiskTier, PrefixSupplied
 from troupe.actors.distributed.leader import STUCK_AFTER_S, Followers
 from troupe.actors.distributed.protocol import read_secret
 from troupe.actors.distributed.shards import load_shard, shard_memory
@@ -72,7 +50,7 @@ from troupe.actors.engine.encoder import (
     is_encoder,
     load_encoder,
 )
-from troupe.actors.engine.kv_blocks import KVBlock, from_numpy, to_numpy
+from troupe.actors.engine.kv_blocks import KVBlock
 from troupe.actors.engine.memory_estimate import OK, ModelMemory, model_memory, with_draft
 from troupe.actors.engine.prefix import model_fingerprint
 from troupe.actors.engine.schedule import ema, embed_budget
@@ -110,15 +88,6 @@ from troupe.runtime.threads import at_thread_exit
 log = logging.getLogger("actors.scheduler")
 
 MLX_THREAD = "mlx"
-# How long one step may wait for room in the SSD writer's queue before dropping blocks.
-WRITE_WAIT_S = 0.25
-# A step snapshots at most about this many bytes of new blocks for the disk; the rest wait
-# for the next steps (a 2,000-token prompt's blocks of the default model are ~90 MB:
-# snapshotting them at once stalled every stream for a third of a second, and a request
-# arriving just after the prompt's answer waited for them).
-PERSIST_BYTES_PER_STEP = 8 << 20
-# The longest a request (or a spill) waits for the cache index to say what is on disk.
-LOOKUP_TIMEOUT_S = 1.0
 # After a stuck step's requests got their errors, how long the process stays up so that the
 # HTTP layer writes them out before it exits.
 STUCK_EXIT_GRACE_S = 2.0
@@ -180,33 +149,6 @@ class ReleaseMemory(Message, frozen=True, kw_only=True):
     """The scheduler's note to itself: it may have been idle for IDLE_RELEASE_S."""
 
 
-class PrefixSupplied(Message, frozen=True, kw_only=True):
-    """The other ranks of a sharded model can supply the first ``blocks`` cached blocks of a
-    request's prompt, and after j of them ``partials[j]`` tokens of a partial hit
-    (``distributed.combine``)."""
-
-    request_id: str
-    blocks: int
-    partials: list[int]
-
-
-@dataclass
-class _Loading:
-    """A request waiting for its cached blocks: for the cache index to say which of them are on
-    disk (``rest``: the hashes asked about, until the answer), for those to come back from
-    disk (``reading``), and on a sharded model for the other ranks to say how many they can
-    supply (``probing``)."""
-
-    msg: AddRequest
-    reply: Reply
-    cached: list[KVBlock]  # this rank's: from RAM, then those read from disk
-    epoch: int = 0  # the request's (``Scheduler._epochs``): a lookup's answer names it
-    rest: list[str] | None = None
-    reading: bool = False
-    probing: bool = False
-    supplied: tuple[int, list[int]] = (0, [])
-
-
 def weights_profile(model: Any) -> tuple[int, int | None]:
     """(bytes of the model's parameters, bytes per element of the floating dtype holding most
     of them): quantized weights are integers, their scales carry the compute dtype."""
@@ -222,7 +164,8 @@ def weights_profile(model: Any) -> tuple[int, int | None]:
 class Scheduler(Actor):
     """Continuous batching for one model. Messages: AddRequest (via ``stream``), AbortRequest,
     DescribeEngine (via ``ask``), FoundOnDisk and HeldOnDisk (from the cache index), BlocksRead
-    (from the SSD writer), MemoryLimits and SpillRam (from the memory monitor), DescribeLoad and
+    (from the SSD writer) and PrefixSupplied (rank 0: the other ranks' answer to a probe), which
+    its disk tier takes, MemoryLimits and SpillRam (from the memory monitor), DescribeLoad and
     Retire (from the engine pool), and its own Step and ReleaseMemory."""
 
     def __init__(
@@ -233,7 +176,7 @@ class Scheduler(Actor):
         index: ActorRef | None = None,
         writer: ActorRef | None = None,
         model_id: str | None = None,
-        memory_monitor: str = "memory_monitor",
+        memory_monitor: ActorRef | None = None,
         thread_load: ThreadLoad | None = None,
         draft_model: str | None = None,
     ) -> None:
@@ -255,11 +198,12 @@ class Scheduler(Actor):
         self.model_name = model_id or model or DEFAULT_MODEL
         self.max_queue = config.max_queue
         self.pace = FinishPace()  # how fast requests finish: a full queue's Retry-After
-        # The disk tier's actors, injected at spawn; None when the prefix cache has no disk
-        # tier (block_size 0, or a test of RAM alone): every use below checks that once.
+        # The disk tier's actors, injected at spawn (None: no disk tier), for ``self.disk``.
         self.index = index
         self.writer = writer
-        self.monitor_name = memory_monitor
+        # Injected at spawn; None: no memory monitor (a scheduler spawned alone, in a test):
+        # no limits until some are sent, and the other ranks' memory is told to no one.
+        self.memory_monitor = memory_monitor
         self.limits: MemoryLimits | None = None
         self.retired = False
         self._last_active = time.monotonic()
@@ -275,29 +219,18 @@ class Scheduler(Actor):
         # rank 0 of a sharded model keeps it, ending requests in the same step as its
         # followers, which run the same text inline).
         self.text: TextWorker | None = None
-        self._loading: dict[str, _Loading] = {}
-        self._epochs: dict[str, int] = {}
-        # New blocks not yet snapshotted for the disk: (request id, its epoch, block).
-        self._unsaved: deque[tuple[str, int, KVBlock]] = deque()
-        self._epoch = 0
+        # The prefix cache's disk tier: the requests waiting for their cached blocks, and the
+        # new blocks waiting for the disk (made with the engine, in on_start).
+        self.disk: DiskTier | None = None
         self._step_queued = False
         self._tps_window: list[tuple[float, int]] = []
-        self.counters = {"blocks_enqueued": 0, "blocks_dropped": 0, "disk_loads": 0,
-                         "hit_tokens": 0, "miss_tokens": 0}
-        # Requests the other ranks were asked about and not yet told to add or release.
-        self._probed: set[str] = set()
-        self.probes = 0
+        self.counters = {"hit_tokens": 0, "miss_tokens": 0}
         self._stepping = False  # inside engine.step (read by the stuck-step watchdog)
-        self.write_wait_s = 0.0  # time steps spent waiting for room in the writer's queue
         # The other ranks of a sharded model (rank 0 only; actors/distributed/).
         self.followers: Followers | None = None
         self._release_timer: asyncio.TimerHandle | None = None
         self.memory_releases = 0  # times an idle engine gave memory back
         self._ranks_peak = 0  # the other ranks' peak not yet told to the memory monitor
-        # A spill waiting for the index to say which RAM blocks are on disk: when it was asked
-        # (None: none is), and whether it may drop blocks that are not.
-        self._spill_asked: float | None = None
-        self._spill_unpersisted = False
 
     async def on_start(self) -> None:
         started = time.perf_counter()
@@ -336,12 +269,15 @@ class Scheduler(Actor):
                             resolved.name, exc_info=True)
         # An encoder's engine never steps (its inputs run in ``EncoderEmbedder``); without
         # blocks it keeps no prefix cache.
-        self.engine = Engine(model, tokenizer,
-                             msgspec.structs.replace(self.config, block_size=0) if encoder
-                             else self.config,
-                             stream=stream, fingerprint=fingerprint, memory=memory,
-                             vision=vision, draft=draft,
-                             inline_text=bool(self.config.distributed))
+        engine = Engine(model, tokenizer,
+                        msgspec.structs.replace(self.config, block_size=0) if encoder
+                        else self.config,
+                        stream=stream, fingerprint=fingerprint, memory=memory,
+                        vision=vision, draft=draft, inline_text=bool(self.config.distributed))
+        # Before the engine is seen: a report (read from any thread) has both or neither.
+        self.disk = DiskTier(engine, scheduler=self.ref, index=self.index, writer=self.writer,
+                             start=self._start)
+        self.engine = engine
         self.card = ModelCard(
             id=self.model_name,
             context_length=context_length(config),
@@ -384,7 +320,7 @@ class Scheduler(Actor):
             "loaded %s from %s in %.1fs (warm-up %.1fs)", self.model_name, resolved.path,
             time.perf_counter() - started, warm,
         )
-        monitor = self.system.find(self.monitor_name)
+        monitor = self.memory_monitor
         if monitor is not None:
             # The limits from the first step on; from then the monitor sends them every poll.
             try:
@@ -433,14 +369,14 @@ class Scheduler(Actor):
 
         followers.on_supply = supplied
         followers.on_lost = self._watch_stuck
-        self.followers = self.engine.mirror = followers
+        self.followers = self.engine.mirror = self.disk.followers = followers
 
     async def on_stop(self, error: BaseException | None) -> None:
         self.thread_load.drop(self.name)
         if self._release_timer is not None:
             self._release_timer.cancel()
-        if error is None and self._unsaved:
-            await self._persist(self._take_unsaved(everything=True))  # the disk keeps them
+        if error is None and self.disk is not None:
+            await self.disk.flush()
         if self.engine is not None:
             for rid in list(self.engine.requests):
                 self._deliver([self.engine.abort(rid)])
@@ -454,10 +390,9 @@ class Scheduler(Actor):
         for answer in self._embed_answers.values():
             answer.fail(AdmissionError("unavailable", "the model was unloaded; retry shortly"))
         self._embed_answers.clear()
-        for loading in self._loading.values():
-            loading.reply.close()
+        if self.disk is not None:
+            self.disk.close()
         self._replies.clear()
-        self._loading.clear()
 
     async def handle(self, msg: Any) -> Any:
         match msg:
@@ -476,21 +411,19 @@ class Scheduler(Actor):
                 self._last_active = time.monotonic()
                 self._embed(msg, self.take_answer())
             case FoundOnDisk():
-                self._found(msg)
+                self.disk.found(msg)
             case BlocksRead():
-                self._loaded(msg)
+                self.disk.loaded(msg)
             case PrefixSupplied():
-                self._supplied(msg)
+                self.disk.supplied(msg)
             case ReleaseMemory():
                 self._release_if_idle()
             case AbortRequest(request_id=rid):
                 self._abort(rid)
             case SpillRam(unpersisted=unpersisted):
-                self._spill(unpersisted)
+                self.disk.spill(unpersisted)
             case HeldOnDisk(hashes=hashes):
-                if self._spill_asked is not None:
-                    self._spill_asked = None
-                    self._spill_on(hashes)
+                self.disk.held(hashes)
             case DescribeEngine():
                 return self.card
             case MemoryLimits():
@@ -512,7 +445,7 @@ class Scheduler(Actor):
     # -- requests ------------------------------------------------------------------------
 
     def _in_flight(self) -> int:
-        return (len(self.engine.requests) + len(self._loading) + len(self._embed_answers)
+        return (len(self.engine.requests) + self.disk.waiting + len(self._embed_answers)
                 if self.engine else 0)
 
     def _embed(self, msg: EmbedInputs, answer: Reply) -> None:
@@ -559,193 +492,25 @@ class Scheduler(Actor):
                                 "model cannot run until its ranks are restarted"))
             reply.close()
             return
-        if engine.waiting + len(self._loading) >= self.max_queue:
+        if engine.waiting + self.disk.waiting >= self.max_queue:
             refused = _refused(msg, "overloaded", "the scheduler's queue is full; retry shortly")
-            ahead = len(engine.requests) + len(self._loading)
+            ahead = len(engine.requests) + self.disk.waiting
             reply.send(msgspec.structs.replace(refused, retry_after=self.pace.retry_after(ahead)))
             reply.close()
             return
-        if not engine.has_work and not self._loading:
+        if not engine.has_work and not self.disk.waiting:
             self.pace.busy()
-        self._epoch += 1
-        self._epochs[msg.request_id] = self._epoch
-        hashes = self.engine.prompt_hashes(msg.prompt_tokens, msg.cache_namespace)
-        ram = self.engine.blocks.lookup(hashes)
-        if msg.request_id in self._loading:
-            # Its id is taken by a request still loading: it waits for no blocks of its own.
-            self._start(msg, reply, ram if self.followers is None else [])
-            return
-        loading = _Loading(msg, reply, ram, epoch=self._epoch)
-        rest = hashes[len(ram):]
-        if rest and self._look_up(loading, rest):
-            self._loading[msg.request_id] = loading
-            return  # the index's answer (FoundOnDisk) goes on from here
-        self._fetch(loading, [])
-
-    def _look_up(self, loading: _Loading, rest: list[str]) -> bool:
-        """Ask the cache index how many of ``rest`` (the prompt's blocks after those in RAM)
-        are on disk; its answer comes back as ``FoundOnDisk``, and the request waits for it
-        (the batch does not) at most LOOKUP_TIMEOUT_S. False when there is no index to ask: RAM
-        alone serves. A prompt whose usable blocks are all in RAM asks the index nothing."""
-        index = self.index
-        if index is None:
-            return False
-        rid, epoch = loading.msg.request_id, loading.epoch
-        try:
-            index.try_tell(LookupDisk(hashes=rest, request_id=rid, epoch=epoch,
-                                      reply_to=self.name))
-        except (MailboxFull, ActorDead):
-            return False  # the index is busy or gone: RAM alone serves
-        loading.rest = rest
-        asyncio.get_running_loop().call_later(
-            LOOKUP_TIMEOUT_S, self._remind_lookup, FoundOnDisk(request_id=rid, epoch=epoch,
-                                                               blocks=0))
-        return True
-
-    def _remind_lookup(self, nothing: FoundOnDisk) -> None:
-        """The lookup's deadline: if the index has not answered by now, the request goes on
-        with RAM alone (an answer after this finds it no longer waiting)."""
-        try:
-            self.ref.try_tell(nothing)
-        except MailboxFull:
-            asyncio.get_running_loop().call_later(0.05, self._remind_lookup, nothing)
-        except ActorDead:
-            pass  # stopping
-
-    def _found(self, msg: FoundOnDisk) -> None:
-        """The index's answer to a request's lookup (or its deadline's, with no blocks)."""
-        loading = self._loading.get(msg.request_id)
-        if loading is None or loading.rest is None or loading.epoch != msg.epoch:
-            return  # answered already (or its deadline passed), or aborted
-        rest, loading.rest = loading.rest, None
-        self._fetch(loading, rest[:msg.blocks])
-
-    def _fetch(self, loading: _Loading, disk: list[str]) -> None:
-        """Have the SSD writer read the prompt's ``disk`` blocks and, on a sharded model, ask
-        the other ranks what they can supply; start the request now if neither is needed."""
-        msg, reply, ram = loading.msg, loading.reply, loading.cached
-        writer = self.writer
-        if disk and writer is not None:
-            try:
-                writer.try_tell(ReadBlocks(request_id=msg.request_id, hashes=disk,
-                                           reply_to=self.name))
-                loading.reading = True
-                self.counters["disk_loads"] += 1
-            except (MailboxFull, ActorDead):
-                disk = []  # the disk is busy: prefill what RAM does not hold
-        loading.probing = self._probe(msg, len(ram) + len(disk))
-        if loading.reading or loading.probing:
-            self._loading[msg.request_id] = loading
-            return
-        self._loading.pop(msg.request_id, None)
-        self._start(msg, reply, ram)
-
-    def _probe(self, msg: AddRequest, offered: int) -> bool:
-        """On a sharded model, ask the other ranks how many of the prompt's ``offered`` first
-        blocks they can supply, unless this rank has nothing to take: no block, and no partial
-        hit at the prompt's start. True when they were asked."""
-        engine, prompt = self.engine, msg.prompt_tokens
-        if self.followers is None or not engine.caching:
-            return False
-        if not offered:
-            room = min(engine.block_size, len(prompt) - 1)
-            root = engine.chain_root(msg.cache_namespace)
-            if engine.hybrid or room <= 0 or not engine.blocks.best_partial(
-                    None, prompt[:room], root)[1]:
-                return False
-        self.followers.probe(msg.request_id, prompt, offered, msg.cache_namespace)
-        self._probed.add(msg.request_id)
-        self.probes += 1
-        return True
-
-    def _spill(self, unpersisted: bool) -> None:
-        """Memory is short: free a burst of the least recently used RAM blocks that are on
-        disk, and with ``unpersisted`` (hard pressure) the others too. Which are on disk the
-        index says by message (``HeldOnDisk``); the spill happens then. One question at a
-        time: a spill asked for meanwhile joins it (hard pressure wins)."""
-        blocks = self.engine.blocks
-        candidates = [h for h in blocks if not blocks[h].tail]  # tails are never written
-        self._spill_unpersisted = self._spill_unpersisted or unpersisted
-        now = time.monotonic()
-        if self._spill_asked is not None and now - self._spill_asked < LOOKUP_TIMEOUT_S:
-            return  # the index's answer to the question in flight does this one's spill
-        index = self.index
-        if candidates and index is not None:
-            try:
-                index.try_tell(OnDisk(hashes=candidates, reply_to=self.name))
-                self._spill_asked = now
-                return
-            except (MailboxFull, ActorDead):
-                pass
-        self._spill_asked = None
-        if candidates and not self._spill_unpersisted:
-            return  # which are on disk is unknown: dropping one could lose it
-        self._spill_on([])
-
-    def _spill_on(self, on_disk: list[str]) -> None:
-        """Spill, knowing which RAM blocks are on disk (``on_disk``)."""
-        blocks, unpersisted = self.engine.blocks, self._spill_unpersisted
-        self._spill_unpersisted = False
-        victims = blocks.spill_victims(set(on_disk), unpersisted=unpersisted)
-        blocks.spill(victims)
-        if self.followers is not None:
-            self.followers.spill(victims)  # each rank holds its shard of the same blocks
-
-    def _loaded(self, msg: BlocksRead) -> None:
-        loading = self._loading.get(msg.request_id)
-        if loading is None or not loading.reading:
-            return  # aborted while reading
-        loading.reading = False
-        cached = loading.cached
-        size = self.engine.block_size
-        prompt = loading.msg.prompt_tokens
-        root = self.engine.chain_root(loading.msg.cache_namespace)
-        for data in msg.blocks:
-            try:
-                block = from_numpy(data, self.engine.kinds, self.engine.state_sizes,
-                                   self.engine.layout)
-            except Exception:
-                log.exception("block %s read from disk is unusable", data.block_hash)
-                break
-            # Its tokens are the prompt's at its place in the chain: partial hits compare them
-            # (a chain's first block, with those of its namespace only).
-            block.tokens = tuple(prompt[len(cached) * size : (len(cached) + 1) * size])
-            block.root = root
-            cached.append(block)
-            # Promoted to RAM: the next request with this prefix skips the disk.
-            self.engine.blocks.store(block)
-        self._ready(loading)
-
-    def _supplied(self, msg: PrefixSupplied) -> None:
-        loading = self._loading.get(msg.request_id)
-        if loading is None or not loading.probing:
-            return  # aborted meanwhile
-        loading.probing = False
-        loading.supplied = (msg.blocks, msg.partials)
-        self._ready(loading)
-
-    def _ready(self, loading: _Loading) -> None:
-        """Start a loading request once its blocks are read and the other ranks answered: with
-        as many blocks, and as long a partial hit after them, as every rank can supply."""
-        if loading.reading or loading.probing:
-            return
-        del self._loading[loading.msg.request_id]
-        cached, partial_max = loading.cached, None
-        if self.followers is not None:
-            blocks, partials = loading.supplied
-            cached = cached[:blocks]
-            partial_max = partials[len(cached)] if len(cached) < len(partials) else 0
-        self._start(loading.msg, loading.reply, cached, partial_max)
+        self.disk.begin(msg, reply)
 
     def _start(self, msg: AddRequest, reply: Reply, cached: list[KVBlock],
-               partial_max: int | None = None) -> None:
+               partial_max: int | None = None) -> bool:
         """Add the request to the batch, from ``cached`` blocks and a partial hit of at most
         ``partial_max`` tokens after them (None: any; on a sharded model, 0 unless the other
-        ranks can supply one)."""
+        ranks can supply one). False when it was not added (its client is gone, or the engine
+        refused it: its reply has the error)."""
         if reply.consumer_gone:
             reply.close()
-            self._release(msg.request_id)
-            return
+            return False
         if self.followers is not None and partial_max is None:
             partial_max = 0
         try:
@@ -756,10 +521,8 @@ class Scheduler(Actor):
         except RequestError as exc:
             reply.send(_refused(msg, exc.kind, str(exc)))
             reply.close()
-            self._release(msg.request_id)
-            return
+            return False
         if self.followers is not None:
-            self._probed.discard(msg.request_id)
             self.followers.add(msg.request_id, msg.prompt_tokens, msg.sampling, msg.output,
                                msg.constraint.grammar if msg.constraint is not None else None,
                                blocks=len(cached), cached_tokens=req.cached_tokens,
@@ -771,40 +534,24 @@ class Scheduler(Actor):
                                   cached_tokens=req.cached_tokens))
         if self.text is not None:  # its tokens come after this: the worker takes items in order
             self.text.open(self.engine.text_output(req, msg.output), reply)
-
-    def _release(self, request_id: str) -> None:
-        """The other ranks drop what they reserved for a request that will not be added."""
-        if self.followers is not None and request_id in self._probed:
-            self._probed.discard(request_id)
-            self.followers.release(request_id)
+        return True
 
     def _abort(self, request_id: str) -> None:
         answer = self._embed_answers.pop(request_id, None)
         if answer is not None:
             self.embedder.abort(request_id)
             answer.fail(AdmissionError("invalid", "aborted: the client has gone"))
-        loading = self._loading.pop(request_id, None)
-        if loading is not None:
-            loading.reply.send(_refused(loading.msg, None, "aborted", reason="abort"))
-            loading.reply.close()
-            self._release(request_id)
+        waiting = self.disk.abort(request_id)
+        if waiting is not None:
+            msg, reply = waiting
+            reply.send(_refused(msg, None, "aborted", reason="abort"))
+            reply.close()
         finished = self.engine.abort(request_id)
         if finished is not None:
             if self.followers is not None:
                 self.followers.abort(request_id)
-            self._cancel_writes(request_id)
+            self.disk.cancel_writes(request_id)
             self._deliver([finished])
-
-    def _cancel_writes(self, request_id: str) -> None:
-        writer = self.writer
-        epoch = self._epochs.get(request_id)
-        if epoch is not None and self._unsaved:
-            self._unsaved = deque(u for u in self._unsaved if (u[0], u[1]) != (request_id, epoch))
-        if writer is not None and epoch is not None:
-            try:
-                writer.try_tell(CancelWrites(request_id=request_id, epoch=epoch))
-            except (MailboxFull, ActorDead):
-                log.warning("could not cancel the disk writes of %s", request_id)
 
     # -- the step --------------------------------------------------------------------------
 
@@ -822,9 +569,7 @@ class Scheduler(Actor):
         for rid in gone:
             if rid in self._replies:
                 self._abort(rid)
-        for rid in [rid for rid, ld in self._loading.items() if ld.reply.consumer_gone]:
-            self._loading.pop(rid).reply.close()
-            self._release(rid)
+        self.disk.drop_gone()
         if self.embedder is not None:
             self._embed_step()
         if engine.has_work and self.followers is not None and self.followers.dead:
@@ -846,12 +591,8 @@ class Scheduler(Actor):
             del self._tps_window[:-64]
             if self.followers is not None:
                 self._tell_ranks_memory()
-        new = engine.take_new_blocks()
-        if new:
-            self._unsaved.extend((rid, self._epochs.get(rid, 0), blk) for rid, blk in new)
-        if self._unsaved:
-            await self._persist(self._take_unsaved())
-        if not self._in_flight() and not self._unsaved:
+        await self.disk.persist_step(engine.take_new_blocks())
+        if not self._in_flight() and not self.disk.unsaved:
             self._arm_release(IDLE_RELEASE_S)
 
     def _embed_step(self) -> None:
@@ -880,7 +621,7 @@ class Scheduler(Actor):
         one that runs out). A peak the monitor could not take is told with the next step's."""
         followers = self.followers
         self._ranks_peak = max(self._ranks_peak, followers.take_peak())
-        monitor = self.system.find(self.monitor_name)
+        monitor = self.memory_monitor
         if monitor is None:
             return
         try:
@@ -908,7 +649,7 @@ class Scheduler(Actor):
         rows, MLX's buffer cache and the C heap's free pages. The model, the prefix cache's
         blocks and its hot caches stay: they are within their own budgets. Not while requests
         run, nor before IDLE_RELEASE_S of quiet."""
-        if self._in_flight() or self._unsaved:
+        if self._in_flight() or self.disk.unsaved:
             return  # the step that leaves it idle again arms a new reminder
         quiet = time.monotonic() - self._last_active
         if quiet < IDLE_RELEASE_S:
@@ -934,7 +675,7 @@ class Scheduler(Actor):
                       reason, STUCK_AFTER_S)
             # The MLX thread that owns these is blocked for good; replies are thread-safe.
             pending = [(rid, r) for rid, r in list(self._replies.items())]
-            pending += [(rid, ld.reply) for rid, ld in list(self._loading.items())]
+            pending += self.disk.replies()
             for rid, reply in pending:
                 reply.send(RequestFinished(
                     request_id=rid, finish_reason="error",
@@ -949,54 +690,6 @@ class Scheduler(Actor):
         timer = threading.Timer(STUCK_AFTER_S, check)
         timer.daemon = True
         timer.start()
-
-    def _take_unsaved(self, everything: bool = False) -> list[tuple[str, int, KVBlock]]:
-        """The new blocks to snapshot this step: about PERSIST_BYTES_PER_STEP (at least one),
-        so that neither the streams nor the next request wait for a long prompt's blocks;
-        while any are left a step is queued even with nothing to run (``_queue_step``).
-        ``everything``: all of them (shutting down)."""
-        if everything:
-            out = list(self._unsaved)
-            self._unsaved.clear()
-            return out
-        out, size = [], 0
-        while self._unsaved and (not out or size + self._unsaved[0][2].nbytes
-                                 <= PERSIST_BYTES_PER_STEP):
-            out.append(self._unsaved.popleft())
-            size += out[-1][2].nbytes
-        return out
-
-    async def _persist(self, new: list[tuple[str, int, KVBlock]]) -> None:
-        """Snapshot new blocks to numpy here, on the MLX thread, and queue them for disk.
-
-        A full queue gets at most WRITE_WAIT_S of this step; blocks that still find no room
-        are dropped and counted: the disk tier is an optimisation, the batch is not."""
-        writer = self.writer
-        if writer is None:
-            return
-        began = time.monotonic()
-        deadline = began + WRITE_WAIT_S
-        for request_id, epoch, block in new:
-            if block.tail:
-                continue  # tails live in RAM only
-            msg = WriteBlock(block=to_numpy(block, self.engine.layout), request_id=request_id,
-                             epoch=epoch)
-            try:
-                writer.try_tell(msg)
-            except MailboxFull:
-                remaining = deadline - time.monotonic()
-                try:
-                    if remaining <= 0:
-                        raise TimeoutError
-                    await asyncio.wait_for(writer.tell(msg), remaining)
-                except (TimeoutError, ActorDead):
-                    self.counters["blocks_dropped"] += 1
-                    continue
-            except ActorDead:
-                self.counters["blocks_dropped"] += 1
-                continue
-            self.counters["blocks_enqueued"] += 1
-        self.write_wait_s += max(0.0, min(time.monotonic(), deadline) - began)
 
     def _deliver(self, events: list[Any]) -> None:
         """The engine's events to their replies: through the text worker, which sends
@@ -1019,11 +712,11 @@ class Scheduler(Actor):
         """A request has left the engine: its bookkeeping here ends."""
         del self._replies[request_id]
         self.pace.finished()
-        self._epochs.pop(request_id, None)
+        self.disk.finished(request_id)
 
     def _queue_step(self, delay: float = 0.0) -> None:
         if (self._step_queued or self.engine is None
-                or not (self.engine.has_work or self._unsaved
+                or not (self.engine.has_work or self.disk.unsaved
                         or (self.embedder is not None and self.embedder.has_work))):
             return
         if delay > 0:
@@ -1070,7 +763,7 @@ class Scheduler(Actor):
             "model": self.model_name,
             "loaded": True,
             "running": stats["prefilling"] + stats["decoding"],
-            "waiting": stats["waiting"] + len(self._loading),
+            "waiting": stats["waiting"] + self.disk.waiting,
             "batch_size": stats["decoding"],
             "steps": stats["steps"],
             "generated_tokens": stats["generated_tokens"],
@@ -1093,11 +786,11 @@ class Scheduler(Actor):
             "retired": self.retired,
             "tokens_per_s": round(tps, 2),
             **engine.blocks.stats(),
-            "write_wait_s": round(self.write_wait_s, 3),
+            **self.disk.report(),
             "memory_releases": self.memory_releases,
             **self.counters,
             "requests": engine.progress(),
-            **({"followers": self.followers.report(), "probes": self.probes,
+            **({"followers": self.followers.report(), "probes": self.disk.probes,
                 "probe_timeouts": self.followers.probe_timeouts}
                if self.followers is not None else {}),
             **({"task": self.card.task, "embed_jobs": len(self._embed_answers),

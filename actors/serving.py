@@ -10,7 +10,7 @@ import mlx.core as mx
 from troupe.actors.admission import ADMISSION_THREAD, Admission
 from troupe.actors.config import ServeConfig, model_specs
 from troupe.actors.engine import cpu_kernels
-from troupe.actors.memory_monitor import MEMORY_THREAD, MONITOR_NAME, MemoryMonitor
+from troupe.actors.memory_monitor import MONITOR_NAME
 from troupe.actors.messages import ListModels, ModelCard
 from troupe.actors.mlx_lm_private import check_mlx_lm
 from troupe.actors.models.store import troupe_home
@@ -40,8 +40,9 @@ def cache_dir(config: ServeConfig) -> Path:
 async def start_serving(system: ActorSystem, config: ServeConfig) -> ServingHandles:
     """Load the first model on the MLX thread and start the serving actors; returns when ready.
 
-    Start order: the engine pool (which resolves every model and loads the first, with its
-    cache index and SSD writer), the memory monitor, then admission; actors stop in reverse.
+    Start order: the engine pool (which resolves every model, starts the memory monitor and
+    loads the first model, with its cache index and SSD writer), then admission; actors stop
+    in reverse.
     """
     check_mlx_lm()  # troupe reaches a few private mlx-lm names: tested versions only
     # Before any model runs: MLX reads PATH and TMPDIR when it first fuses a kernel.
@@ -59,7 +60,8 @@ async def start_serving(system: ActorSystem, config: ServeConfig) -> ServingHand
         mailbox_size=256,
         specs=model_specs(config),
         engine=config.engine,
-        memory_monitor=MONITOR_NAME,
+        monitor={"limit": config.memory_limit, "poll_s": config.memory_poll_ms / 1000,
+                 "guard": config.prefill_guard},
         cache=cache,
         models_memory=config.models_memory,
         pin=config.pin,
@@ -68,19 +70,7 @@ async def start_serving(system: ActorSystem, config: ServeConfig) -> ServingHand
     )
     cards: list[ModelCard] = await pool.ask(ListModels(), timeout=30.0)
     names = [engine_names(i, card.id) for i, card in enumerate(cards)]
-    # After the first model loaded: its memory is counted in the default limit as held.
-    monitor = await system.spawn(
-        MemoryMonitor,
-        name=MONITOR_NAME,
-        thread=MEMORY_THREAD,
-        restart=Restart.PERMANENT,
-        mailbox_size=64,
-        limit=config.memory_limit,
-        poll_s=config.memory_poll_ms / 1000,
-        guard=config.prefill_guard,
-        pool=pool,
-        schedulers=[n.scheduler for n in names],
-    )
+    monitor = system.get(MONITOR_NAME)  # the pool's, started before any model loaded
     loaded = {card.id: system.find(n.scheduler) for card, n in zip(cards, names, strict=True)}
     admission = await system.spawn(
         Admission,

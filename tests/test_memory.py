@@ -21,7 +21,7 @@ from troupe.actors import scheduler as scheduler_module
 from troupe.actors.config import ServeConfig
 from troupe.actors.engine.memory_estimate import model_memory_of, prompt_need
 from troupe.actors.memory_messages import SetMemoryLimit
-from troupe.actors.messages import DescribeEngine
+from troupe.actors.messages import DescribeEngine, ListModels
 from troupe.actors.serving import ServingHandles
 from troupe.runtime import ActorSystem
 
@@ -253,6 +253,25 @@ async def test_limits_reach_an_engine_loaded_after_the_monitor_started_within_on
     published = report(system, "memory_monitor")["published"]
     await asyncio.sleep(0.35)
     assert report(system, "memory_monitor")["published"] >= published + 2 * 3
+
+
+async def test_a_restarted_engine_pool_keeps_its_memory_monitor_for_the_engines_it_loads(
+    aiohttp_client, tiny_model_dir, second_model_dir
+):
+    # The pool starts the monitor before any engine, and gives each engine its ref at spawn.
+    client, system, handles = await serve(
+        aiohttp_client, [str(tiny_model_dir), str(second_model_dir)])
+    await handles.pool.tell(SetMemoryLimit(limit=1))  # not the pool's: it fails, and restarts
+    cards = await handles.pool.ask(ListModels(), timeout=30.0)  # the new pool answers
+    assert [s.restarts for s in system.snapshot() if s.name == "engine_pool"] == [1]
+    assert system.find("engine_pool")._cell.instance.monitor is handles.monitor
+    assert handles.monitor.alive
+    second = cards[1].id
+    resp = await client.post("/v1/completions", json={"model": second, "prompt": "Paris",
+                                                      "max_tokens": 2})
+    assert resp.status == 200
+    limit = report(system, "memory_monitor")["limit_bytes"]
+    assert report(system, f"scheduler:{second}")["memory_limit_bytes"] == limit
 
 
 async def test_two_models_swap_under_a_budget_that_fits_one(

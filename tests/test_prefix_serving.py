@@ -174,9 +174,10 @@ async def test_a_stuck_writer_costs_the_scheduler_at_most_a_bounded_wait(tiny_mo
     # A writer that never finishes a write, with a one-message queue: the scheduler waits at
     # most ~250 ms per step for room, then drops the block and counts it; requests go on.
     from troupe.actors.cache_messages import WriteBlock
+    from troupe.actors.disk_tier import WRITE_WAIT_S
     from troupe.actors.engine.config import EngineConfig
     from troupe.actors.messages import AddRequest, DescribeEngine, RequestFinished, SamplingParams
-    from troupe.actors.scheduler import MLX_THREAD, WRITE_WAIT_S, Scheduler
+    from troupe.actors.scheduler import MLX_THREAD, Scheduler
     from troupe.runtime import Actor
 
     release = asyncio.Event()
@@ -218,24 +219,24 @@ def test_while_streams_decode_new_blocks_go_to_disk_a_few_megabytes_a_step():
     each step takes about PERSIST_BYTES_PER_STEP (at least one block); at shutdown, all."""
     import mlx.core as mx
 
+    from troupe.actors.disk_tier import PERSIST_BYTES_PER_STEP, DiskTier
     from troupe.actors.engine.kv_blocks import KVBlock
-    from troupe.actors.scheduler import PERSIST_BYTES_PER_STEP, Scheduler
 
     layer = (mx.zeros((1, 3, 64, 64)), mx.zeros((1, 3, 64, 64)))  # 98 KB a layer
     block = KVBlock(block_hash="h", parent_hash=None, n_tokens=64, layers=[layer] * 30)
     per_step = PERSIST_BYTES_PER_STEP // block.nbytes
     assert per_step >= 1
-    sched = Scheduler.__new__(Scheduler)
-    sched._unsaved = deque(("r", 1, block) for _ in range(3 * per_step + 1))
-    assert len(sched._take_unsaved()) == per_step
-    assert len(sched._take_unsaved()) == per_step
-    assert len(sched._take_unsaved(everything=True)) == per_step + 1
-    assert not sched._unsaved
+    tier = DiskTier.__new__(DiskTier)
+    tier._unsaved = deque(("r", 1, block) for _ in range(3 * per_step + 1))
+    assert len(tier._take_unsaved()) == per_step
+    assert len(tier._take_unsaved()) == per_step
+    assert len(tier._take_unsaved(everything=True)) == per_step + 1
+    assert not tier.unsaved
     big = KVBlock(block_hash="b", parent_hash=None, n_tokens=64,
                   layers=[(mx.zeros((1, 3, 4096, 64)),) * 2] * 30)
-    sched._unsaved = deque([("r", 1, big), ("r", 1, block)])
+    tier._unsaved = deque([("r", 1, big), ("r", 1, block)])
     assert big.nbytes > PERSIST_BYTES_PER_STEP
-    assert len(sched._take_unsaved()) == 1  # never stuck behind a big block
+    assert len(tier._take_unsaved()) == 1  # never stuck behind a big block
 
 
 async def test_a_prompt_whose_blocks_are_all_in_ram_asks_the_cache_index_nothing(
@@ -413,7 +414,8 @@ async def test_a_disk_lookup_does_not_hold_the_step(tiny_model_dir):
                 break
             await asyncio.sleep(0.01)
         assert sched.engine.steps >= steps + 3
-        assert "looking" in sched._loading  # still waiting for the index, alone
+        # Still waiting for the index, alone.
+        assert [rid for rid, _ in sched.disk.replies()] == ["looking"]
         release.set()
         assert isinstance(await anext(second), RequestStarted)
         done = [ev async for ev in second if isinstance(ev, RequestFinished)]
