@@ -13,7 +13,7 @@ from reference import PROMPTS, detokenize, reference_tokens
 
 from troupe.actors.engine.core import Engine
 from troupe.actors.engine.grammar import Grammars
-from troupe.actors.engine.schedule import MIN_MIXED_CHUNK, MIN_PREFILL_CHUNK
+from troupe.actors.engine.schedule import MIN_PREFILL_CHUNK
 from troupe.actors.engine.text import StopStringFilter
 from troupe.actors.messages import (
     OutputFormat,
@@ -335,9 +335,8 @@ def test_a_long_prompt_is_prefilled_in_budgeted_chunks_while_streams_decode(load
     engine = Engine(model, tok, engine_config(prefill_step_size=512, prefill_interleave=1.0,
                                               mixed_step=mixed))
     assert engine.runner.mixed is mixed
-    floor = MIN_MIXED_CHUNK if mixed else MIN_PREFILL_CHUNK
-    # Fixed timings so the budget is known: 8 tokens a step (mixed: the floor is 8 too),
-    # raised to the floor (MIN_PREFILL_CHUNK).
+    floor = MIN_PREFILL_CHUNK
+    # Fixed timings so the budget is known: 8 tokens a step, raised to the floor.
     fix_budget(engine, 8)
     for rid, p in short.items():
         engine.add(rid, p, greedy(400, ignore_eos=True))

@@ -15,7 +15,6 @@ from troupe.actors.engine.config import EngineConfig
 from troupe.actors.engine.memory_estimate import ADMIT_HEADROOM, Member, ModelMemory, plan_step
 from troupe.actors.engine.schedule import (
     LONG_PROMPT,
-    MIN_MIXED_CHUNK,
     MIN_PREFILL_CHUNK,
     SHORT_PROMPT,
     STARVED_STEPS,
@@ -113,7 +112,7 @@ def test_the_budget_waits_for_measurements_and_is_off_with_interleave_zero():
 
 def test_the_budget_never_falls_below_the_floor_nor_passes_the_chunk_size():
     slow = dict(decoding=2, prefilling=[seq(1, 2000)], decode_s=0.01, token_s=0.01)
-    assert schedule(state(**slow)).budget == MIN_MIXED_CHUNK
+    assert schedule(state(**slow)).budget == MIN_PREFILL_CHUNK
     assert schedule(state(**slow, mixed=False)).budget == MIN_PREFILL_CHUNK
     fast = dict(decoding=2, prefilling=[seq(1, 2000)], decode_s=10.0, token_s=0.001)
     assert schedule(state(**fast)).budget == CONFIG.prefill_step_size
@@ -136,13 +135,13 @@ def test_the_budget_is_shared_by_the_sequences_prefilling_and_those_joining():
 
 
 def test_a_short_prompt_is_never_split_but_the_end_of_a_long_one_is_not_short():
-    timings = dict(decoding=3, decode_s=0.05, token_s=0.001)  # a budget of 50 tokens
+    timings = dict(decoding=3, decode_s=0.1, token_s=0.001)  # a budget of 100 tokens
     chat = seq(2, 150)  # within SHORT_PROMPT budgets
-    assert chat.whole <= SHORT_PROMPT * 50
+    assert chat.whole <= SHORT_PROMPT * 100
     plan = schedule(state(**timings, prefilling=[seq(1, 5000)], waiting=[chat]))
     assert plan.chunk == 150
     tail = seq(3, 150, whole=5000, in_cache=4850)
-    assert schedule(state(**timings, prefilling=[seq(1, 5000), tail])).chunk == 25
+    assert schedule(state(**timings, prefilling=[seq(1, 5000), tail])).chunk == 50
 
 
 # The step budget beside the default interleave rules, 64-token blocks.

@@ -15,15 +15,17 @@ from typing import NamedTuple
 from troupe.actors.engine.config import EngineConfig
 from troupe.actors.engine.memory_estimate import Member, ModelMemory, plan_step
 
-# The fewest prompt tokens a prefilling sequence gets per step while sequences decode: a
-# prefill call of its own costs about a decode step, so tiny chunks waste it.
+# The fewest prompt tokens a prefilling sequence gets per step while sequences decode. Each
+# step a prompt takes carries the decode rows' time too, so a prompt in small chunks reaches
+# its first token late: on a CPU, where a decode step costs about 20 prompt tokens, chunks of
+# 8-20 tokens (one forward pass held to --prefill-interleave, under an older floor of 8) made
+# a 2,000-token prompt's TTFT beside 8 streams 1.0-1.7x that of two calls' 32-token chunks
+# (docs/benchmarks.md, "The moved families served"). On Apple silicon the interleave's budget
+# is hundreds of tokens and this floor is not reached.
 MIN_PREFILL_CHUNK = 32
 # How fast a step-time estimate (a decode step, a prompt token, a model's step beside others)
 # follows new measurements.
 EMA = 0.3
-# With the chunk in the decode step's forward pass (actors/engine/forward.py) a prefill token
-# costs no call of its own, and a small chunk is no dearer per token than a large one.
-MIN_MIXED_CHUNK = 8
 # The fewest prompt tokens a step under the step budget prefills: a prompt of 6,000 tokens
 # still progresses when one token costs more than the budget (a CPU at long contexts), and a
 # forward pass's fixed cost is spread over enough tokens that its TTFT is not multiplied.
@@ -263,8 +265,8 @@ def ema(old: float | None, new: float) -> float:
     return new if old is None else EMA * new + (1 - EMA) * old
 
 
-def min_chunk(config: EngineConfig, mixed: bool) -> int:
-    return min(MIN_MIXED_CHUNK if mixed else MIN_PREFILL_CHUNK, config.prefill_step_size)
+def min_chunk(config: EngineConfig) -> int:
+    return min(MIN_PREFILL_CHUNK, config.prefill_step_size)
 
 
 def prefill_budget(state: StepState) -> int | None:
@@ -281,7 +283,7 @@ def prefill_budget(state: StepState) -> int | None:
             or state.decode_s is None or state.token_s is None):
         return None
     tokens = int(cfg.prefill_interleave * state.decode_s / state.token_s)
-    return max(min_chunk(cfg, state.mixed), min(tokens, cfg.prefill_step_size))
+    return max(min_chunk(cfg), min(tokens, cfg.prefill_step_size))
 
 
 def step_budget(state: StepState, work: list[Pending]) -> int | None:
@@ -354,6 +356,6 @@ def chunk_for(budget: int, work: list[Pending], state: StepState) -> int:
     without waiting for the long prompt beside it. (The end of a long prompt is not short.)"""
     short = max((p.member.remaining for p in work if p.whole <= SHORT_PROMPT * budget),
                 default=0)
-    floor = min_chunk(state.config, state.mixed)
+    floor = min_chunk(state.config)
     chunk = max(budget // max(1, len(work)), short, floor)
     return min(chunk, state.config.prefill_step_size)
