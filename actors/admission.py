@@ -75,7 +75,6 @@ from troupe.actors.messages import (
     DescribeModel,
     EmbedAnswer,
     EmbedInputs,
-    ErrorKind,
     ImageInput,
     ListModels,
     ModelCard,
@@ -338,8 +337,8 @@ class Admission(Actor):
                     check_context(entry, len(tokens), "prompt", exact=True)
                     vocab = len(entry.tokenizer)
                     if any(t < 0 or t >= vocab for t in tokens):
-                        raise _refusal("invalid", f"prompt token ids must be in [0, {vocab})",
-                                       param="prompt")
+                        raise AdmissionError("invalid", f"prompt token ids must be in [0, {vocab})",
+                                             param="prompt")
                     self._defer(self._admit_ids(entry, msg, tokens))
             case AdmitEmbed():
                 entry = self._model(msg.model)
@@ -461,11 +460,11 @@ class Admission(Actor):
 
     async def _admit_embed(self, entry: ModelEntry, msg: AdmitEmbed) -> EmbedAnswer:
         if not msg.inputs:
-            raise _refusal("invalid", "input must not be empty", param="input")
+            raise AdmissionError("invalid", "input must not be empty", param="input")
         texts = [isinstance(x, str) for x in msg.inputs]
         if any(texts) and not all(texts):
-            raise _refusal("invalid", "input must be all strings or all token id lists",
-                           param="input")
+            raise AdmissionError("invalid", "input must be all strings or all token id lists",
+                                 param="input")
         if all(texts):
             inputs = await self._work(embed_tokens, entry, msg.inputs, msg.input_type,
                                       entry.card.context_length if msg.truncate else None)
@@ -474,14 +473,14 @@ class Admission(Actor):
             inputs = [list(ids) for ids in msg.inputs]
             for i, ids in enumerate(inputs):
                 if any(t < 0 or t >= vocab for t in ids):
-                    raise _refusal("invalid", f"input {i}: token ids must be in [0, {vocab})",
-                                   param=f"input[{i}]")
+                    raise AdmissionError("invalid", f"input {i}: token ids must be in [0, {vocab})",
+                                         param=f"input[{i}]")
         return await self._embed(entry, msg.request_id, "embed", inputs, "input",
                                  truncate=msg.truncate)
 
     async def _admit_rerank(self, entry: ModelEntry, msg: AdmitRerank) -> EmbedAnswer:
         if not msg.documents:
-            raise _refusal("invalid", "documents must not be empty", param="documents")
+            raise AdmissionError("invalid", "documents must not be empty", param="documents")
         limit = entry.card.context_length if msg.truncate else None
         inputs = await self._work(rerank_inputs, entry, msg.query, msg.documents,
                                   msg.instruction, limit)
@@ -496,10 +495,10 @@ class Admission(Actor):
         limit = entry.card.context_length
         for i, ids in enumerate(inputs):
             if not ids:
-                raise _refusal("invalid", f"input {i} is empty", param=f"{param}[{i}]")
+                raise AdmissionError("invalid", f"input {i} is empty", param=f"{param}[{i}]")
             if len(ids) > limit:
                 if not truncate:
-                    raise _refusal(
+                    raise AdmissionError(
                         "invalid", f"input {i} has {len(ids)} tokens, over this model's "
                         f"context of {limit}: shorten it, or send \"truncate\": true to cut it",
                         param=f"{param}[{i}]", code="context_length_exceeded")
@@ -561,9 +560,9 @@ class Admission(Actor):
         served = ", ".join(sorted(self.models))
         aliases = [*self.exact_aliases.items(), *self.pattern_aliases]
         named = "; aliases: " + ", ".join(f"{n} -> {m}" for n, m in aliases) if aliases else ""
-        raise _refusal("unknown_model",
-                       f"model {name!r} is not served here (served: {served}{named})",
-                       param="model", code="model_not_found")
+        raise AdmissionError("unknown_model",
+                             f"model {name!r} is not served here (served: {served}{named})",
+                             param="model", code="model_not_found")
 
     def _log_name(self, name: str, model: str) -> None:
         """Log the first use of a name that is not the one model's own, once per name."""
@@ -579,27 +578,28 @@ class Admission(Actor):
         """The request's tools, checked (OpenAI's function shape), or None when there are none
         or the choice hides them; a tool choice that names no offered tool is refused."""
         if choice.mode not in ("auto", "none", "required", "function"):
-            raise _refusal("invalid", f"unknown tool_choice mode {choice.mode!r}",
-                           param="tool_choice")
+            raise AdmissionError("invalid", f"unknown tool_choice mode {choice.mode!r}",
+                                 param="tool_choice")
         for i, tool in enumerate(tools or ()):
             function = tool.get("function") if isinstance(tool, dict) else None
             if (not isinstance(tool, dict) or tool.get("type", "function") != "function"
                     or not isinstance(function, dict)
                     or not isinstance(function.get("name"), str) or not function["name"]):
-                raise _refusal("invalid", "each tool must be {'type': 'function', 'function': "
-                               "{'name': ..., 'parameters': {...}}}", param=f"tools[{i}]")
+                raise AdmissionError("invalid", "each tool must be {'type': 'function', "
+                                     "'function': {'name': ..., 'parameters': {...}}}",
+                                     param=f"tools[{i}]")
             if not isinstance(function.get("parameters", {}), dict):
-                raise _refusal("invalid", "a tool's parameters must be a JSON Schema object",
-                               param=f"tools[{i}].function.parameters")
+                raise AdmissionError("invalid", "a tool's parameters must be a JSON Schema object",
+                                     param=f"tools[{i}].function.parameters")
         if choice.mode == "none":
             return None
         names = [tool["function"]["name"] for tool in tools or ()]
         if choice.mode in ("required", "function") and not names:
-            raise _refusal("invalid", f"tool_choice {choice.mode!r} needs tools",
-                           param="tool_choice")
+            raise AdmissionError("invalid", f"tool_choice {choice.mode!r} needs tools",
+                                 param="tool_choice")
         if choice.mode == "function" and choice.name not in names:
-            raise _refusal("invalid", f"tool_choice names {choice.name!r}, which is not among "
-                           f"the tools ({', '.join(names)})", param="tool_choice")
+            raise AdmissionError("invalid", f"tool_choice names {choice.name!r}, which is not "
+                                 f"among the tools ({', '.join(names)})", param="tool_choice")
         return list(tools) if tools else None
 
     async def _admit(
@@ -617,7 +617,7 @@ class Admission(Actor):
         images: list[ImageInput] | None = None,
     ) -> AdmissionTicket:
         if not tokens:
-            raise _refusal("invalid", "the prompt is empty", param=prompt_param)
+            raise AdmissionError("invalid", "the prompt is empty", param=prompt_param)
         check_context(entry, len(tokens), prompt_param, exact=True)
         sampling = with_model_defaults(sampling, unset, entry.card.sampling_defaults)
         sampling, output = fit_answer(entry, len(tokens), sampling, output, request_id,
@@ -638,8 +638,8 @@ class Admission(Actor):
                 events = (await self._scheduler(entry)).try_stream(request)
         except MailboxFull:
             retry_after = self.last_retry_after = entry.drain.retry_after()
-            raise _refusal("overloaded", "the server is busy; retry shortly", code="queue_full",
-                           retry_after=retry_after) from None
+            raise AdmissionError("overloaded", "the server is busy; retry shortly",
+                                 code="queue_full", retry_after=retry_after) from None
         self.admitted += 1
         entry.drain.started()
         admitted = Admitted(request_id=request_id, model=entry.card.id,
@@ -658,7 +658,7 @@ class Admission(Actor):
         if limits is None or entry.memory is None:
             return
         if limits.pressure == HARD:
-            raise _refusal(
+            raise AdmissionError(
                 "unavailable",
                 f"the server is short of memory ({limits.usage / MB:.0f} MB of its "
                 f"{limits.limit / MB:.0f} MB limit in use); retry shortly",
@@ -677,7 +677,7 @@ class Admission(Actor):
         self.last_estimate = estimate
         floor = idle_floor(memory, limits.floor, loaded=entry.loaded)
         if too_large(need, limit=limits.limit, idle=floor):
-            raise _refusal(
+            raise AdmissionError(
                 "too_large",
                 f"this prompt of {n_tokens} tokens needs about {need / MB:.0f} MB for its "
                 f"prefill, {estimate / MB:.0f} MB in all with what is in use, over the server's "
@@ -686,7 +686,7 @@ class Admission(Actor):
                 param=prompt_param, code="memory_limit_exceeded",
             )
         if estimate > limits.limit:
-            raise _refusal(
+            raise AdmissionError(
                 "unavailable",
                 f"this prompt of {n_tokens} tokens needs about {need / MB:.0f} MB for its "
                 f"prefill, {estimate / MB:.0f} MB in all with what is in use, over the server's "
@@ -707,8 +707,8 @@ class Admission(Actor):
                 return entry.scheduler
             pool = self.pool
             if pool is None:
-                raise _refusal("unavailable", f"model {entry.card.id!r} is not loaded",
-                               retry_after=RETRY_AFTER_S)
+                raise AdmissionError("unavailable", f"model {entry.card.id!r} is not loaded",
+                                     retry_after=RETRY_AFTER_S)
             entry.scheduler = await pool.ask(LoadModel(model=entry.card.id),
                                              timeout=LOAD_TIMEOUT_S)
             return entry.scheduler
@@ -736,10 +736,6 @@ class Admission(Actor):
 # -- pure helpers of the actor's thread --------------------------------------------------------
 
 
-def _refusal(kind: ErrorKind, message: str, **kw: Any) -> AdmissionError:
-    return AdmissionError(kind, message, **kw)
-
-
 def _is_pattern(name: str) -> bool:
     """Whether an alias is a glob pattern (``fnmatch``'s), not a name."""
     return any(c in name for c in "*?[")
@@ -752,7 +748,7 @@ def _check_task(entry: ModelEntry, task: str) -> None:
         return
     routes = {"generate": "chat and completions", "embed": "/v1/embeddings",
               "rerank": "/v1/rerank"}
-    raise _refusal(
+    raise AdmissionError(
         "invalid", f"model {entry.card.id!r} serves {routes[served]}, not {routes[task]}; "
         f"serve a model for {routes[task]} (or this one with --task {task})",
         param="model", code="model_task_mismatch")
