@@ -9,16 +9,10 @@ the tools, an empty conversation), takes the ask's answer and returns, so the ac
 next message at once. The templating, tokenizing and grammar compiling run in a small pool of
 daemon threads the actor owns (the fast tokenizer releases the GIL while it encodes); the rest
 (the context and memory checks, loading the model, the send to the scheduler, the counters)
-runs back on the actor's thread, which then gives the answer. A prompt that cannot fit the
-context is refused from a floor on its token count, before it is tokenized (``PromptBound``);
-one that fits but whose ``max_tokens`` does not is served with ``max_tokens`` cut to the room
-left.
-
-The chat template is the model's: ``chat_template_kwargs`` may set the template's variables
-(``enable_thinking``...), never ``apply_chat_template``'s own parameters (``chat_template``
-would replace the template). A render is bounded in time (``template_timeout``: a
-``Watchdog`` cuts it, which frees its worker at once) and in length
-(``RENDER_CHARS_PER_TOKEN``).
+runs back on the actor's thread, which then gives the answer. The work in the pool is in
+``actors.prompts``, as pure functions of the model: the chat rendered within the template's
+bounds in time and length, tokenizing, the context checks (a prompt refused from a floor on
+its tokens, ``max_tokens`` cut to the room left) and compiling grammars.
 
 A request's model name is resolved here (``_model``): a served model's id, then an alias
 (``--alias``); with one model served, any other name is served by it.
@@ -36,34 +30,22 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import inspect
-import json
 import logging
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
-import jinja2
 import msgspec
-from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_tokenizer
-from transformers import PreTrainedTokenizerBase
-from transformers.utils.chat_template_utils import render_jinja_template
 
 from troupe.actors.config import TEMPLATE_TIMEOUT_S
 from troupe.actors.distributed.shards import rank_memory_of
-from troupe.actors.engine.agent_output import (
-    FALLBACK_TOOL_FORMAT,
-    prompt_opens_reasoning,
-    think_tags_of,
-    tool_format_of,
-)
-from troupe.actors.engine.embed import read_embed_spec, rerank_tokens, shared_prefix
-from troupe.actors.engine.encoder import is_encoder, pair_tokens, text_tokens
-from troupe.actors.engine.grammar import Constraint, GrammarError, Grammars
+from troupe.actors.engine.agent_output import think_tags_of, tool_format_of
+from troupe.actors.engine.embed import shared_prefix
+from troupe.actors.engine.encoder import is_encoder
+from troupe.actors.engine.grammar import Constraint, Grammars
 from troupe.actors.engine.memory_estimate import (
     HARD,
     ModelMemory,
@@ -76,8 +58,8 @@ from troupe.actors.engine.memory_estimate import (
     tower_transient,
 )
 from troupe.actors.engine.vision import vision_config, why_no_images
-from troupe.actors.engine.vision_prompt import image_token, load_processor, with_images
-from troupe.actors.images import MAX_IMAGE_PIXELS, ImageError, decode_part, image_parts
+from troupe.actors.engine.vision_prompt import image_token, load_processor
+from troupe.actors.images import MAX_IMAGE_PIXELS
 from troupe.actors.memory_messages import LoadModel, MemoryLimits
 from troupe.actors.messages import (
     AbortRequest,
@@ -93,21 +75,38 @@ from troupe.actors.messages import (
     DescribeModel,
     EmbedAnswer,
     EmbedInputs,
-    ErrorKind,
     ImageInput,
     ListModels,
     ModelCard,
-    OutputFormat,
     OutputSpec,
     RequestEvent,
     RequestFinished,
-    SamplingDefaults,
     SamplingParams,
     ToolChoice,
 )
+from troupe.actors.prompts import (
+    PromptModel,
+    RenderBound,
+    RenderedChat,
+    check_context,
+    check_floor,
+    check_rendered,
+    check_template_kwargs,
+    embed_tokens,
+    encode,
+    encode_with_images,
+    fit_answer,
+    format_constraint,
+    prepare_chat,
+    prepare_chat_if_short,
+    prepare_text,
+    prompt_bound,
+    render_chat,
+    rerank_inputs,
+    with_model_defaults,
+)
 from troupe.actors.retry import Drain
-from troupe.actors.tool_prompt import uses_tools, with_parsed_arguments, with_tools_in_prompt
-from troupe.actors.workers import DaemonPool, Overrun, Watchdog
+from troupe.actors.workers import DaemonPool, Watchdog
 from troupe.runtime import Actor, ActorDead, ActorRef, MailboxFull, Reply, ReplyStream
 
 log = logging.getLogger("actors.admission")
@@ -128,118 +127,11 @@ ADMISSION_WORKERS = 4
 LARGE_PROMPT_CHARS = 32_768
 # A graceful stop lets the admissions under way finish within this long, then cancels them.
 STOP_WAIT_S = 10.0
-# A rendered chat longer than this many characters a token of the model's context (or than
-# its tokenizer's longest token, when that is longer) could never fit: it is refused before it
-# is tokenized. Tokenizers take 3 to 5 characters a token of prose, a few more of indented code.
-RENDER_CHARS_PER_TOKEN = 64
-# apply_chat_template's own parameters (mlx-lm's wrapper's, transformers' and those of the
-# render it calls), read off their signatures so that one a new version adds is refused too,
-# and the conversation itself: in chat_template_kwargs they would replace the model's template
-# (chat_template), what it renders (messages, tools, documents) or what it returns (tokenize,
-# return_dict...). Every other key is a variable of the template (enable_thinking...).
-TEMPLATE_PARAMETERS = frozenset(
-    {"messages"}
-    | {name
-       for fn in (TokenizerWrapper.apply_chat_template,
-                  PreTrainedTokenizerBase.apply_chat_template, render_jinja_template)
-       for name, p in inspect.signature(fn).parameters.items()
-       if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and name != "self"}
-)
 # With one model served, the first use of each other name is logged once: for this many names
 # at the most, each kept to this many characters (a client sending random names cannot grow
 # the set, nor the log, without bound).
 LOGGED_NAMES = 64
 LOGGED_NAME_CHARS = 200
-
-
-# -- a floor on a prompt's tokens, without tokenizing it ----------------------------------------
-
-# Pre-tokenizers that keep every character of the text (they split it, or map it one to one).
-_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "FixedLength",
-                           "Split", "Punctuation", "Sequence"}
-
-
-@dataclass(frozen=True)
-class PromptBound:
-    """The most characters one token of this tokenizer can stand for (``chars``, L), and the
-    normalizer the text goes through first (None: none).
-
-    Why ceil(C / L) tokens is a floor for a text of C characters (C counted after the
-    normalizer): each token stands for one vocabulary entry, or one added token, and covers at
-    most that many characters of the normalized text (a byte-level entry is one character per
-    byte, and a character has at least one byte); every character is covered by some token. So
-    the tokens times L reach C. ``prompt_bound`` gives None for a tokenizer whose pipeline can
-    drop text or fold a run of unknown characters into one token, where this does not hold.
-    """
-
-    chars: int
-    normalizer: Any = None
-
-    def fewest_tokens(self, text: str) -> int:
-        """At least this many tokens encode ``text`` (see the class)."""
-        if self.normalizer is not None:
-            text = self.normalizer.normalize_str(text)
-        return -(-len(text) // self.chars)
-
-
-def prompt_bound(tokenizer: Any) -> PromptBound | None:
-    """The ``PromptBound`` of an mlx-lm ``TokenizerWrapper`` (or a Hugging Face tokenizer), read
-    from its vocabulary once per model; None when no sound bound can be read off it."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return None  # a slow tokenizer: nothing to read the pipeline from
-    try:
-        spec = json.loads(backend.to_str())
-    except Exception:  # a tokenizer that cannot be serialized: tokenize everything
-        return None
-    model = spec.get("model") or {}
-    pre = spec.get("pre_tokenizer")
-    byte_level = _has(pre, "ByteLevel")
-    if model.get("type") == "BPE":
-        vocab = list(model.get("vocab") or ())
-        # Unknown characters become bytes (byte-level, byte fallback) or one <unk> each; with
-        # fuse_unk a whole run of them becomes one token.
-        if not (byte_level or model.get("byte_fallback")) and model.get("fuse_unk"):
-            return None
-    elif model.get("type") == "Unigram" and model.get("byte_fallback"):
-        vocab = [piece for piece, _ in model.get("vocab") or ()]
-    else:
-        return None  # WordPiece, WordLevel, Unigram without byte fallback: a word may be <unk>
-    if not _keeps_text(pre) or _has(spec.get("normalizer"), "Strip"):
-        # Dropped text, or a Strip that acts on each piece between added tokens rather than on
-        # the whole text the floor is counted on.
-        return None
-    added = spec.get("added_tokens") or ()
-    if any(token.get("lstrip") or token.get("rstrip") for token in added):
-        return None  # such a token also swallows the whitespace beside it
-    normalizer = backend.normalizer
-    lengths = [len(piece) for piece in vocab]
-    for token in added:
-        content = token.get("content") or ""
-        lengths.append(len(content))
-        if normalizer is not None:
-            lengths.append(len(normalizer.normalize_str(content)))
-    if not lengths or max(lengths) < 1:
-        return None
-    return PromptBound(chars=max(lengths), normalizer=normalizer)
-
-
-def _has(node: Any, kind: str) -> bool:
-    """Whether a tokenizer.json component (or a sequence of them) contains ``kind``."""
-    if isinstance(node, dict):
-        return node.get("type") == kind or any(_has(v, kind) for v in node.values())
-    if isinstance(node, list):
-        return any(_has(v, kind) for v in node)
-    return False
-
-
-def _keeps_text(pre: Any) -> bool:
-    """Whether a pre-tokenizer (possibly a sequence) keeps every character."""
-    if pre is None:
-        return True
-    if pre.get("type") not in _KEEPING_PRE_TOKENIZERS or pre.get("behavior") == "Removed":
-        return False
-    return all(_keeps_text(p) for p in pre.get("pretokenizers") or ())
 
 
 class TrackedEvents:
@@ -292,51 +184,21 @@ class TrackedEvents:
 # -- the actor ---------------------------------------------------------------------------------
 
 
-class ModelEntry:
-    """What admission knows of one served model: its card, tokenizer, memory shape, and its
-    scheduler (None, or a stopped one, while the model is not loaded)."""
+class ModelEntry(PromptModel):
+    """What admission knows of one served model: what its prompts are built with
+    (``PromptModel``), its memory shape, and its scheduler (None, or a stopped one, while the
+    model is not loaded)."""
 
     def __init__(self, card: ModelCard, scheduler: ActorRef | None) -> None:
-        self.card = card
+        super().__init__(card)
         self.scheduler = scheduler
-        self.tokenizer: Any = None
         self.memory: ModelMemory | None = None
-        # Agents: the template's tool-call format (None: troupe's fallback), its reasoning
-        # tags, and the grammar compiler (its llguidance tokenizer is built on first use).
-        self.tool_format: str | None = None
-        self.think: tuple[str, str] | None = None
-        self.grammars: Grammars | None = None
-        self.bound: PromptBound | None = None
-        # Images: why this model reads none (None: it reads them), its processor, and the id
-        # the processor writes for an image's tokens.
-        self.no_images: str | None = "it is not loaded"
-        self.processor: Any = None
-        self.image_token = -1
         self.vision: dict = {}  # its checkpoint's vision_config
         self.drain = Drain()
 
     @property
     def loaded(self) -> bool:
         return self.scheduler is not None and self.scheduler.alive
-
-
-@dataclass(frozen=True)
-class _Prompt:
-    """A chat rendered by its template (in the pool), and the tool-call format its answer is
-    read with."""
-
-    text: str
-    tool_format: str | None
-    # The chat's images, decoded, in the order the template wrote their markers.
-    images: tuple[Any, ...] = ()
-
-
-@dataclass(frozen=True)
-class _RenderBound:
-    """How long a chat template may take to render: ``seconds``, cut by ``watchdog``."""
-
-    watchdog: Watchdog
-    seconds: float
 
 
 class Admission(Actor):
@@ -401,7 +263,7 @@ class Admission(Actor):
         # Embedding and rerank requests in their model's scheduler, for their aborts.
         self._embedding: dict[str, ModelEntry] = {}
         self._executor: DaemonPool | None = None
-        self._render: _RenderBound | None = None
+        self._render: RenderBound | None = None
         self._large: asyncio.Semaphore | None = None
         self._load_gate: asyncio.Lock | None = None
 
@@ -431,7 +293,7 @@ class Admission(Actor):
                 log.info("%s: no cheap bound on prompt length; every prompt is tokenized",
                          entry.card.id)
         self._executor = DaemonPool(self.workers, "admission-work")
-        self._render = _RenderBound(Watchdog("admission-watchdog"), self.template_timeout)
+        self._render = RenderBound(Watchdog("admission-watchdog"), self.template_timeout)
         self._large = asyncio.Semaphore(self.workers - 1)
         self._load_gate = asyncio.Lock()
 
@@ -461,7 +323,7 @@ class Admission(Actor):
             case AdmitChat():
                 entry = self._model(msg.model)
                 _check_task(entry, "generate")
-                _check_template_kwargs(msg.chat_template_kwargs)
+                check_template_kwargs(msg.chat_template_kwargs)
                 tools = self._tools(msg.tools, msg.tool_choice)
                 self._defer(self._admit_chat(entry, msg, tools))
             case AdmitCompletion():
@@ -472,11 +334,11 @@ class Admission(Actor):
                 else:
                     tokens = list(msg.prompt)
                     # The exact length first: the range check below is then O(context).
-                    _check_context(entry, len(tokens), "prompt", exact=True)
+                    check_context(entry, len(tokens), "prompt", exact=True)
                     vocab = len(entry.tokenizer)
                     if any(t < 0 or t >= vocab for t in tokens):
-                        raise _refusal("invalid", f"prompt token ids must be in [0, {vocab})",
-                                       param="prompt")
+                        raise AdmissionError("invalid", f"prompt token ids must be in [0, {vocab})",
+                                             param="prompt")
                     self._defer(self._admit_ids(entry, msg, tokens))
             case AdmitEmbed():
                 entry = self._model(msg.model)
@@ -564,11 +426,11 @@ class Admission(Actor):
                           tools: list[dict] | None) -> AdmissionTicket:
         args = (tools, msg.tool_choice, msg.response_format, msg.thinking_budget)
         # One trip to the pool for a short prompt; a large one comes back to wait its turn.
-        prepared = await self._work(_chat_short, entry, self._render, msg.messages,
+        prepared = await self._work(prepare_chat_if_short, entry, self._render, msg.messages,
                                     msg.chat_template_kwargs, self.large_prompt_chars,
                                     self.max_image_pixels, *args)
-        if isinstance(prepared, _Prompt):
-            prepared = await self._large_turn(_prepare_chat, entry, prepared, *args)
+        if isinstance(prepared, RenderedChat):
+            prepared = await self._large_turn(prepare_chat, entry, prepared, *args)
         tokens, output, constraint, images = prepared
         return await self._admit(entry, msg.request_id, tokens, msg.sampling, "messages",
                                  unset=msg.unset, output=output, constraint=constraint,
@@ -577,11 +439,11 @@ class Admission(Actor):
     async def _admit_text(self, entry: ModelEntry, msg: AdmitCompletion,
                           prompt: str) -> AdmissionTicket:
         if len(prompt) <= self.large_prompt_chars:
-            tokens, constraint = await self._work(_prepare_text, entry, prompt,
+            tokens, constraint = await self._work(prepare_text, entry, prompt,
                                                   msg.response_format)
         else:
-            await self._work(_check_floor, entry, prompt, "prompt")
-            tokens, constraint = await self._large_turn(_prepare_text, entry, prompt,
+            await self._work(check_floor, entry, prompt, "prompt")
+            tokens, constraint = await self._large_turn(prepare_text, entry, prompt,
                                                         msg.response_format)
         return await self._admit(entry, msg.request_id, tokens, msg.sampling, "prompt",
                                  unset=msg.unset, constraint=constraint,
@@ -591,36 +453,36 @@ class Admission(Actor):
                          tokens: list[int]) -> AdmissionTicket:
         constraint = None
         if msg.response_format is not None and msg.response_format.type != "text":
-            constraint = await self._work(_format_constraint, entry, msg.response_format)
+            constraint = await self._work(format_constraint, entry, msg.response_format)
         return await self._admit(entry, msg.request_id, tokens, msg.sampling, "prompt",
                                  unset=msg.unset, constraint=constraint,
                                  namespace=msg.cache_namespace)
 
     async def _admit_embed(self, entry: ModelEntry, msg: AdmitEmbed) -> EmbedAnswer:
         if not msg.inputs:
-            raise _refusal("invalid", "input must not be empty", param="input")
+            raise AdmissionError("invalid", "input must not be empty", param="input")
         texts = [isinstance(x, str) for x in msg.inputs]
         if any(texts) and not all(texts):
-            raise _refusal("invalid", "input must be all strings or all token id lists",
-                           param="input")
+            raise AdmissionError("invalid", "input must be all strings or all token id lists",
+                                 param="input")
         if all(texts):
-            inputs = await self._work(_embed_tokens, entry, msg.inputs, msg.input_type,
+            inputs = await self._work(embed_tokens, entry, msg.inputs, msg.input_type,
                                       entry.card.context_length if msg.truncate else None)
         else:
             vocab = len(entry.tokenizer)
             inputs = [list(ids) for ids in msg.inputs]
             for i, ids in enumerate(inputs):
                 if any(t < 0 or t >= vocab for t in ids):
-                    raise _refusal("invalid", f"input {i}: token ids must be in [0, {vocab})",
-                                   param=f"input[{i}]")
+                    raise AdmissionError("invalid", f"input {i}: token ids must be in [0, {vocab})",
+                                         param=f"input[{i}]")
         return await self._embed(entry, msg.request_id, "embed", inputs, "input",
                                  truncate=msg.truncate)
 
     async def _admit_rerank(self, entry: ModelEntry, msg: AdmitRerank) -> EmbedAnswer:
         if not msg.documents:
-            raise _refusal("invalid", "documents must not be empty", param="documents")
+            raise AdmissionError("invalid", "documents must not be empty", param="documents")
         limit = entry.card.context_length if msg.truncate else None
-        inputs = await self._work(_rerank_inputs, entry, msg.query, msg.documents,
+        inputs = await self._work(rerank_inputs, entry, msg.query, msg.documents,
                                   msg.instruction, limit)
         return await self._embed(entry, msg.request_id, "rerank", inputs, "documents",
                                  truncate=msg.truncate, namespace=msg.cache_namespace)
@@ -633,10 +495,10 @@ class Admission(Actor):
         limit = entry.card.context_length
         for i, ids in enumerate(inputs):
             if not ids:
-                raise _refusal("invalid", f"input {i} is empty", param=f"{param}[{i}]")
+                raise AdmissionError("invalid", f"input {i} is empty", param=f"{param}[{i}]")
             if len(ids) > limit:
                 if not truncate:
-                    raise _refusal(
+                    raise AdmissionError(
                         "invalid", f"input {i} has {len(ids)} tokens, over this model's "
                         f"context of {limit}: shorten it, or send \"truncate\": true to cut it",
                         param=f"{param}[{i}]", code="context_length_exceeded")
@@ -668,14 +530,14 @@ class Admission(Actor):
 
     async def _count_tokens(self, entry: ModelEntry, msg: CountTokens,
                             tools: list[dict] | None) -> int:
-        prompt = await self._work(_render_chat, entry, self._render, msg.messages, tools, None,
+        prompt = await self._work(render_chat, entry, self._render, msg.messages, tools, None,
                                   False, self.max_image_pixels)
-        _check_rendered(entry, prompt.text)
+        check_rendered(entry, prompt.text)
         if prompt.images:
-            return len((await self._large_turn(_with_images, entry, prompt))[0])
+            return len((await self._large_turn(encode_with_images, entry, prompt))[0])
         if len(prompt.text) <= self.large_prompt_chars:
-            return len(await self._work(_encode, entry, prompt.text, False))
-        return len(await self._large_turn(_encode, entry, prompt.text, False))
+            return len(await self._work(encode, entry, prompt.text, False))
+        return len(await self._large_turn(encode, entry, prompt.text, False))
 
     # -- checks on the actor's thread ---------------------------------------------------------
 
@@ -698,9 +560,9 @@ class Admission(Actor):
         served = ", ".join(sorted(self.models))
         aliases = [*self.exact_aliases.items(), *self.pattern_aliases]
         named = "; aliases: " + ", ".join(f"{n} -> {m}" for n, m in aliases) if aliases else ""
-        raise _refusal("unknown_model",
-                       f"model {name!r} is not served here (served: {served}{named})",
-                       param="model", code="model_not_found")
+        raise AdmissionError("unknown_model",
+                             f"model {name!r} is not served here (served: {served}{named})",
+                             param="model", code="model_not_found")
 
     def _log_name(self, name: str, model: str) -> None:
         """Log the first use of a name that is not the one model's own, once per name."""
@@ -716,27 +578,28 @@ class Admission(Actor):
         """The request's tools, checked (OpenAI's function shape), or None when there are none
         or the choice hides them; a tool choice that names no offered tool is refused."""
         if choice.mode not in ("auto", "none", "required", "function"):
-            raise _refusal("invalid", f"unknown tool_choice mode {choice.mode!r}",
-                           param="tool_choice")
+            raise AdmissionError("invalid", f"unknown tool_choice mode {choice.mode!r}",
+                                 param="tool_choice")
         for i, tool in enumerate(tools or ()):
             function = tool.get("function") if isinstance(tool, dict) else None
             if (not isinstance(tool, dict) or tool.get("type", "function") != "function"
                     or not isinstance(function, dict)
                     or not isinstance(function.get("name"), str) or not function["name"]):
-                raise _refusal("invalid", "each tool must be {'type': 'function', 'function': "
-                               "{'name': ..., 'parameters': {...}}}", param=f"tools[{i}]")
+                raise AdmissionError("invalid", "each tool must be {'type': 'function', "
+                                     "'function': {'name': ..., 'parameters': {...}}}",
+                                     param=f"tools[{i}]")
             if not isinstance(function.get("parameters", {}), dict):
-                raise _refusal("invalid", "a tool's parameters must be a JSON Schema object",
-                               param=f"tools[{i}].function.parameters")
+                raise AdmissionError("invalid", "a tool's parameters must be a JSON Schema object",
+                                     param=f"tools[{i}].function.parameters")
         if choice.mode == "none":
             return None
         names = [tool["function"]["name"] for tool in tools or ()]
         if choice.mode in ("required", "function") and not names:
-            raise _refusal("invalid", f"tool_choice {choice.mode!r} needs tools",
-                           param="tool_choice")
+            raise AdmissionError("invalid", f"tool_choice {choice.mode!r} needs tools",
+                                 param="tool_choice")
         if choice.mode == "function" and choice.name not in names:
-            raise _refusal("invalid", f"tool_choice names {choice.name!r}, which is not among "
-                           f"the tools ({', '.join(names)})", param="tool_choice")
+            raise AdmissionError("invalid", f"tool_choice names {choice.name!r}, which is not "
+                                 f"among the tools ({', '.join(names)})", param="tool_choice")
         return list(tools) if tools else None
 
     async def _admit(
@@ -754,11 +617,11 @@ class Admission(Actor):
         images: list[ImageInput] | None = None,
     ) -> AdmissionTicket:
         if not tokens:
-            raise _refusal("invalid", "the prompt is empty", param=prompt_param)
-        _check_context(entry, len(tokens), prompt_param, exact=True)
+            raise AdmissionError("invalid", "the prompt is empty", param=prompt_param)
+        check_context(entry, len(tokens), prompt_param, exact=True)
         sampling = with_model_defaults(sampling, unset, entry.card.sampling_defaults)
-        sampling, output = _fit_answer(entry, len(tokens), sampling, output, request_id,
-                                       self.max_tokens_limit)
+        sampling, output = fit_answer(entry, len(tokens), sampling, output, request_id,
+                                      self.max_tokens_limit)
         dtype_bytes = entry.memory.dtype_bytes if entry.memory is not None else 4
         tower = max((tower_transient(entry.vision, i.pixels.shape, dtype_bytes)
                      for i in images or ()), default=0)
@@ -775,8 +638,8 @@ class Admission(Actor):
                 events = (await self._scheduler(entry)).try_stream(request)
         except MailboxFull:
             retry_after = self.last_retry_after = entry.drain.retry_after()
-            raise _refusal("overloaded", "the server is busy; retry shortly", code="queue_full",
-                           retry_after=retry_after) from None
+            raise AdmissionError("overloaded", "the server is busy; retry shortly",
+                                 code="queue_full", retry_after=retry_after) from None
         self.admitted += 1
         entry.drain.started()
         admitted = Admitted(request_id=request_id, model=entry.card.id,
@@ -795,7 +658,7 @@ class Admission(Actor):
         if limits is None or entry.memory is None:
             return
         if limits.pressure == HARD:
-            raise _refusal(
+            raise AdmissionError(
                 "unavailable",
                 f"the server is short of memory ({limits.usage / MB:.0f} MB of its "
                 f"{limits.limit / MB:.0f} MB limit in use); retry shortly",
@@ -814,7 +677,7 @@ class Admission(Actor):
         self.last_estimate = estimate
         floor = idle_floor(memory, limits.floor, loaded=entry.loaded)
         if too_large(need, limit=limits.limit, idle=floor):
-            raise _refusal(
+            raise AdmissionError(
                 "too_large",
                 f"this prompt of {n_tokens} tokens needs about {need / MB:.0f} MB for its "
                 f"prefill, {estimate / MB:.0f} MB in all with what is in use, over the server's "
@@ -823,7 +686,7 @@ class Admission(Actor):
                 param=prompt_param, code="memory_limit_exceeded",
             )
         if estimate > limits.limit:
-            raise _refusal(
+            raise AdmissionError(
                 "unavailable",
                 f"this prompt of {n_tokens} tokens needs about {need / MB:.0f} MB for its "
                 f"prefill, {estimate / MB:.0f} MB in all with what is in use, over the server's "
@@ -844,8 +707,8 @@ class Admission(Actor):
                 return entry.scheduler
             pool = self.pool
             if pool is None:
-                raise _refusal("unavailable", f"model {entry.card.id!r} is not loaded",
-                               retry_after=RETRY_AFTER_S)
+                raise AdmissionError("unavailable", f"model {entry.card.id!r} is not loaded",
+                                     retry_after=RETRY_AFTER_S)
             entry.scheduler = await pool.ask(LoadModel(model=entry.card.id),
                                              timeout=LOAD_TIMEOUT_S)
             return entry.scheduler
@@ -870,11 +733,7 @@ class Admission(Actor):
         }
 
 
-# -- pure work: runs in the pool, reads only what does not change after on_start ---------------
-
-
-def _refusal(kind: ErrorKind, message: str, **kw: Any) -> AdmissionError:
-    return AdmissionError(kind, message, **kw)
+# -- pure helpers of the actor's thread --------------------------------------------------------
 
 
 def _is_pattern(name: str) -> bool:
@@ -889,311 +748,7 @@ def _check_task(entry: ModelEntry, task: str) -> None:
         return
     routes = {"generate": "chat and completions", "embed": "/v1/embeddings",
               "rerank": "/v1/rerank"}
-    raise _refusal(
+    raise AdmissionError(
         "invalid", f"model {entry.card.id!r} serves {routes[served]}, not {routes[task]}; "
         f"serve a model for {routes[task]} (or this one with --task {task})",
         param="model", code="model_task_mismatch")
-
-
-def _embed_tokens(entry: ModelEntry, texts: list[str], input_type: str | None,
-                  limit: int | None) -> list[list[int]]:
-    """Embedding inputs as token ids; queries get the model's query prompt before them. An
-    encoder's input is cut here to ``limit`` (truncation asked for), its closing token kept."""
-    prefix = read_embed_spec(entry.card.path).query_prefix if input_type == "query" else ""
-    if is_encoder(entry.card.path):
-        return [text_tokens(entry.tokenizer, prefix + text, limit) for text in texts]
-    return [entry.tokenizer.encode(prefix + text) for text in texts]
-
-
-def _rerank_inputs(entry: ModelEntry, query: str, documents: list[str],
-                   instruction: str | None, limit: int | None) -> list[list[int]]:
-    """Rerank inputs as token ids: a cross-encoder's (query, document) pairs (it takes no
-    instruction), a decoder reranker's prompt format."""
-    if is_encoder(entry.card.path):
-        return [pair_tokens(entry.tokenizer, query, doc, limit) for doc in documents]
-    return [rerank_tokens(entry.tokenizer, query, doc, instruction=instruction, limit=limit)
-            for doc in documents]
-
-
-def _check_context(entry: ModelEntry, n_tokens: int, prompt_param: str, *,
-                   exact: bool) -> None:
-    """Refuse a prompt of ``n_tokens`` (``exact``, or at least that many) that leaves no room
-    in the context for one token of answer (a ``max_tokens`` over the room is cut instead:
-    ``_fit_answer``)."""
-    limit = entry.card.context_length
-    if n_tokens >= limit:
-        has = "has" if exact else "has at least"
-        raise _refusal(
-            "invalid",
-            f"this model's context is {limit} tokens; the prompt {has} {n_tokens}, which "
-            f"leaves no room for an answer: shorten it",
-            param=prompt_param, code="context_length_exceeded",
-        )
-
-
-def with_model_defaults(sampling: SamplingParams, unset: tuple[str, ...],
-                        defaults: SamplingDefaults) -> SamplingParams:
-    """``sampling`` with the model's ``defaults`` in the fields its request left ``unset``
-    (a field the model sets no default for keeps ``SamplingParams``' own)."""
-    filled = {name: value for name in unset
-              if (value := getattr(defaults, name)) is not None}
-    return msgspec.structs.replace(sampling, **filled) if filled else sampling
-
-
-def _fit_answer(entry: ModelEntry, n_tokens: int, sampling: SamplingParams,
-                output: OutputSpec | None, request_id: str, limit: int | None = None,
-                ) -> tuple[SamplingParams, OutputSpec | None]:
-    """``max_tokens`` cut to the room the prompt of ``n_tokens`` leaves in the context (and to
-    ``limit``, the server's ``--max-tokens-limit``), and a thinking budget kept below it
-    (Anthropic's rule, on the cut value). Agents send a ``max_tokens`` of their own
-    provider's models (Claude Code: 32000) whatever the model."""
-    room = entry.card.context_length - n_tokens
-    if limit is not None:
-        room = min(room, limit)
-    if sampling.max_tokens <= room:
-        return sampling, output
-    log.debug("%s: max_tokens %d cut to %d (the context's room, the server's limit)",
-              request_id, sampling.max_tokens, room)
-    sampling = msgspec.structs.replace(sampling, max_tokens=room)
-    if output is not None and output.thinking_budget is not None \
-            and output.thinking_budget >= room:
-        output = msgspec.structs.replace(output, thinking_budget=max(1, room - 1))
-    return sampling, output
-
-
-def _check_floor(entry: ModelEntry, text: str, prompt_param: str) -> None:
-    """Refuse, without tokenizing it, a text whose floor of tokens cannot fit."""
-    if entry.bound is not None:
-        _check_context(entry, entry.bound.fewest_tokens(text), prompt_param, exact=False)
-
-
-# Claude Code (>= 2.1.36) puts this line first in its system prompt, with a hash (cch=) and a
-# version suffix that change on every request: billing data for Anthropic's own servers, which
-# means nothing to the model and, kept, would make every turn's prompt differ from its first
-# line on (no prefix cache hit). Gateways that turn its requests into OpenAI's shape carry it
-# into a system message, so the rule is here, under every route.
-BILLING_HEADER = "x-anthropic-billing-header:"
-
-
-def without_billing_header(messages: list[dict]) -> list[dict]:
-    """The conversation without Claude Code's billing line in its system (or developer)
-    messages; a message left empty by it is dropped, as if the block had not been sent."""
-    out = []
-    for message in messages:
-        content = message.get("content")
-        if (message.get("role") in ("system", "developer") and isinstance(content, str)
-                and BILLING_HEADER in content):
-            content = "\n".join(line for line in content.split("\n")
-                                if not line.lstrip(" \t").startswith(BILLING_HEADER))
-            if not content:
-                continue
-            message = {**message, "content": content}
-        out.append(message)
-    return out
-
-
-def _check_template_kwargs(kwargs: dict | None) -> None:
-    """Refuse a ``chat_template_kwargs`` key that is not a variable of the template but a
-    parameter of ``apply_chat_template`` (``TEMPLATE_PARAMETERS``)."""
-    for key in kwargs or ():
-        if key in TEMPLATE_PARAMETERS:
-            raise _refusal(
-                "invalid",
-                f"chat_template_kwargs may set the chat template's variables (such as "
-                f"enable_thinking), not {key!r}: the model's own template renders every "
-                f"request",
-                param=f"chat_template_kwargs.{key}",
-            )
-
-
-def _render_chat(entry: ModelEntry, render: _RenderBound, messages: list[dict],
-                 tools: list[dict] | None, extra: dict | None,
-                 generation_prompt: bool, max_pixels: int) -> _Prompt:
-    """The chat as the template renders it, not tokenized yet (so that its floor of tokens is
-    checked first), within ``render``'s time, and its images decoded (each at most
-    ``max_pixels``). A template without a tool format gets the tools written into the
-    conversation instead (``actors.tool_prompt``), read back in troupe's fallback format."""
-    messages = without_billing_header(messages)
-    messages, images = _take_images(entry, messages, max_pixels)
-    tool_format = entry.tool_format
-    if tool_format is None and (tools or uses_tools(messages)):
-        messages, tools, tool_format = (with_tools_in_prompt(messages, tools), None,
-                                        FALLBACK_TOOL_FORMAT)
-    elif uses_tools(messages):
-        messages = with_parsed_arguments(messages)
-    if not messages:
-        raise _refusal("invalid", "messages must not be empty", param="messages")
-    if not entry.tokenizer.has_chat_template:
-        raise _refusal("invalid", f"model {entry.card.id!r} has no chat template; "
-                       "use /v1/completions", param="messages")
-    try:
-        text = render.watchdog.call(
-            render.seconds, entry.tokenizer.apply_chat_template,
-            messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False,
-            **(extra or {}),
-        )
-    except Overrun:
-        raise _refusal(
-            "invalid",
-            f"the chat template did not finish rendering these messages within "
-            f"{render.seconds:g} s (the server's --template-timeout)",
-            param="messages", code="template_timeout",
-        ) from None
-    except (jinja2.TemplateError, TypeError, ValueError, KeyError) as exc:
-        # Templates reject what they cannot render (roles out of order, bad tool specs).
-        raise _refusal("invalid", f"the chat template rejected the messages: {exc}",
-                       param="messages") from exc
-    return _Prompt(text=text, tool_format=tool_format, images=images)
-
-
-def _take_images(entry: ModelEntry, messages: list[dict], max_pixels: int
-                 ) -> tuple[list[dict], tuple[Any, ...]]:
-    """The messages with each image part (``actors.images``' shape) left as the bare
-    ``{"type": "image"}`` a chat template writes its marker for, and the images decoded, in
-    order. Refused: images sent to a model that reads none, and images that do not decode or
-    are too large (each naming its part)."""
-    parts = image_parts(messages)
-    if not parts:
-        return messages, ()
-    first = parts[0]["image"].get("param")
-    if entry.no_images is not None:
-        raise _refusal("invalid", f"model {entry.card.id!r} does not read images: "
-                       f"{entry.no_images}", param=first, code="images_not_supported")
-    try:
-        images = [decode_part(part, max_pixels=max_pixels) for part in parts]
-    except ImageError as exc:
-        raise _refusal("invalid", exc.message, param=exc.param) from None
-
-    def bare(message: dict) -> dict:
-        content = message.get("content")
-        if not isinstance(content, list):
-            return message
-        return {**message, "content": [
-            {"type": "image"} if isinstance(p, dict) and p.get("type") == "image" else p
-            for p in content]}
-
-    return [bare(m) for m in messages], tuple(images)
-
-
-def _with_images(entry: ModelEntry, prompt: _Prompt) -> tuple[list[int], list[ImageInput]]:
-    """A rendered chat's tokens with its images placed by the model's processor."""
-    try:
-        return with_images(entry.processor, entry.image_token, prompt.text, list(prompt.images))
-    except ValueError as exc:
-        # A template that dropped an image's marker (or wrote one of its own).
-        raise _refusal("invalid", f"the chat template did not place the images: {exc}",
-                       param="messages") from None
-
-
-def _check_rendered(entry: ModelEntry, text: str) -> None:
-    """Refuse, from its length alone, a rendered chat that no tokenizing could fit in the
-    context (see ``RENDER_CHARS_PER_TOKEN``): a template that wrote far more than it was
-    given is not tokenized. Checked after ``_check_floor``, whose refusal (the prompt's
-    least number of tokens) says more where the tokenizer gives a floor."""
-    context = entry.card.context_length
-    most = context * max(RENDER_CHARS_PER_TOKEN, entry.bound.chars if entry.bound else 0)
-    if len(text) > most:
-        raise _refusal(
-            "invalid",
-            f"the chat template rendered these messages as {len(text)} characters, more than "
-            f"this model's context of {context} tokens can hold ({most} at the most): "
-            f"shorten them",
-            param="messages", code="context_length_exceeded",
-        )
-
-
-_Prepared = tuple[list[int], OutputSpec | None, Constraint | None, list[ImageInput]]
-
-
-def _chat_short(entry: ModelEntry, render: _RenderBound, messages: list[dict],
-                extra: dict | None, large: int, max_pixels: int, tools: list[dict] | None,
-                choice: ToolChoice, fmt: OutputFormat | None, thinking_budget: int | None,
-                ) -> _Prepared | _Prompt:
-    """The chat rendered for generation, refused if its floor of tokens cannot fit; prepared
-    at once if it has at most ``large`` characters and no images (whose processing takes
-    longer), else returned to wait its turn."""
-    prompt = _render_chat(entry, render, messages, tools, extra, True, max_pixels)
-    _check_floor(entry, prompt.text, "messages")
-    _check_rendered(entry, prompt.text)
-    if len(prompt.text) > large or prompt.images:
-        return prompt
-    return _prepare_chat(entry, prompt, tools, choice, fmt, thinking_budget)
-
-
-def _prepare_text(entry: ModelEntry, prompt: str,
-                  fmt: OutputFormat | None) -> tuple[list[int], Constraint | None]:
-    """A completion prompt's tokens and its grammar, refused first if its floor of tokens
-    cannot fit."""
-    _check_floor(entry, prompt, "prompt")
-    return _encode(entry, prompt, True), _format_constraint(entry, fmt)
-
-
-def _encode(entry: ModelEntry, text: str, special: bool) -> list[int]:
-    """The text's tokens; a rendered chat carries its special tokens already (as
-    ``apply_chat_template`` encodes it), a raw completion prompt gets the tokenizer's own."""
-    return list(entry.tokenizer.encode(text, add_special_tokens=special))
-
-
-def _prepare_chat(entry: ModelEntry, prompt: _Prompt, tools: list[dict] | None,
-                  choice: ToolChoice, fmt: OutputFormat | None, thinking_budget: int | None,
-                  ) -> _Prepared:
-    """A rendered chat's tokens, how its answer is read, and its grammar (``tools``: the
-    request's, also when the fallback wrote them into the prompt)."""
-    images: list[ImageInput] = []
-    if prompt.images:
-        tokens, images = _with_images(entry, prompt)
-        # The answer is read from the text after the images (their ids are no vocabulary's).
-        text_ids = [entry.image_token if t < 0 else t for t in tokens]
-    else:
-        tokens = text_ids = _encode(entry, prompt.text, False)
-    tool_format = prompt.tool_format
-    output = _output_spec(entry, text_ids, tools, tool_format, thinking_budget)
-    # The reasoning before a constrained answer stays free text.
-    think = {"think": output.think, "in_reasoning": output.in_reasoning} \
-        if output is not None else {}
-    if tools and choice.mode in ("required", "function"):
-        constraint = _compile(
-            entry, "tool_choice", lambda g: g.for_tools(tools, choice, tool_format, **think))
-    else:
-        constraint = _format_constraint(entry, fmt, **think)
-    return tokens, output, constraint, images
-
-
-def _output_spec(entry: ModelEntry, tokens: list[int], tools: list[dict] | None,
-                 tool_format: str | None, thinking_budget: int | None) -> OutputSpec | None:
-    """How the engine reads this answer; None when it is plain text (no parser runs).
-    Harmony (gpt-oss) marks reasoning and the final text with the same markup as its
-    calls, so its answers are always parsed."""
-    if entry.tool_format == "harmony":
-        tool_format = "harmony"
-    elif not tools:
-        tool_format = None
-    if tool_format is None and entry.think is None:
-        return None
-    in_reasoning = False
-    if entry.think is not None:
-        tail = entry.tokenizer.decode(tokens[-16:])
-        in_reasoning = prompt_opens_reasoning(tail, entry.think)
-    return OutputSpec(tool_format=tool_format, tools=tools,
-                      think=entry.think, in_reasoning=in_reasoning,
-                      thinking_budget=thinking_budget)
-
-
-def _format_constraint(entry: ModelEntry, fmt: OutputFormat | None,
-                       **think: Any) -> Constraint | None:
-    if fmt is None or fmt.type == "text":
-        return None
-    return _compile(entry, "response_format", lambda g: g.for_format(fmt, **think))
-
-
-def _compile(entry: ModelEntry, param: str, build: Callable[[Grammars], Constraint]
-             ) -> Constraint:
-    """Compile a grammar in admission's pool, so that the scheduler never waits for one; a
-    grammar that cannot be enforced is the client's 400, naming ``param`` (or the narrower
-    field the error names: a tool's parameters)."""
-    assert entry.grammars is not None
-    try:
-        return build(entry.grammars)
-    except GrammarError as exc:
-        raise _refusal("invalid", f"cannot enforce this {param}: {exc}",
-                       param=exc.param or param) from exc

@@ -20,8 +20,9 @@ from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 import troupe.actors.admission as admission_module
-from troupe.actors.admission import Admission, prompt_bound
+from troupe.actors.admission import Admission
 from troupe.actors.config import ServeConfig
+from troupe.actors.prompts import prompt_bound
 
 SENTENCE = "The quick brown fox jumps over the lazy dog. "
 GATE_S = 60.0  # how long a held encode waits for the test at the most (a hang guard only)

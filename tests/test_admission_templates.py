@@ -30,8 +30,8 @@ from http_stack import real_client, serve_logged
 from tiny_model import CHATML
 
 import troupe.actors.admission as admission_module
-from troupe.actors.admission import RENDER_CHARS_PER_TOKEN
 from troupe.actors.config import ServeConfig
+from troupe.actors.prompts import RENDER_CHARS_PER_TOKEN
 from troupe.actors.serving import start_serving
 from troupe.runtime import ActorSystem
 

@@ -25,7 +25,6 @@ import pytest
 from http_stack import real_client, real_stack
 from tiny_model import CHATML, make_tiny_model
 
-from troupe.actors.admission import with_model_defaults
 from troupe.actors.config import ServeConfig
 from troupe.actors.engine.memory_estimate import model_memory_of
 from troupe.actors.engine.prefix import model_fingerprint
@@ -38,6 +37,7 @@ from troupe.actors.messages import (
 )
 from troupe.actors.models.generation_config import sampling_defaults
 from troupe.actors.models.store import resolve_model
+from troupe.actors.prompts import with_model_defaults
 
 scripted, client = http_stack.scripted, http_stack.client
 

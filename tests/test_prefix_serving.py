@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from troupe.actors.admission import without_billing_header
 from troupe.actors.config import ServeConfig
+from troupe.actors.prompts import without_billing_header
 from troupe.actors.serving import start_serving
 from troupe.api.app import create_app
 from troupe.runtime import ActorSystem
