@@ -19,7 +19,7 @@ from troupe.actors.engine.memory_estimate import Member, ModelMemory, plan_step
 # step a prompt takes carries the decode rows' time too, so a prompt in small chunks reaches
 # its first token late: on a CPU, where a decode step costs about 20 prompt tokens, chunks of
 # 8-20 tokens (one forward pass held to --prefill-interleave, under an older floor of 8) made
-# a 2,000-token prompt's TTFT beside 8 streams 1.0-1.7x that of two calls' 32-token chunks
+# a 2,000-token prompt's TTFT beside 8 streams 1.0-2.1x that of two calls' 32-token chunks
 # (docs/benchmarks.md, "The moved families served"). On Apple silicon the interleave's budget
 # is hundreds of tokens and this floor is not reached.
 MIN_PREFILL_CHUNK = 32
