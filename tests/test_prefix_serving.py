@@ -257,7 +257,7 @@ async def test_a_prompt_whose_blocks_are_all_in_ram_asks_the_cache_index_nothing
         async def handle(self, msg):
             asked.append(msg)
             if isinstance(msg, LookupDisk):
-                await self.system.find(msg.reply_to).tell(FoundOnDisk(
+                await msg.reply_to.tell(FoundOnDisk(
                     request_id=msg.request_id, epoch=msg.epoch, blocks=0))
 
     async with ActorSystem() as system:
@@ -386,7 +386,7 @@ async def test_a_disk_lookup_does_not_hold_the_step(tiny_model_dir):
                 asked.set()
                 await release.wait()
             if msg.reply_to is not None:
-                await self.system.find(msg.reply_to).tell(FoundOnDisk(
+                await msg.reply_to.tell(FoundOnDisk(
                     request_id=msg.request_id, epoch=msg.epoch, blocks=0))
             return 0
 
