@@ -27,7 +27,7 @@ from troupe.actors.cache_messages import (
     OnDisk,
 )
 from troupe.actors.engine.lru import Lru
-from troupe.runtime import Actor, ActorDead
+from troupe.runtime import Actor, ActorDead, ActorRef
 
 log = logging.getLogger("actors.cache_index")
 
@@ -177,7 +177,7 @@ class CacheIndex(Actor):
     Messages: ``BlockPersisted``, ``BlockWriteFailed``, ``ForgetBlocks`` and ``MakeRoom`` (ask
     -> how many of the files fit) from the SSD writer; ``LookupDisk`` and ``OnDisk`` from the
     scheduler, answered by message (``FoundOnDisk``, ``HeldOnDisk``) to the
-    actor they name, or as an ``ask``. Over the disk quota it deletes files itself. It asks
+    asker's ref they carry, or as an ``ask``. Over the disk quota it deletes files itself. It asks
     nothing of any actor, and only the scheduler (or a follower's disk clerk), which never
     waits on it, gets messages from it.
     """
@@ -199,7 +199,7 @@ class CacheIndex(Actor):
         self.write_failures = 0
         self.forgotten = 0
         self.room_asks = 0  # MakeRoom asked of it
-        # Lookups whose asker (named in ``reply_to``) was gone when the answer was ready.
+        # Lookups whose asker (``reply_to``) had stopped when the answer was ready.
         self.missing_reply_targets = 0
 
     async def on_start(self) -> None:
@@ -284,17 +284,13 @@ class CacheIndex(Actor):
         self.table.drop(victims, evicted=True)
         return self.table.has_room(nbytes)
 
-    async def _answer(self, name: str, msg: FoundOnDisk | HeldOnDisk) -> None:
-        """Tell the actor that asked; one gone (stopping) needs no answer."""
-        ref = self.system.find(name)
-        if ref is None:
-            self.missing_reply_targets += 1
-            log.warning("cache index: no actor %r for the answer to its lookup", name)
-            return
+    async def _answer(self, asker: ActorRef, msg: FoundOnDisk | HeldOnDisk) -> None:
+        """Tell the actor that asked; one that has stopped needs no answer (counted)."""
         try:
-            await ref.tell(msg)
+            await asker.tell(msg)
         except ActorDead:
-            pass
+            self.missing_reply_targets += 1
+            log.warning("cache index: %r stopped before the answer to its lookup", asker.name)
 
     def _make_room_for(self, sizes: list[int]) -> int:
         """Make room (one bounded burst) for the files of ``sizes``, or for as many leading ones

@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from troupe.runtime import Message
+from troupe.runtime import ActorRef, Message
 
 # Bumped whenever the on-disk block layout changes; files of another version are skipped.
 # 2: a checksum of the tensor data in the metadata (version 1 files cannot be verified).
@@ -65,11 +65,12 @@ class CancelWrites(Message, frozen=True, kw_only=True):
 
 
 class ReadBlocks(Message, frozen=True, kw_only=True):
-    """Read blocks from disk; the writer answers ``BlocksRead`` to the actor named reply_to."""
+    """Read blocks from disk; the writer tells ``BlocksRead`` to ``reply_to``, the asker's ref
+    (messages between actors stay in the process: a ref is never encoded)."""
 
     request_id: str
     hashes: list[str]
-    reply_to: str
+    reply_to: ActorRef
 
 
 class BlocksRead(Message, frozen=True, kw_only=True):
@@ -122,24 +123,24 @@ class MakeRoom(Message, frozen=True, kw_only=True):
 
 class LookupDisk(Message, frozen=True, kw_only=True):
     """How many leading blocks of this chain have files? The hits become the most recently used
-    on disk. With ``reply_to`` the answer is told to that actor as ``FoundOnDisk`` (the
-    scheduler, which never waits on the index inside a step: ``request_id`` and ``epoch`` name
-    the request waiting for it); without, it is the answer to an ``ask`` (an int). The
+    on disk. With ``reply_to`` (the asker's ref) the answer is told to it as ``FoundOnDisk``
+    (the scheduler, which never waits on the index inside a step: ``request_id`` and ``epoch``
+    name the request waiting for it); without, it is the answer to an ``ask`` (an int). The
     scheduler asks only for what follows the blocks it holds in RAM."""
 
     hashes: list[str]
     request_id: str = ""
     epoch: int = 0
-    reply_to: str | None = None
+    reply_to: ActorRef | None = None
 
 
 class OnDisk(Message, frozen=True, kw_only=True):
     """Which of these blocks have files? Their hashes, in the order asked: the RAM blocks a
-    spill may drop without losing them. With ``reply_to`` told to that actor as ``HeldOnDisk``;
-    without, the answer to an ``ask``."""
+    spill may drop without losing them. With ``reply_to`` (the asker's ref) told to it as
+    ``HeldOnDisk``; without, the answer to an ``ask``."""
 
     hashes: list[str]
-    reply_to: str | None = None
+    reply_to: ActorRef | None = None
 
 
 # --- cache index -> scheduler ----------------------------------------------------------------

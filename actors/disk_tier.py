@@ -236,7 +236,7 @@ class DiskTier:
         rid, epoch = loading.msg.request_id, loading.epoch
         try:
             index.try_tell(LookupDisk(hashes=rest, request_id=rid, epoch=epoch,
-                                      reply_to=self.scheduler.name))
+                                      reply_to=self.scheduler))
         except (MailboxFull, ActorDead):
             return False  # the index is busy or gone: RAM alone serves
         loading.rest = rest
@@ -263,7 +263,7 @@ class DiskTier:
         if disk and writer is not None:
             try:
                 writer.try_tell(ReadBlocks(request_id=msg.request_id, hashes=disk,
-                                           reply_to=self.scheduler.name))
+                                           reply_to=self.scheduler))
                 loading.reading = True
                 self.counters["disk_loads"] += 1
             except (MailboxFull, ActorDead):
@@ -415,7 +415,7 @@ class DiskTier:
         index = self.index
         if candidates and index is not None:
             try:
-                index.try_tell(OnDisk(hashes=candidates, reply_to=self.scheduler.name))
+                index.try_tell(OnDisk(hashes=candidates, reply_to=self.scheduler))
                 self._spill_asked = now
                 return
             except (MailboxFull, ActorDead):

@@ -67,12 +67,12 @@ class DiskClerk(Actor):
                 token = str(self._next)
                 self._reads[token] = msg
                 self._send(token, self.index,
-                           LookupDisk(hashes=msg.hashes, request_id=token, reply_to=self.name))
+                           LookupDisk(hashes=msg.hashes, request_id=token, reply_to=self.ref))
             case FoundOnDisk(request_id=token, blocks=n):
                 read = self._reads.get(token)
                 if read is not None and n:
                     self._send(token, self.writer, ReadBlocks(
-                        request_id=token, hashes=read.hashes[:n], reply_to=self.name))
+                        request_id=token, hashes=read.hashes[:n], reply_to=self.ref))
                 elif read is not None:
                     self._done(token, [])
             case BlocksRead(request_id=token, blocks=blocks):
@@ -133,7 +133,7 @@ class FollowerDisk:
         self.writer = await self.system.spawn(
             SsdWriter, name=WRITER, thread=SSD_THREAD, mailbox_size=self.max_pending,
             max_pending=self.max_pending, cache_dir=str(self.cache_dir),
-            fingerprint=fingerprint, disk_max_bytes=disk_max_bytes, index=INDEX,
+            fingerprint=fingerprint, disk_max_bytes=disk_max_bytes, index=self.index,
             flush_deadline_s=FLUSH_DEADLINE_S)
         self.clerk = await self.system.spawn(DiskClerk, name=CLERK, thread=CLERK,
                                              index=self.index, writer=self.writer)

@@ -310,6 +310,11 @@ class EnginePool(Actor):
         cache = self.cache or {}
         names = slot.names
         if slot.index is None:
+            if slot.writer is not None:
+                # A writer adopted without its index tells the index it was spawned with: a
+                # new index gets a new writer (the old one stops, dropping what it holds).
+                await self.system.stop(slot.writer)
+                slot.writer = None
             slot.index = await self.system.spawn(
                 CacheIndex,
                 name=names.cache_index,
@@ -332,7 +337,7 @@ class EnginePool(Actor):
                 cache_dir=cache["cache_dir"],
                 fingerprint=slot.card.fingerprint,
                 disk_max_bytes=cache["disk_max_bytes"],
-                index=names.cache_index,
+                index=slot.index,
             )
 
     async def _make_room(self, slot: EngineSlot) -> None:

@@ -35,7 +35,7 @@ from troupe.actors.cache_messages import (
     ReadBlocks,
     WriteBlock,
 )
-from troupe.runtime import Actor, ActorDead, AskTimeout, MailboxFull, Message
+from troupe.runtime import Actor, ActorDead, ActorRef, AskTimeout, MailboxFull, Message
 
 log = logging.getLogger("actors.ssd_writer")
 
@@ -58,10 +58,10 @@ class SsdWriter(Actor):
     """Writes blocks atomically under ``cache_dir``, within the quota the index keeps.
 
     Messages: ``WriteBlock``, ``CancelWrites``, ``ReadBlocks`` (answered with ``BlocksRead``
-    told to the actor named ``reply_to``), ``FlushWrites`` (ask -> blocks written). Talks to
-    the cache index named ``index``: ``MakeRoom`` once for a write and the blocks queued
-    behind it (not once per block), then ``BlockPersisted``
-    or ``BlockWriteFailed``; ``ForgetBlocks`` for files it removed or found unusable.
+    told to its ``reply_to``), ``FlushWrites`` (ask -> blocks written). Talks to the cache
+    index whose ref it is spawned with (``index``): ``MakeRoom`` once for a write and the
+    blocks queued behind it (not once per block), then ``BlockPersisted`` or
+    ``BlockWriteFailed``; ``ForgetBlocks`` for files it removed or found unusable.
 
     ``disk_max_bytes`` is the quota the index enforces; the writer only reports it. Up to
     ``max_pending`` blocks wait in the internal queue. On stop, what is queued is written
@@ -75,7 +75,7 @@ class SsdWriter(Actor):
         cache_dir: str,
         fingerprint: str,
         disk_max_bytes: int,
-        index: str = "cache_index",
+        index: ActorRef,
         max_pending: int = 16,
         flush_deadline_s: float = 5.0,
         index_timeout_s: float = 5.0,
@@ -85,7 +85,7 @@ class SsdWriter(Actor):
         self.cache_dir = Path(cache_dir)
         self.fingerprint = fingerprint
         self.disk_max_bytes = disk_max_bytes
-        self.index_name = index
+        self.index = index
         self.max_pending = max_pending
         self.flush_deadline_s = flush_deadline_s
         self.index_timeout_s = index_timeout_s
@@ -324,7 +324,7 @@ class SsdWriter(Actor):
 
     # -- reading ------------------------------------------------------------------------------
 
-    async def _read(self, request_id: str, hashes: list[str], reply_to: str) -> None:
+    async def _read(self, request_id: str, hashes: list[str], reply_to: ActorRef) -> None:
         """Read the chain's blocks up to the first one missing or unusable; answer, then tell
         the index to forget the one that failed.
 
@@ -371,14 +371,10 @@ class SsdWriter(Actor):
                 pass
             self.read_blocks += 1
             blocks.append(block)
-        ref = self.system.find(reply_to)
-        if ref is None:
-            log.warning("ssd writer: no actor %r for the blocks of %s", reply_to, request_id)
-        else:
-            try:
-                await ref.tell(BlocksRead(request_id=request_id, blocks=blocks))
-            except ActorDead:
-                log.warning("ssd writer: %r stopped before its blocks were read", reply_to)
+        try:
+            await reply_to.tell(BlocksRead(request_id=request_id, blocks=blocks))
+        except ActorDead:
+            log.warning("ssd writer: %r stopped before its blocks were read", reply_to.name)
         if forget:
             await self._tell_index(ForgetBlocks(hashes=forget))
 
@@ -395,23 +391,16 @@ class SsdWriter(Actor):
         """Ask the index, once, to make room under the quota for files of ``sizes`` (this
         block, then those queued behind it); the bytes of the leading ones that fit, or None
         if it cannot answer."""
-        ref = self.system.find(self.index_name)
-        if ref is None:
-            log.warning("ssd writer: no cache index %r; block not written", self.index_name)
-            return None
         try:
-            fit = await ref.ask(MakeRoom(sizes=sizes), timeout=self.index_timeout_s)
+            fit = await self.index.ask(MakeRoom(sizes=sizes), timeout=self.index_timeout_s)
             return sum(sizes[:fit])
         except (AskTimeout, ActorDead) as exc:
             log.warning("ssd writer: cache index did not make room (%r); block not written", exc)
             return None
 
     async def _tell_index(self, msg: Message) -> None:
-        ref = self.system.find(self.index_name)
-        if ref is None:
-            return
         try:
-            await ref.tell(msg)
+            await self.index.tell(msg)
         except ActorDead:
             log.warning("ssd writer: cache index %r has stopped; %s not sent",
-                        self.index_name, type(msg).__name__)
+                        self.index.name, type(msg).__name__)

@@ -133,7 +133,7 @@ async def test_a_block_whose_data_changed_on_disk_is_dropped_counted_logged_once
         hashes = [b.block_hash for b in blocks]
         with caplog.at_level(logging.WARNING, logger="actors.ssd_writer"):
             await cache.writer.tell(ReadBlocks(request_id="q", hashes=hashes,
-                                               reply_to="scheduler"))
+                                               reply_to=cache.scheduler))
             await eventually(lambda: len(cache.inbox) == 1)
         # Only the chain before it is served; the file is gone and the index forgets it.
         assert [b.block_hash for b in cache.inbox[0].blocks] == hashes[:1]
@@ -152,7 +152,7 @@ async def test_a_block_whose_data_changed_on_disk_is_dropped_counted_logged_once
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="actors.ssd_writer"):
             await cache.writer.tell(ReadBlocks(request_id="q2", hashes=hashes,
-                                               reply_to="scheduler"))
+                                               reply_to=cache.scheduler))
             await eventually(lambda: len(cache.inbox) == 2)
         assert [b.block_hash for b in cache.inbox[1].blocks] == hashes[:1]
         assert cache.report("ssd_writer")["blocks_corrupt"] == 1
@@ -162,6 +162,7 @@ async def test_a_block_whose_data_changed_on_disk_is_dropped_counted_logged_once
         await cache.write([blocks[1]], request_id="r2")
         assert await cache.flush() == 1
         assert await cache.lookup(blocks) == ["disk"] * 3
-        await cache.writer.tell(ReadBlocks(request_id="q3", hashes=hashes, reply_to="scheduler"))
+        await cache.writer.tell(ReadBlocks(request_id="q3", hashes=hashes,
+                                           reply_to=cache.scheduler))
         await eventually(lambda: len(cache.inbox) == 3)
         assert len(cache.inbox[2].blocks) == 3

@@ -173,41 +173,53 @@ async def test_the_index_answers_what_is_on_disk_and_counts_its_lookups(tmp_path
         assert (r["hit_tokens"], r["miss_tokens"], r["hit_rate"]) == (48, 16, 0.75)
 
 
-async def test_the_index_answers_a_lookup_by_message_to_the_actor_it_names(
+class Asker(Actor):
+    """Keeps the answers it is told."""
+
+    def __init__(self, answers: list[Any]) -> None:
+        self.answers = answers
+
+    async def handle(self, msg: Any) -> None:
+        self.answers.append(msg)
+
+
+async def test_the_index_answers_a_lookup_by_message_to_the_asker_s_ref(
         tmp_path: Path) -> None:
-    """The scheduler never waits on the index: it names itself, and the answer comes to it as
-    a message carrying the request it is for."""
+    """The scheduler never waits on the index: it gives its ref, and the answer comes to it
+    as a message carrying the request it is for."""
     answers: list[Any] = []
-
-    class Asker(Actor):
-        async def handle(self, msg: Any) -> None:
-            answers.append(msg)
-
     async with running_index(tmp_path) as (system, index):
-        asker = await system.spawn(Asker, name="asker")
+        asker = await system.spawn(Asker, name="asker", answers=answers)
         chain, unknown = hashes(3), hashes(1)
         await persisted(index, chain)
         await index.tell(LookupDisk(hashes=chain[:2] + unknown, request_id="r", epoch=7,
-                                    reply_to="asker"))
-        await index.tell(OnDisk(hashes=[unknown[0], chain[1]], reply_to="asker"))
+                                    reply_to=asker))
+        await index.tell(OnDisk(hashes=[unknown[0], chain[1]], reply_to=asker))
         await index.ask(OnDisk(hashes=[]), timeout=5.0)  # both handled before this
         await asker.ask(OnDisk(hashes=[]), timeout=5.0)  # and both answers delivered
         assert answers[:2] == [FoundOnDisk(request_id="r", epoch=7, blocks=2),
                                HeldOnDisk(hashes=[chain[1]])]
 
 
-async def test_an_answer_with_no_actor_to_take_it_is_counted_and_logged(
+async def test_an_answer_to_an_asker_that_stopped_is_counted_logged_and_reaches_no_other(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """``reply_to`` is a name: an asker gone before its answer is not a silent skip."""
+    """An asker gone before its answer is not a silent skip, and the answer goes to that
+    asker only: never to a later actor that took its name (a reloaded model's scheduler)."""
+    later: list[Any] = []
     async with running_index(tmp_path) as (system, index):
         chain = hashes(2)
         await persisted(index, chain)
+        gone = await system.spawn(Asker, name="asker", answers=[])
+        await system.stop(gone)
+        await system.spawn(Asker, name="asker", answers=later)
         with caplog.at_level(logging.WARNING, logger="actors.cache_index"):
-            await index.tell(LookupDisk(hashes=chain, request_id="r", reply_to="gone"))
-            await index.tell(OnDisk(hashes=chain, reply_to="gone"))
+            await index.tell(LookupDisk(hashes=chain, request_id="r", reply_to=gone))
+            await index.tell(OnDisk(hashes=chain, reply_to=gone))
             await index.ask(OnDisk(hashes=[]), timeout=5.0)  # both handled before this
         assert report(system)["missing_reply_targets"] == 2
-        assert sum("'gone'" in r.getMessage() for r in caplog.records) == 2
+        assert sum("'asker' stopped" in r.getMessage() for r in caplog.records) == 2
+        await system.get("asker").ask(OnDisk(hashes=[]), timeout=5.0)
+        assert later == [OnDisk(hashes=[])]  # only what was sent to it
 
 
 async def test_forget_blocks_drops_disk_entries(tmp_path: Path) -> None:

@@ -257,7 +257,7 @@ async def test_a_prompt_whose_blocks_are_all_in_ram_asks_the_cache_index_nothing
         async def handle(self, msg):
             asked.append(msg)
             if isinstance(msg, LookupDisk):
-                await self.system.find(msg.reply_to).tell(FoundOnDisk(
+                await msg.reply_to.tell(FoundOnDisk(
                     request_id=msg.request_id, epoch=msg.epoch, blocks=0))
 
     async with ActorSystem() as system:
@@ -386,7 +386,7 @@ async def test_a_disk_lookup_does_not_hold_the_step(tiny_model_dir):
                 asked.set()
                 await release.wait()
             if msg.reply_to is not None:
-                await self.system.find(msg.reply_to).tell(FoundOnDisk(
+                await msg.reply_to.tell(FoundOnDisk(
                     request_id=msg.request_id, epoch=msg.epoch, blocks=0))
             return 0
 
@@ -459,3 +459,34 @@ async def test_a_lookup_the_index_never_answers_starts_the_request_from_ram_alon
         done = await asyncio.wait_for(finished(), 60)  # a guard against a hang, not a timing
         assert done.error is None and done.usage.completion_tokens == 4
         assert done.usage.cached_tokens == 0
+
+
+async def test_a_restarted_pool_that_finds_a_writer_without_its_index_starts_both_again(
+        tiny_model_dir, tmp_path):
+    """The SSD writer holds the ref of the index it was spawned with: a restarted pool that
+    must start a new index starts a new writer with it, so written blocks reach an index."""
+    from test_ssd_writer import make_block
+
+    from troupe.actors.cache_messages import FlushWrites, LookupDisk, WriteBlock
+    from troupe.actors.config import model_specs
+    from troupe.actors.pool import POOL_NAME, EnginePool
+    from troupe.actors.scheduler import MLX_THREAD
+
+    config = ServeConfig.of(model=str(tiny_model_dir), block_size=BLOCK,
+                            cache_dir=str(tmp_path / "kv"))
+    async with ActorSystem() as system:
+        handles = await start_serving(system, config)
+        cache = {"cache_dir": str(tmp_path / "kv"), "disk_max_bytes": config.cache_disk_max}
+        old_writer = system.get("ssd_writer")
+        await system.kill(system.get("cache_index"))  # gone for good, as past its restarts
+        await system.stop(system.get("scheduler"))
+        await system.stop(handles.pool)
+        # The next pool adopts the live writer alone and loads the model (preload).
+        await system.spawn(EnginePool, name=POOL_NAME, thread=MLX_THREAD, specs=model_specs(config),
+                           engine=config.engine, cache=cache)
+        assert not old_writer.alive
+        writer, index = system.get("ssd_writer"), system.get("cache_index")
+        block = make_block()
+        await writer.tell(WriteBlock(block=block, request_id="r", epoch=0))
+        assert await writer.ask(FlushWrites(deadline_s=10.0), timeout=15.0) == 1
+        assert await index.ask(LookupDisk(hashes=[block.block_hash]), timeout=5.0) == 1

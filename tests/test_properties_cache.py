@@ -391,7 +391,7 @@ class CacheStackMachine(RuleBasedStateMachine):
         )
         self.writer = await self.system.spawn(
             SsdWriter, name="ssd_writer", thread=SSD_THREAD, cache_dir=str(self.dir),
-            fingerprint=FP, disk_max_bytes=STACK_DISK_MAX,
+            fingerprint=FP, disk_max_bytes=STACK_DISK_MAX, index=self.index,
         )
 
     async def _barrier(self) -> None:
@@ -472,7 +472,7 @@ class CacheStackMachine(RuleBasedStateMachine):
         served = intact.index(False) if False in intact else len(hashes)
         request = f"r{next(self.requests)}"
         self._run(self.writer.tell(ReadBlocks(request_id=request, hashes=hashes,
-                                              reply_to="scheduler")))
+                                              reply_to=self.scheduler)))
         (answer,) = [m for m in self._sync() if isinstance(m, BlocksRead)]
         assert answer.request_id == request
         assert [b.block_hash for b in answer.blocks] == hashes[:served]

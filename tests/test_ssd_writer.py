@@ -91,6 +91,7 @@ class FakeScheduler(Actor):
 @dataclass
 class Cache:
     system: ActorSystem
+    scheduler: ActorRef  # the fake scheduler: reads are answered to it, into inbox
     index: ActorRef
     writer: ActorRef
     inbox: list[Any]
@@ -137,7 +138,7 @@ async def running_cache(
     """Scheduler (fake), index and writer, spawned in the server's order."""
     inbox: list[Any] = []
     async with ActorSystem() as system:
-        await system.spawn(FakeScheduler, name="scheduler", inbox=inbox)
+        scheduler = await system.spawn(FakeScheduler, name="scheduler", inbox=inbox)
         index = await system.spawn(
             CacheIndex, name="cache_index", thread=CACHE_INDEX_THREAD,
             cache_dir=str(cache_dir), fingerprint=FP, disk_max_bytes=disk_max_bytes,
@@ -145,9 +146,9 @@ async def running_cache(
         )
         writer = await system.spawn(
             SsdWriter, name="ssd_writer", thread=SSD_THREAD, cache_dir=str(cache_dir),
-            fingerprint=FP, disk_max_bytes=disk_max_bytes, **writer_kwargs,
+            fingerprint=FP, disk_max_bytes=disk_max_bytes, index=index, **writer_kwargs,
         )
-        yield Cache(system, index, writer, inbox, cache_dir)
+        yield Cache(system, scheduler, index, writer, inbox, cache_dir)
 
 
 async def eventually(condition: Callable[[], bool], timeout: float = 3.0) -> None:
@@ -301,7 +302,7 @@ async def test_round_trip_is_bit_exact_with_dtypes_and_bfloat16_bit_patterns(
         await cache.write(blocks)
         assert await cache.flush() == 3
         await cache.writer.tell(ReadBlocks(request_id="q", hashes=[b.block_hash for b in blocks],
-                                           reply_to="scheduler"))
+                                           reply_to=cache.scheduler))
         await eventually(lambda: len(cache.inbox) == 1)
         (read,) = cache.inbox
         assert isinstance(read, BlocksRead) and read.request_id == "q"
@@ -328,7 +329,7 @@ async def test_blocks_written_before_a_restart_are_found_and_read_after_it(tmp_p
     async with running_cache(tmp_path) as cache:
         assert await cache.lookup(blocks) == ["disk"] * 3
         await cache.writer.tell(ReadBlocks(request_id="q", hashes=[b.block_hash for b in blocks],
-                                           reply_to="scheduler"))
+                                           reply_to=cache.scheduler))
         await eventually(lambda: len(cache.inbox) == 1)
         for got, want in zip(cache.inbox[0].blocks, blocks, strict=True):
             assert_same_block(got, want)
@@ -358,7 +359,7 @@ async def test_read_stops_at_the_first_missing_or_corrupt_block_which_is_deleted
         path = cache.path(blocks[1])
         path.write_bytes(path.read_bytes()[:-7])  # truncated: corrupt
         await cache.writer.tell(ReadBlocks(request_id="q", hashes=[b.block_hash for b in blocks],
-                                           reply_to="scheduler"))
+                                           reply_to=cache.scheduler))
         await eventually(lambda: len(cache.inbox) == 1)
         assert [b.block_hash for b in cache.inbox[0].blocks] == [blocks[0].block_hash]
         assert not path.exists()
@@ -366,7 +367,7 @@ async def test_read_stops_at_the_first_missing_or_corrupt_block_which_is_deleted
 
         cache.path(blocks[0]).unlink()  # missing: forgotten too
         await cache.writer.tell(ReadBlocks(request_id="q2", hashes=[blocks[0].block_hash],
-                                           reply_to="scheduler"))
+                                           reply_to=cache.scheduler))
         await eventually(lambda: len(cache.inbox) == 2)
         assert cache.inbox[1].blocks == []
         assert await cache.lookup(blocks) == []
@@ -546,7 +547,7 @@ async def test_a_batch_of_writes_asks_the_index_for_room_once(tmp_path: Path) ->
                                    disk_max_bytes=1 << 30)
         # On the test's own loop: the eight blocks are all queued before it takes the first.
         writer = await system.spawn(SsdWriter, name="ssd_writer", cache_dir=str(tmp_path),
-                                    fingerprint=FP, disk_max_bytes=1 << 30)
+                                    fingerprint=FP, disk_max_bytes=1 << 30, index=index)
         chain = make_chain(8)
         for block in chain:
             writer.try_tell(WriteBlock(block=block, request_id="r", epoch=0))
