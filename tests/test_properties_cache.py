@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from troupe.actors import block_store
 from troupe.actors.cache_index import CACHE_INDEX_THREAD, CacheIndex, DiskTable
@@ -485,11 +485,13 @@ class CacheStackMachine(RuleBasedStateMachine):
             assert not self._path(failed).exists()
             self.deleted.discard(failed)
 
-    @precondition(lambda self: bool(self.tampered & set(self._files())))
-    @rule(data=st.data())
-    def read_tampered(self, data: st.DataObject) -> None:
-        """Read a chain whose file was changed underfoot: it must not be served."""
-        h = data.draw(st.sampled_from(sorted(self.tampered & set(self._files()))))
+    @rule(h=nodes)
+    def read_tampered(self, h: str) -> None:
+        """Read a chain whose file was changed underfoot: it must not be served. (Drawn from
+        every hash, not from the files: what the directory holds may differ between two runs
+        of the same steps, and a draw must not depend on it.)"""
+        if h not in self.tampered or h not in self._files():
+            return
         self.read(h)
         self.tampered.discard(h)
 
@@ -508,23 +510,27 @@ class CacheStackMachine(RuleBasedStateMachine):
         if not unpersisted:
             assert set(victims) <= set(files) | self.deleted, victims
 
-    @precondition(lambda self: bool(self._files()))
-    @rule(data=st.data(), how=st.sampled_from(["overwrite", "truncate", "delete"]))
-    def tamper(self, data: st.DataObject, how: str) -> None:
+    @rule(h=nodes, how=st.sampled_from(["overwrite", "truncate", "delete"]),
+          where=st.floats(0, 1, exclude_max=True))
+    def tamper(self, h: str, how: str, where: float) -> None:
         """A file changed behind the cache's back: tensor bytes overwritten (same size, the
-        header intact: only the checksum can tell), truncated, or deleted."""
-        h = data.draw(st.sampled_from(sorted(self._files())))
+        header intact: only the checksum can tell), truncated, or deleted. Every draw is of
+        fixed bounds (``where``: a fraction of the file), never of what the directory holds,
+        which may differ between two runs of the same steps."""
+        if h not in self._files():
+            return
         path = self._path(h)
         raw = bytearray(path.read_bytes())
         if how == "overwrite" and raw:
             # In the tensor data of a whole file; anywhere in one already cut short.
             start = 8 + int.from_bytes(raw[:8], "little")
-            at = data.draw(st.integers(start if start < len(raw) else 0, len(raw) - 1))
+            start = start if start < len(raw) else 0
+            at = start + int(where * (len(raw) - start))
             raw[at] ^= 0xFF
             path.write_bytes(bytes(raw))
             self.tampered.add(h)
         elif how == "truncate" and raw:
-            path.write_bytes(bytes(raw[: data.draw(st.integers(0, len(raw) - 1))]))
+            path.write_bytes(bytes(raw[: int(where * len(raw))]))
             self.tampered.add(h)
         elif how == "delete":
             path.unlink()
