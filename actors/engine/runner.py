@@ -525,7 +525,7 @@ class Runner:
 
         return embeddings
 
-    def _decode(self, batch: Batch, ride: _Chunk | None, draft: bool = True
+    def _decode(self, batch: Batch, ride: _Chunk | None, draft: bool
                 ) -> tuple[list[Sampled], mx.array | None]:
         """The decode rows' step (the chunk ``ride`` in the same pass), its tokens sampled;
         finished rows leave; ``draft``: whether rows may verify drafts (the plan's). Also
