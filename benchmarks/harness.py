@@ -378,7 +378,10 @@ def server_command(name: str, model_dir: str, port: int, cache_dir: str,
     if name in (TROUPE, BASELINE):
         extra = (args.baseline_args if name == BASELINE and args.baseline_args is not None
                  else args.troupe_args)
-        return [sys.executable, "-m", "troupe.api.cli", "serve", "--model", model_dir, "--port",
+        # A checkout from before the folders installed as troupe.* serves as `api.cli`.
+        root = Path(args.baseline) if name == BASELINE else REPO
+        cli = "troupe.api.cli" if (root / "troupe").is_dir() else "api.cli"
+        return [sys.executable, "-m", cli, "serve", "--model", model_dir, "--port",
                 str(port), "--cache-dir", cache_dir, "--log-level", "warning",
                 *shlex.split(extra)]
     return [sys.executable, "-m", "mlx_lm", "server", "--model", model_dir, "--port",
