@@ -19,7 +19,10 @@ import http_stack
 import pytest
 from http_stack import BUSY_MODEL, MODEL, Scripted
 
-from troupe.api.dashboard import HUB, INTERVAL_S, PUBLIC_PATHS, EventHub, History, RequestBoard
+from troupe.api.dashboard.board import RequestBoard
+from troupe.api.dashboard.history import History
+from troupe.api.dashboard.hub import INTERVAL_S, EventHub
+from troupe.api.dashboard.routes import HUB, PUBLIC_PATHS
 from troupe.runtime import Actor, ActorSnapshot, Message, Restart
 
 scripted = http_stack.scripted
@@ -343,7 +346,7 @@ def test_views_read_the_serving_actors_reports(pinned: bool) -> None:
                             "ram_max_bytes": 100, "hit_tokens": 64, "miss_tokens": 64}),
         _snap("memory_monitor", {"limit_bytes": 100, "usage_bytes": 40, "pressure": "soft"}),
     ]
-    from troupe.api.dashboard import cache_view, memory_view, models_view
+    from troupe.api.dashboard.views import cache_view, memory_view, models_view
 
     (cache,) = cache_view(snaps)
     # RAM and the hits from the scheduler (every prompt token served from cache), the disk

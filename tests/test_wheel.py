@@ -67,7 +67,11 @@ def test_the_unpacked_wheel_imports_and_runs_from_its_own_files(wheel: Path,
     holds no checkout), the CLI answers and the entry point names it."""
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
+    # The dashboard's page too: package data read through the installed package (it was
+    # looked up as a top-level ``api``, which only a checkout's working directory has).
     code = ("import troupe, troupe.api.cli, troupe.actors.engine.core, troupe.runtime; "
+            "from troupe.api.dashboard.routes import ASSETS, PAGE, static_file; "
+            "assert all(static_file(n) for n in (PAGE, *ASSETS)); "
             "print(list(troupe.__path__)); print(troupe.api.cli.__file__)")
     env = {**os.environ, "PYTHONPATH": str(site)}
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
