@@ -99,6 +99,11 @@ def test_drafts_are_verified_unless_first_tokens_go_first():
     assert schedule(state(**timings, decoding=CONFIG.max_batch_size, waiting=full)).draft
     assert not schedule(state(**timings, decoding=CONFIG.max_batch_size - 1,
                               waiting=[*full, *full])).draft
+    # The memory gate holds the one prompt back: the step runs no prompt token, so its
+    # row drafts (the decision follows the step's plan, not the queues before the gate).
+    held = schedule(state(**timings, decoding=1, decode_len=100, waiting=[seq(5, 100_000)],
+                          memory=Memory(TINY, 0, 1_000_000)))
+    assert held.admit == 0 and held.start == [] and held.draft
 
 
 def test_the_budget_waits_for_measurements_and_is_off_with_interleave_zero():

@@ -144,19 +144,19 @@ def schedule(state: StepState) -> SchedulerOutput:
     start, tokens = name_tokens(state, prefilling, waiting, admit, chunk)
     return SchedulerOutput(fail=fail, reject=reject, admit=admit, budget=budget, chunk=chunk,
                            held=held, start=start, tokens=tokens,
-                           draft=drafts_allowed(state, prefilling, waiting))
+                           draft=drafts_allowed(state, tokens))
 
 
-def drafts_allowed(state: StepState, prefilling: list[Pending], waiting: list[Pending]
-                   ) -> bool:
-    """Whether the step's decoding rows may verify drafts: not while as many sequences wait
-    for their first token as there are streams, or more (``first_tokens_first``), and a
-    prompt can start or prefill: such a step is held to ``step_budget_ms``, and the drafts'
-    positions would take the prompt tokens' share of it. A full batch (nothing can start)
-    drafts: its rows finishing sooner is what frees a place."""
-    if not (prefilling or waiting) or state.decoding >= max_decoding(state.config):
-        return True
-    return not first_tokens_first(state)
+def drafts_allowed(state: StepState, tokens: dict[int, int]) -> bool:
+    """Whether the step's decoding rows may verify drafts: not in a step that runs prompt
+    tokens (``tokens``, the step's own plan) while as many sequences wait for their first
+    token as there are streams, or more (``first_tokens_first``): such a step is held to
+    ``step_budget_ms``, and the drafts' positions would take the prompt tokens' share of it.
+    A full batch runs no prompt token (nothing can start) and drafts: its rows finishing
+    sooner is what frees a place."""
+    decoding = set(state.decode_uids)
+    prompts = any(uid not in decoding for uid in tokens)
+    return not (prompts and first_tokens_first(state))
 
 
 def max_decoding(config: EngineConfig) -> int:
