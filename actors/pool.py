@@ -203,8 +203,21 @@ class EnginePool(Actor):
     async def on_stop(self, error: BaseException | None) -> None:
         if self._ticker is not None:
             self._ticker.cancel()
-        # At shutdown the cache index and SSD writer (started after the pool) have stopped.
+        if error is None:
+            await self._stop_started()
         self._release_cache_dir()
+
+    async def _stop_started(self) -> None:
+        """A clean stop: what the pool started stops first, the schedulers before the disk
+        tier they write to, so nothing writes in the cache directory once its lock is let go.
+        (Actors spawned in the pool's own ``on_start`` count as started before it, so the
+        system's reverse start order would stop them after it.) A supervised restart keeps
+        them: the next pool adopts them."""
+        for group in ([s.ref for s in self.slots.values()], [s.writer for s in self.slots.values()],
+                      [s.index for s in self.slots.values()], [self.monitor]):
+            for ref in group:
+                if ref is not None:
+                    await self.system.stop(ref)
 
     def _release_cache_dir(self) -> None:
         if self._lock is not None:

@@ -42,7 +42,7 @@ async def start_serving(system: ActorSystem, config: ServeConfig) -> ServingHand
 
     Start order: the engine pool (which resolves every model, starts the memory monitor and
     loads the first model, with its cache index and SSD writer), then admission; actors stop
-    in reverse.
+    in reverse, the pool stopping what it started before it lets the cache directory go.
     """
     check_mlx_lm()  # troupe reaches a few private mlx-lm names: tested versions only
     # Before any model runs: MLX reads PATH and TMPDIR when it first fuses a kernel.

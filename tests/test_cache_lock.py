@@ -97,3 +97,24 @@ async def test_a_second_server_on_a_cache_directory_refuses_to_start_until_the_f
                 await start_serving(second, config)
     async with ActorSystem() as again:  # the first stopped, and let the directory go
         await start_serving(again, config)
+
+
+async def test_the_pool_stops_what_it_started_before_it_lets_the_directory_go(
+        tiny_model_dir, tmp_path):
+    """The first model's scheduler, cache index and SSD writer are spawned inside the pool's
+    own start, so the system's reverse start order would stop them after the pool: the pool
+    stops them itself, then releases the lock (no write lands after the directory is let go)."""
+    from troupe.actors.config import ServeConfig
+    from troupe.actors.serving import start_serving
+    from troupe.runtime import ActorSystem
+
+    config = ServeConfig(model=str(tiny_model_dir), cache_dir=str(tmp_path / "kv"))
+    async with ActorSystem() as system:
+        handles = await start_serving(system, config)
+        assert handles.pool is not None
+        started = [system.find(name) for name in
+                   ("scheduler", "cache_index", "ssd_writer", "memory_monitor")]
+        assert all(ref is not None and ref.alive for ref in started)
+        await system.stop(handles.pool)
+        assert [ref.alive for ref in started if ref is not None] == [False] * 4
+        CacheDirLock.acquire(tmp_path / "kv").release()  # free
