@@ -42,7 +42,12 @@ from troupe.actors.cache_messages import (
 )
 from troupe.actors.distributed.leader import Followers
 from troupe.actors.engine.core import Engine
-from troupe.actors.engine.kv_blocks import KVBlock, from_numpy, to_numpy
+from troupe.actors.engine.kv_blocks import (
+    PERSIST_BYTES_PER_STEP,
+    KVBlock,
+    from_numpy,
+    to_numpy,
+)
 from troupe.actors.messages import AddRequest
 from troupe.runtime import ActorDead, ActorRef, MailboxFull, Message, Reply
 
@@ -50,11 +55,6 @@ log = logging.getLogger("actors.disk_tier")
 
 # How long one step may wait for room in the SSD writer's queue before dropping blocks.
 WRITE_WAIT_S = 0.25
-# A step snapshots at most about this many bytes of new blocks for the disk; the rest wait
-# for the next steps (a 2,000-token prompt's blocks of the default model are ~90 MB:
-# snapshotting them at once stalled every stream for a third of a second, and a request
-# arriving just after the prompt's answer waited for them).
-PERSIST_BYTES_PER_STEP = 8 << 20
 # The longest a request (or a spill) waits for the cache index to say what is on disk.
 LOOKUP_TIMEOUT_S = 1.0
 

@@ -24,14 +24,15 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from troupe.actors.cache_messages import BlockData
-from troupe.actors.engine.kv_blocks import KVBlock, from_numpy, to_numpy
+from troupe.actors.engine.kv_blocks import (
+    PERSIST_BYTES_PER_STEP,
+    KVBlock,
+    from_numpy,
+    to_numpy,
+)
 
 log = logging.getLogger("actors.follower_cache")
 
-# A follower snapshots at most about this many bytes of new blocks between two steps, as rank 0
-# does (``disk_tier.PERSIST_BYTES_PER_STEP``): the ranks step together, so a long snapshot on
-# one stalls them all.
-PERSIST_BYTES_PER_STEP = 8 << 20
 # How long a stopping follower goes on writing what is queued.
 FLUSH_DEADLINE_S = 5.0
 

@@ -219,8 +219,8 @@ def test_while_streams_decode_new_blocks_go_to_disk_a_few_megabytes_a_step():
     each step takes about PERSIST_BYTES_PER_STEP (at least one block); at shutdown, all."""
     import mlx.core as mx
 
-    from troupe.actors.disk_tier import PERSIST_BYTES_PER_STEP, DiskTier
-    from troupe.actors.engine.kv_blocks import KVBlock
+    from troupe.actors.disk_tier import DiskTier
+    from troupe.actors.engine.kv_blocks import PERSIST_BYTES_PER_STEP, KVBlock
 
     layer = (mx.zeros((1, 3, 64, 64)), mx.zeros((1, 3, 64, 64)))  # 98 KB a layer
     block = KVBlock(block_hash="h", parent_hash=None, n_tokens=64, layers=[layer] * 30)

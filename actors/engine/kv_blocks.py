@@ -26,6 +26,12 @@ KV = "kv"
 ARRAYS = "arrays"
 WINDOW = "window"
 
+# A step snapshots (``to_numpy``) at most about this many bytes of new blocks for the disk, on
+# every rank; the rest wait for the next steps (a 2,000-token prompt's blocks of the default
+# model are ~90 MB: snapshotting them at once stalled every stream for a third of a second, and
+# the ranks of a sharded model step together, so one rank's long snapshot stalls them all).
+PERSIST_BYTES_PER_STEP = 8 << 20
+
 
 def layer_kinds(model: Any) -> list[str] | None:
     """Per layer, how its cache is blocked; None when a layer's cache cannot be (quantized KV,
