@@ -57,6 +57,10 @@ log = logging.getLogger("actors.disk_tier")
 WRITE_WAIT_S = 0.25
 # The longest a request (or a spill) waits for the cache index to say what is on disk.
 LOOKUP_TIMEOUT_S = 1.0
+# How long the next step waits for the index's answers to lookups just asked: it answers from
+# its own thread within a millisecond or so, and a request whose answer comes after the step
+# has begun starts a whole step later (at 32 clients on a CPU, a third of a second a request).
+LOOKUP_GRACE_S = 0.005
 
 # The scheduler's: add a request to the batch from these cached blocks and a partial hit of at
 # most this many tokens after them (None: any); False when it did not start (its client is
@@ -86,6 +90,7 @@ class _Loading:
     cached: list[KVBlock]  # this rank's: from RAM, then those read from disk
     epoch: int = 0  # the request's (``DiskTier._epochs``): a lookup's answer names it
     rest: list[str] | None = None
+    asked: float = 0.0  # when the index was asked (``rest``), monotonic seconds
     reading: bool = False
     probing: bool = False
     supplied: tuple[int, list[int]] = (0, [])
@@ -134,6 +139,17 @@ class DiskTier:
     def waiting(self) -> int:
         """Requests waiting for their cached blocks (not yet in the engine)."""
         return len(self._loading)
+
+    @property
+    def looking_up(self) -> bool:
+        """Some request waits for the index's answer to its lookup."""
+        return any(loading.rest is not None for loading in self._loading.values())
+
+    def lookup_grace(self, now: float) -> float:
+        """Seconds the next step may wait for the index to answer the lookups in flight
+        (``LOOKUP_GRACE_S`` from the latest asked); 0 when none is."""
+        asked = [loading.asked for loading in self._loading.values() if loading.rest is not None]
+        return max(0.0, max(asked) + LOOKUP_GRACE_S - now) if asked else 0.0
 
     def begin(self, msg: AddRequest, reply: Reply) -> None:
         """A new request: start it from the blocks RAM holds, or, when RAM stops short of the
@@ -239,7 +255,7 @@ class DiskTier:
                                       reply_to=self.scheduler))
         except (MailboxFull, ActorDead):
             return False  # the index is busy or gone: RAM alone serves
-        loading.rest = rest
+        loading.rest, loading.asked = rest, time.monotonic()
         asyncio.get_running_loop().call_later(
             LOOKUP_TIMEOUT_S, self._remind_lookup, FoundOnDisk(request_id=rid, epoch=epoch,
                                                                blocks=0))

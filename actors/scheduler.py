@@ -223,6 +223,10 @@ class Scheduler(Actor):
         # new blocks waiting for the disk (made with the engine, in on_start).
         self.disk: DiskTier | None = None
         self._step_queued = False
+        # The next step held for the cache index's answers (``DiskTier.lookup_grace``): its
+        # timer, and whether a step was held since the last one ran (once a step at most).
+        self._lookup_hold: asyncio.TimerHandle | None = None
+        self._held = False
         self._tps_window: list[tuple[float, int]] = []
         self.counters = {"hit_tokens": 0, "miss_tokens": 0}
         self._stepping = False  # inside engine.step (read by the stuck-step watchdog)
@@ -397,8 +401,18 @@ class Scheduler(Actor):
     async def handle(self, msg: Any) -> Any:
         match msg:
             case Step():
+                grace = 0.0 if self._held else self.disk.lookup_grace(time.monotonic())
+                if grace > 0:
+                    # Requests just asked the index about their blocks: the step waits for
+                    # the answers (a few ms at most, once), so that they start in it and not
+                    # a whole step later.
+                    self._held = True
+                    self._lookup_hold = asyncio.get_running_loop().call_later(
+                        grace, self._lookup_held)
+                    return None
                 self._step_queued = False
                 self._window_opened = None
+                self._held = False
                 await self._step()
             case AddRequest():
                 self._last_active = self._last_arrival = time.monotonic()
@@ -412,6 +426,10 @@ class Scheduler(Actor):
                 self._embed(msg, self.take_answer())
             case FoundOnDisk():
                 self.disk.found(msg)
+                if self._lookup_hold is not None and not self.disk.looking_up:
+                    # Every lookup answered: the held step runs now (queued below).
+                    self._lookup_hold.cancel()
+                    self._lookup_hold, self._step_queued = None, False
             case BlocksRead():
                 self.disk.loaded(msg)
             case PrefixSupplied():
@@ -732,6 +750,11 @@ class Scheduler(Actor):
         except ActorDead:
             # Stopping: the mailbox is closed and being drained; on_stop ends what is left.
             pass
+
+    def _lookup_held(self) -> None:
+        """The lookups' grace is over: step with what has been answered."""
+        self._lookup_hold, self._step_queued = None, False
+        self._queue_step()
 
     def _delayed_step(self) -> None:
         """The arrival window's timer: step, unless requests are still arriving (each

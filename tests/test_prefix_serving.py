@@ -490,3 +490,77 @@ async def test_a_restarted_pool_that_finds_a_writer_without_its_index_starts_bot
         await writer.tell(WriteBlock(block=block, request_id="r", epoch=0))
         assert await writer.ask(FlushWrites(deadline_s=10.0), timeout=15.0) == 1
         assert await index.ask(LookupDisk(hashes=[block.block_hash]), timeout=5.0) == 1
+
+
+async def test_a_request_asking_the_index_starts_in_the_next_step_beside_a_decoding_stream(
+        tiny_model_dir, monkeypatch):
+    """A new request whose prompt has a block not in RAM asks the index, which answers by
+    message: the next step waits for that answer (``LOOKUP_GRACE_S``, ended at once by the
+    answer), so the request starts before it rather than a whole step after the answer."""
+    import time
+
+    from mlx_lm.utils import load_tokenizer
+
+    from troupe.actors import disk_tier
+    from troupe.actors.cache_messages import FoundOnDisk, LookupDisk
+    from troupe.actors.engine.config import EngineConfig
+    from troupe.actors.messages import (
+        AbortRequest,
+        AddRequest,
+        DescribeEngine,
+        RequestFinished,
+        RequestStarted,
+        SamplingParams,
+    )
+    from troupe.actors.scheduler import MLX_THREAD, Scheduler
+    from troupe.runtime import Actor
+
+    # Long enough that a busy test machine's index thread always answers within it: the
+    # test is of the order of steps; the answer ending the wait is checked below.
+    monkeypatch.setattr(disk_tier, "LOOKUP_GRACE_S", 30.0)
+
+    class EmptyDisk(Actor):
+        """An index with nothing on disk, answering at once."""
+
+        async def handle(self, msg):
+            if isinstance(msg, LookupDisk) and msg.reply_to is not None:
+                await msg.reply_to.tell(FoundOnDisk(
+                    request_id=msg.request_id, epoch=msg.epoch, blocks=0))
+            return 0
+
+    async with ActorSystem() as system:
+        index = await system.spawn(EmptyDisk, name="cache_index")
+        scheduler = await system.spawn(Scheduler, name="scheduler", thread=MLX_THREAD,
+                                       model=str(tiny_model_dir), index=index,
+                                       config=EngineConfig(
+                                           block_size=BLOCK, arrival_window_ms=0.0))
+        await scheduler.ask(DescribeEngine())
+        sched = system.find("scheduler")._cell.instance
+        tok = load_tokenizer(tiny_model_dir)
+        first = await scheduler.stream(AddRequest(
+            request_id="decoding", prompt_tokens=tok.encode("Once upon a time"),
+            sampling=SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True)))
+        assert isinstance(await anext(first), RequestStarted)
+        seen: dict[str, tuple[int, float]] = {}
+        begin, start = sched.disk.begin, sched.disk.start
+
+        def recording_begin(msg, reply):
+            seen["asked"] = (sched.engine.steps, time.monotonic())
+            begin(msg, reply)
+
+        def recording_start(msg, reply, cached, partial):
+            if msg.request_id == "looking":
+                seen["started"] = (sched.engine.steps, time.monotonic())
+            return start(msg, reply, cached, partial)
+
+        sched.disk.begin, sched.disk.start = recording_begin, recording_start
+        second = await scheduler.stream(AddRequest(
+            request_id="looking", prompt_tokens=tok.encode(LONG),
+            sampling=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)))
+        done = [ev async for ev in second if isinstance(ev, RequestFinished)]
+        assert done[0].error is None and done[0].usage.completion_tokens == 4
+        (asked_step, asked_at), (started_step, started_at) = seen["asked"], seen["started"]
+        assert started_step == asked_step  # no step ran between the question and the start
+        assert started_at - asked_at < 20.0  # the answer ended the wait, not the grace
+        await scheduler.tell(AbortRequest(request_id="decoding"))
+        [ev async for ev in first]
