@@ -352,23 +352,41 @@ def test_billing_line_in_a_developer_message_is_removed_too():
     assert out == [{"role": "developer", "content": "Rules."}]
 
 
+async def beside_a_stream(system: ActorSystem, index_class: type, model_dir: Path):
+    """A scheduler of the tiny model (blocks of BLOCK tokens, no arrival window) whose cache
+    index is ``index_class``, with one request decoding for a long while: (its ref, the
+    scheduler itself, the tokenizer, the decoding request's events)."""
+    from mlx_lm.utils import load_tokenizer
+
+    from troupe.actors.engine.config import EngineConfig
+    from troupe.actors.messages import AddRequest, DescribeEngine, RequestStarted, SamplingParams
+    from troupe.actors.scheduler import MLX_THREAD, Scheduler
+
+    index = await system.spawn(index_class, name="cache_index")
+    scheduler = await system.spawn(Scheduler, name="scheduler", thread=MLX_THREAD,
+                                   model=str(model_dir), index=index,
+                                   config=EngineConfig(block_size=BLOCK, arrival_window_ms=0.0))
+    await scheduler.ask(DescribeEngine())
+    tok = load_tokenizer(model_dir)
+    first = await scheduler.stream(AddRequest(
+        request_id="decoding", prompt_tokens=tok.encode("Once upon a time"),
+        sampling=SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True)))
+    assert isinstance(await anext(first), RequestStarted)
+    return scheduler, system.find("scheduler")._cell.instance, tok, first
+
+
 async def test_a_disk_lookup_does_not_hold_the_step(tiny_model_dir):
     """A request waiting for the cache index to say what is on disk waits on its own: another
     request goes on decoding, step after step, while the lookup is unanswered (the scheduler
     asks by message and gets the answer as a message, never awaiting the index in a step)."""
-    from mlx_lm.utils import load_tokenizer
-
     from troupe.actors.cache_messages import FoundOnDisk, LookupDisk
-    from troupe.actors.engine.config import EngineConfig
     from troupe.actors.messages import (
         AbortRequest,
         AddRequest,
-        DescribeEngine,
         RequestFinished,
         RequestStarted,
         SamplingParams,
     )
-    from troupe.actors.scheduler import MLX_THREAD, Scheduler
     from troupe.runtime import Actor
 
     asked, release = asyncio.Event(), asyncio.Event()
@@ -391,18 +409,7 @@ async def test_a_disk_lookup_does_not_hold_the_step(tiny_model_dir):
             return 0
 
     async with ActorSystem() as system:
-        index = await system.spawn(SlowDisk, name="cache_index")
-        scheduler = await system.spawn(Scheduler, name="scheduler", thread=MLX_THREAD,
-                                       model=str(tiny_model_dir), index=index,
-                                       config=EngineConfig(
-                                           block_size=BLOCK, arrival_window_ms=0.0))
-        await scheduler.ask(DescribeEngine())
-        sched = system.find("scheduler")._cell.instance
-        tok = load_tokenizer(tiny_model_dir)
-        first = await scheduler.stream(AddRequest(
-            request_id="decoding", prompt_tokens=tok.encode("Once upon a time"),
-            sampling=SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True)))
-        assert isinstance(await anext(first), RequestStarted)
+        scheduler, sched, tok, first = await beside_a_stream(system, SlowDisk, tiny_model_dir)
         SlowDisk.hold = True
         second = await scheduler.stream(AddRequest(
             request_id="looking", prompt_tokens=tok.encode(LONG),
@@ -499,20 +506,14 @@ async def test_a_request_asking_the_index_starts_in_the_next_step_beside_a_decod
     answer), so the request starts before it rather than a whole step after the answer."""
     import time
 
-    from mlx_lm.utils import load_tokenizer
-
     from troupe.actors import disk_tier
     from troupe.actors.cache_messages import FoundOnDisk, LookupDisk
-    from troupe.actors.engine.config import EngineConfig
     from troupe.actors.messages import (
         AbortRequest,
         AddRequest,
-        DescribeEngine,
         RequestFinished,
-        RequestStarted,
         SamplingParams,
     )
-    from troupe.actors.scheduler import MLX_THREAD, Scheduler
     from troupe.runtime import Actor
 
     # Long enough that a busy test machine's index thread always answers within it: the
@@ -529,18 +530,7 @@ async def test_a_request_asking_the_index_starts_in_the_next_step_beside_a_decod
             return 0
 
     async with ActorSystem() as system:
-        index = await system.spawn(EmptyDisk, name="cache_index")
-        scheduler = await system.spawn(Scheduler, name="scheduler", thread=MLX_THREAD,
-                                       model=str(tiny_model_dir), index=index,
-                                       config=EngineConfig(
-                                           block_size=BLOCK, arrival_window_ms=0.0))
-        await scheduler.ask(DescribeEngine())
-        sched = system.find("scheduler")._cell.instance
-        tok = load_tokenizer(tiny_model_dir)
-        first = await scheduler.stream(AddRequest(
-            request_id="decoding", prompt_tokens=tok.encode("Once upon a time"),
-            sampling=SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True)))
-        assert isinstance(await anext(first), RequestStarted)
+        scheduler, sched, tok, first = await beside_a_stream(system, EmptyDisk, tiny_model_dir)
         seen: dict[str, tuple[int, float]] = {}
         begin, start = sched.disk.begin, sched.disk.start
 
