@@ -52,6 +52,9 @@ def main() -> None:
     p.add_argument("--context", type=int, default=100, help="tokens in the cache")
     p.add_argument("--kernels", default="native", help="troupe's --cpu-kernels: native or mlx")
     p.add_argument("--wall", action="store_true", help="also the median wall time")
+    p.add_argument("--speculative", choices=("off", "ngram"), default=None,
+                   help="the Engine's --speculative (default: serve's); off to compare with "
+                        "a commit that has no drafting")
     args = p.parse_args()
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before the re-execution keeps it
     same_blas_as_troupe_serve()
@@ -103,7 +106,8 @@ def main() -> None:
 
     # -- the Engine's step and the bare model call -------------------------------------------
     greedy = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
-    engine = served_engine(model, tok, SamplingParams(max_tokens=2, temperature=0.0))
+    engine = served_engine(model, tok, SamplingParams(max_tokens=2, temperature=0.0),
+                           speculative=args.speculative)
     engine.add("stream", [(i * 7) % 5000 + 10 for i in range(args.context)], greedy)
     while engine.runner.decoding == 0 or engine.runner.prefill_rows():
         engine.step()

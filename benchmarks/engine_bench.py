@@ -19,10 +19,12 @@ def prompts(tok: Any, n: int, key: str) -> list[list[int]]:
             for i in range(n)]
 
 
-def served_engine(model: Any, tok: Any, sampling: Any, draft: Any = None) -> Any:
+def served_engine(model: Any, tok: Any, sampling: Any, draft: Any = None,
+                  speculative: str | None = None) -> Any:
     """troupe's ``Engine`` with ``troupe serve``'s defaults, its chat template already cached
     by one request (as a server that has answered before); ``draft``: a draft model
-    (``draft_model.DraftModel``) drafting for it, as ``--draft-model`` gives."""
+    (``draft_model.DraftModel``) drafting for it, as ``--draft-model`` gives; ``speculative``:
+    ``--speculative`` (``"off"`` to compare with a commit that has no drafting)."""
     import mlx.core as mx
     import msgspec
 
@@ -32,6 +34,8 @@ def served_engine(model: Any, tok: Any, sampling: Any, draft: Any = None) -> Any
     cfg = ServeConfig().engine
     if draft is not None:
         cfg = msgspec.structs.replace(cfg, draft_model="draft")
+    if speculative is not None:
+        cfg = msgspec.structs.replace(cfg, speculative=speculative)
     engine = Engine(model, tok, cfg, stream=mx.default_stream(mx.cpu), draft=draft)
     engine.add("warm-up", prompts(tok, 1, f"warm-{time.time()}")[0], sampling)
     while engine.has_work:
