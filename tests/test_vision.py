@@ -19,6 +19,7 @@ from mlx_lm import load
 from PIL import Image
 from tiny_vlm import (
     make_tiny_gemma3_vlm,
+    make_tiny_mistral3,
     make_tiny_qwen2_5_vl,
     make_tiny_qwen2_vl,
     make_tiny_qwen3_5,
@@ -57,12 +58,14 @@ def chat(n_images: int = 1, text: str = QUESTION) -> list[dict]:
              "content": [{"type": "image"}] * n_images + [{"type": "text", "text": text}]}]
 
 
-# Each family troupe reads images for: Gemma 3 (an image's tokens at 1-D positions),
+# Each family troupe reads images for: Gemma 3 (an image's tokens at 1-D positions), Mistral 3
+# (1-D too; a Pixtral tower at the image's own size, a break token between rows of tokens),
 # Qwen2-VL and Qwen2.5-VL (M-RoPE, actors/engine/mrope.py), Qwen3-VL and its mixture of
 # experts (interleaved M-RoPE, and deepstack: actors/engine/deepstack.py), Qwen3.5 and its
 # mixture of experts (interleaved M-RoPE on half of each head, linear-attention layers between).
-MAKERS = {"gemma3": make_tiny_gemma3_vlm, "qwen2_vl": make_tiny_qwen2_vl,
-          "qwen2_5_vl": make_tiny_qwen2_5_vl, "qwen3_vl": make_tiny_qwen3_vl,
+MAKERS = {"gemma3": make_tiny_gemma3_vlm, "mistral3": make_tiny_mistral3,
+          "qwen2_vl": make_tiny_qwen2_vl, "qwen2_5_vl": make_tiny_qwen2_5_vl,
+          "qwen3_vl": make_tiny_qwen3_vl,
           "qwen3_vl_moe": make_tiny_qwen3_vl_moe, "qwen3_5": make_tiny_qwen3_5,
           "qwen3_5_moe": make_tiny_qwen3_5_moe}
 
@@ -98,7 +101,7 @@ def reference(vlm: Any, images: list[Image.Image], text: str = QUESTION,
     _, _, _, _, processor, model = vlm
     out = processor(text=[rendered(vlm, chat(len(images), text))], images=images,
                     add_special_tokens=False)
-    extra = {"image_grid_thw": out["image_grid_thw"]} if "image_grid_thw" in out else {}
+    extra = {k: out[k] for k in ("image_grid_thw", "image_sizes") if k in out}
     steps = generate_step(out["input_ids"], model, out["pixel_values"], out["attention_mask"],
                           max_tokens=max_tokens, temperature=0.0, **extra)
     return [int(t) for (t, _), _ in zip(steps, range(max_tokens), strict=False)]
@@ -134,6 +137,16 @@ def test_two_images_in_one_prompt_answer_as_mlx_vlm_does(vlm: Any) -> None:
     ids, images = prompt(vlm, pics)
     assert len(images) == 2
     assert serve(engine(vlm), "a", ids, images)[0] == reference(vlm, pics)
+
+
+def test_an_image_s_key_and_pixels_do_not_depend_on_the_images_beside_it(vlm: Any) -> None:
+    """Pixtral's processor pads every image of a prompt to the largest: each is cut back, so
+    the same screenshot beside another image is still the same cache key."""
+    small = picture(3, (64, 20))
+    (_, alone), = prompt(vlm, [small])[1].items()
+    beside = list(prompt(vlm, [picture(2), small])[1].values())[1]
+    assert beside.key == alone.key and beside.tokens == alone.tokens
+    assert np.array_equal(beside.pixels, alone.pixels)
 
 
 @pytest.mark.parametrize("split", ["inside the image", "in chunks of 3"])

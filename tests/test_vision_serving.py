@@ -21,6 +21,7 @@ from http_stack import RealStack, real_client_with_room, real_stack
 from test_vision import QUESTION, chat, picture, reference
 from tiny_vlm import (
     make_tiny_gemma3_vlm,
+    make_tiny_mistral3,
     make_tiny_qwen2_5_vl,
     make_tiny_qwen3_5,
     make_tiny_qwen3_vl,
@@ -50,10 +51,10 @@ def vlm(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return loaded(make_tiny_gemma3_vlm(tmp_path_factory.mktemp("gemma3-vlm") / "gemma3-vlm"))
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
-def qwen_vlm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    make = {"qwen2_5_vl": make_tiny_qwen2_5_vl, "qwen3_vl": make_tiny_qwen3_vl,
-            "qwen3_5": make_tiny_qwen3_5}[request.param]
+@pytest.fixture(scope="module", params=["mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+def family_vlm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    make = {"mistral3": make_tiny_mistral3, "qwen2_5_vl": make_tiny_qwen2_5_vl,
+            "qwen3_vl": make_tiny_qwen3_vl, "qwen3_5": make_tiny_qwen3_5}[request.param]
     return loaded(make(tmp_path_factory.mktemp(request.param) / request.param))
 
 
@@ -180,10 +181,10 @@ async def test_an_undecodable_image_is_a_400_and_the_server_keeps_serving(
     assert ok.json()["choices"][0]["message"]["content"] == expected(vlm, 0)
 
 
-async def test_qwen_vl_reads_images_as_mlx_vlm_does_and_from_the_cache(
-        qwen_vlm: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_each_family_reads_images_as_mlx_vlm_does_and_from_the_cache(
+        family_vlm: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TROUPE_HOME", str(tmp_path))
-    async with real_stack(qwen_vlm[0]) as s:
+    async with real_stack(family_vlm[0]) as s:
         oai = openai.AsyncOpenAI(base_url=f"{s.server.url}/v1", api_key="x", max_retries=0)
         try:
             got = [await oai.chat.completions.create(model=s.model, max_tokens=8, temperature=0,
@@ -192,11 +193,12 @@ async def test_qwen_vl_reads_images_as_mlx_vlm_does_and_from_the_cache(
         finally:
             await oai.close()
     answers = [g.choices[0].message.content for g in got]
-    assert answers[:2] == [expected(qwen_vlm, 0), expected(qwen_vlm, 1)]
+    assert answers[:2] == [expected(family_vlm, 0), expected(family_vlm, 1)]
     assert answers[0] != answers[1]
-    # The same image again: a hit past the image (M-RoPE's positions come with the prefix).
+    # The same image again: a hit past the image (the Qwen models' M-RoPE positions come with
+    # the prefix).
     assert answers[2] == answers[0]
-    assert got[2].usage.prompt_tokens_details.cached_tokens > image_start(qwen_vlm)
+    assert got[2].usage.prompt_tokens_details.cached_tokens > image_start(family_vlm)
 
 
 async def test_a_text_only_model_refuses_images_with_a_400(tiny_model_dir: Path,

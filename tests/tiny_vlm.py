@@ -259,3 +259,72 @@ def make_tiny_qwen_vl(out: Path, kind: str, *, hidden: int = 64, layers: int = 4
     (out / "processor_config.json").write_text(json.dumps(
         {"processor_class": f"{name}Processor"}))
     return out
+
+
+IMG, IMG_BREAK, IMG_END = "[IMG]", "[IMG_BREAK]", "[IMG_END]"
+# ChatML writing image parts as Mistral's templates do: one [IMG], which the processor expands
+# into the image's rows of [IMG] tokens, an [IMG_BREAK] after each row but the last, [IMG_END].
+MISTRAL3_TEMPLATE = VLM_TEMPLATE.replace(BOI, IMG)
+
+
+def make_tiny_mistral3(out: Path, *, hidden: int = 64, layers: int = 4, patch: int = 8,
+                       longest_edge: int = 48, seed: int = 0) -> Path:
+    """Write a random-weight Mistral 3 (Mistral Small 3.1's shape: a Pixtral tower at the
+    image's own size, 2x2 patches merged, a Mistral language model) to ``out``, made with
+    mlx-vlm's classes. Its image processor keeps an image's aspect ratio within
+    ``longest_edge`` pixels, so images of other shapes take other numbers of rows and
+    columns of tokens."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_vlm.models.mistral3 import Model
+    from mlx_vlm.models.mistral3.config import ModelConfig, TextConfig, VisionConfig
+    from transformers import AutoTokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(out, template=MISTRAL3_TEMPLATE)
+    tok = AutoTokenizer.from_pretrained(str(out))
+    tok.add_special_tokens({"additional_special_tokens": [IMG, IMG_BREAK, IMG_END]})
+    tok.save_pretrained(str(out))
+    config_file = out / "tokenizer_config.json"
+    tok_config = json.loads(config_file.read_text())
+    tok_config["chat_template"] = MISTRAL3_TEMPLATE
+    config_file.write_text(json.dumps(tok_config, indent=2))
+    text = {
+        "model_type": "mistral", "hidden_size": hidden, "num_hidden_layers": layers,
+        "intermediate_size": hidden * 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": hidden // 4, "rms_norm_eps": 1e-6, "vocab_size": len(tok),
+        "max_position_embeddings": 2048, "rope_theta": 10000.0, "tie_word_embeddings": False,
+    }
+    vision = {
+        "model_type": "pixtral", "num_hidden_layers": 2, "hidden_size": 32, "head_dim": 16,
+        "intermediate_size": 64, "num_attention_heads": 2, "image_size": longest_edge,
+        "patch_size": patch, "num_channels": 3, "rope_theta": 10000.0,
+    }
+    config = {
+        "model_type": "mistral3", "architectures": ["Mistral3ForConditionalGeneration"],
+        "text_config": text, "vision_config": vision, "spatial_merge_size": 2,
+        "image_token_index": tok.convert_tokens_to_ids(IMG), "vision_feature_layer": -1,
+        "multimodal_projector_bias": False, "projector_hidden_act": "gelu",
+        "eos_token_id": tok.eos_token_id,
+    }
+    mx.random.seed(seed)
+    model_config = ModelConfig.from_dict(json.loads(json.dumps(config)))
+    model_config.text_config = TextConfig.from_dict(text)
+    model_config.vision_config = VisionConfig.from_dict(vision)
+    model = Model(model_config)
+    weights = dict(tree_flatten(model.parameters()))
+    # Wider normal weights than the default initialisation (as the Gemma 3 above).
+    weights = {k: (mx.random.normal(v.shape) * 2.0 / v.shape[-1] ** 0.5 if v.ndim >= 2
+                   and "norm" not in k else v) for k, v in weights.items()}
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "PixtralImageProcessor", "processor_class": "PixtralProcessor",
+        "size": {"longest_edge": longest_edge}, "patch_size": {"height": patch, "width": patch},
+        "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True,
+    }, indent=2))
+    (out / "processor_config.json").write_text(json.dumps({
+        "processor_class": "PixtralProcessor", "patch_size": patch, "spatial_merge_size": 2,
+        "image_token": IMG, "image_break_token": IMG_BREAK, "image_end_token": IMG_END}))
+    return out

@@ -29,7 +29,9 @@ from troupe.actors.engine.deepstack import Deepstack
 # and Qwen2.5-VL by M-RoPE (three position ids a token, ``actors.engine.mrope``), Qwen3-VL
 # too, its tower also feeding the first layers (``actors.engine.deepstack``), and Qwen3.5 (its
 # linear-attention layers take no positions); the mixtures of experts of the last two alike.
-VISION_MODEL_TYPES = frozenset({"gemma3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
+# Mistral 3 (Mistral Small 3.1 and later) at 1-D positions too: its Pixtral tower reads an
+# image at the image's own size, into rows of tokens with a break token between rows.
+VISION_MODEL_TYPES = frozenset({"gemma3", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
                                 "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"})
 EXTRA = "pip install 'mlx-troupe[vision]'"
 # The mlx-vlm versions the tests ran on (pyproject.toml pins the extra to them).
@@ -139,6 +141,8 @@ class VisionTower:
         # Qwen3-VL's features for its first layers (None: the tower feeds the input alone).
         levels = len(self.config["vision_config"].get("deepstack_visual_indexes") or [])
         self.deepstack = Deepstack(model, levels) if levels else None
+        # Pixtral's tower reads each image at its own size, which it is told.
+        self.sized = self.config["vision_config"].get("model_type") == "pixtral"
 
     def features(self, image: Any) -> mx.array:
         """The embeddings of an image's tokens (``image``: an ``ImageInput``, its pixels as its
@@ -148,7 +152,8 @@ class VisionTower:
         ids = mx.full((1, n), self.image_token, dtype=mx.int32)
         pixels = mx.array(image.pixels)
         if image.grid is None:
-            extra = {}
+            extra = ({"image_sizes": mx.array([list(image.pixels.shape[-2:])])}
+                     if self.sized else {})
             pixels = pixels[None]
         else:  # rows of patches, their grid the tower's to know
             extra = {"image_grid_thw": mx.array([list(image.grid)])}
