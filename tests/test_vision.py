@@ -20,6 +20,7 @@ from PIL import Image
 from tiny_vlm import (
     make_tiny_gemma3_vlm,
     make_tiny_mistral3,
+    make_tiny_pixtral,
     make_tiny_qwen2_5_vl,
     make_tiny_qwen2_vl,
     make_tiny_qwen3_5,
@@ -59,11 +60,13 @@ def chat(n_images: int = 1, text: str = QUESTION) -> list[dict]:
 
 
 # Each family troupe reads images for: Gemma 3 (an image's tokens at 1-D positions), Mistral 3
-# (1-D too; a Pixtral tower at the image's own size, a break token between rows of tokens),
+# and Pixtral (1-D too; a Pixtral tower at the image's own size, a break token between rows of
+# tokens; Mistral 3 merges 2x2 patches),
 # Qwen2-VL and Qwen2.5-VL (M-RoPE, actors/engine/mrope.py), Qwen3-VL and its mixture of
 # experts (interleaved M-RoPE, and deepstack: actors/engine/deepstack.py), Qwen3.5 and its
 # mixture of experts (interleaved M-RoPE on half of each head, linear-attention layers between).
 MAKERS = {"gemma3": make_tiny_gemma3_vlm, "mistral3": make_tiny_mistral3,
+          "pixtral": make_tiny_pixtral,
           "qwen2_vl": make_tiny_qwen2_vl, "qwen2_5_vl": make_tiny_qwen2_5_vl,
           "qwen3_vl": make_tiny_qwen3_vl,
           "qwen3_vl_moe": make_tiny_qwen3_vl_moe, "qwen3_5": make_tiny_qwen3_5,

@@ -264,30 +264,46 @@ def make_tiny_qwen_vl(out: Path, kind: str, *, hidden: int = 64, layers: int = 4
 IMG, IMG_BREAK, IMG_END = "[IMG]", "[IMG_BREAK]", "[IMG_END]"
 # ChatML writing image parts as Mistral's templates do: one [IMG], which the processor expands
 # into the image's rows of [IMG] tokens, an [IMG_BREAK] after each row but the last, [IMG_END].
-MISTRAL3_TEMPLATE = VLM_TEMPLATE.replace(BOI, IMG)
+PIXTRAL_TEMPLATE = VLM_TEMPLATE.replace(BOI, IMG)
 
 
-def make_tiny_mistral3(out: Path, *, hidden: int = 64, layers: int = 4, patch: int = 8,
-                       longest_edge: int = 48, seed: int = 0) -> Path:
-    """Write a random-weight Mistral 3 (Mistral Small 3.1's shape: a Pixtral tower at the
-    image's own size, 2x2 patches merged, a Mistral language model) to ``out``, made with
-    mlx-vlm's classes. Its image processor keeps an image's aspect ratio within
-    ``longest_edge`` pixels, so images of other shapes take other numbers of rows and
+def make_tiny_mistral3(out: Path, **kw: Any) -> Path:
+    """Write a random-weight Mistral 3 (Mistral Small 3.1's shape: 2x2 patches merged before
+    the projector) to ``out`` (``make_tiny_pixtral_family``)."""
+    return make_tiny_pixtral_family(out, "mistral3", **kw)
+
+
+def make_tiny_pixtral(out: Path, **kw: Any) -> Path:
+    """Write a random-weight Pixtral (Pixtral 12B's shape: a token a patch) to ``out``
+    (``make_tiny_pixtral_family``)."""
+    return make_tiny_pixtral_family(out, "pixtral", **kw)
+
+
+def make_tiny_pixtral_family(out: Path, kind: str, *, hidden: int = 64, layers: int = 4,
+                             patch: int = 8, longest_edge: int = 48, seed: int = 0) -> Path:
+    """Write a random-weight checkpoint of a family with a Pixtral tower (``kind``: mistral3
+    or pixtral), which reads an image at the image's own size, and a Mistral language model,
+    to ``out``, made with mlx-vlm's classes. Its image processor keeps an image's aspect ratio
+    within ``longest_edge`` pixels, so images of other shapes take other numbers of rows and
     columns of tokens."""
+    import importlib
+
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_vlm.models.mistral3 import Model
-    from mlx_vlm.models.mistral3.config import ModelConfig, TextConfig, VisionConfig
     from transformers import AutoTokenizer
 
+    family = importlib.import_module(f"mlx_vlm.models.{kind}")
+    configs = importlib.import_module(f"mlx_vlm.models.{kind}.config")
+    merge = 2 if kind == "mistral3" else 1
+
     out.mkdir(parents=True, exist_ok=True)
-    write_tokenizer(out, template=MISTRAL3_TEMPLATE)
+    write_tokenizer(out, template=PIXTRAL_TEMPLATE)
     tok = AutoTokenizer.from_pretrained(str(out))
     tok.add_special_tokens({"additional_special_tokens": [IMG, IMG_BREAK, IMG_END]})
     tok.save_pretrained(str(out))
     config_file = out / "tokenizer_config.json"
     tok_config = json.loads(config_file.read_text())
-    tok_config["chat_template"] = MISTRAL3_TEMPLATE
+    tok_config["chat_template"] = PIXTRAL_TEMPLATE
     config_file.write_text(json.dumps(tok_config, indent=2))
     text = {
         "model_type": "mistral", "hidden_size": hidden, "num_hidden_layers": layers,
@@ -300,18 +316,20 @@ def make_tiny_mistral3(out: Path, *, hidden: int = 64, layers: int = 4, patch: i
         "intermediate_size": 64, "num_attention_heads": 2, "image_size": longest_edge,
         "patch_size": patch, "num_channels": 3, "rope_theta": 10000.0,
     }
+    name = {"mistral3": "Mistral3ForConditionalGeneration",
+            "pixtral": "LlavaForConditionalGeneration"}[kind]
     config = {
-        "model_type": "mistral3", "architectures": ["Mistral3ForConditionalGeneration"],
-        "text_config": text, "vision_config": vision, "spatial_merge_size": 2,
+        "model_type": kind, "architectures": [name],
+        "text_config": text, "vision_config": vision, "spatial_merge_size": merge,
         "image_token_index": tok.convert_tokens_to_ids(IMG), "vision_feature_layer": -1,
         "multimodal_projector_bias": False, "projector_hidden_act": "gelu",
         "eos_token_id": tok.eos_token_id,
     }
     mx.random.seed(seed)
-    model_config = ModelConfig.from_dict(json.loads(json.dumps(config)))
-    model_config.text_config = TextConfig.from_dict(text)
-    model_config.vision_config = VisionConfig.from_dict(vision)
-    model = Model(model_config)
+    model_config = configs.ModelConfig.from_dict(json.loads(json.dumps(config)))
+    model_config.text_config = configs.TextConfig.from_dict(text)
+    model_config.vision_config = configs.VisionConfig.from_dict(vision)
+    model = family.Model(model_config)
     weights = dict(tree_flatten(model.parameters()))
     # Wider normal weights than the default initialisation (as the Gemma 3 above).
     weights = {k: (mx.random.normal(v.shape) * 2.0 / v.shape[-1] ** 0.5 if v.ndim >= 2
@@ -325,6 +343,6 @@ def make_tiny_mistral3(out: Path, *, hidden: int = 64, layers: int = 4, patch: i
         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True,
     }, indent=2))
     (out / "processor_config.json").write_text(json.dumps({
-        "processor_class": "PixtralProcessor", "patch_size": patch, "spatial_merge_size": 2,
+        "processor_class": "PixtralProcessor", "patch_size": patch, "spatial_merge_size": merge,
         "image_token": IMG, "image_break_token": IMG_BREAK, "image_end_token": IMG_END}))
     return out

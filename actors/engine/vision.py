@@ -29,10 +29,10 @@ from troupe.actors.engine.deepstack import Deepstack
 # and Qwen2.5-VL by M-RoPE (three position ids a token, ``actors.engine.mrope``), Qwen3-VL
 # too, its tower also feeding the first layers (``actors.engine.deepstack``), and Qwen3.5 (its
 # linear-attention layers take no positions); the mixtures of experts of the last two alike.
-# Mistral 3 (Mistral Small 3.1 and later) at 1-D positions too: its Pixtral tower reads an
-# image at the image's own size, into rows of tokens with a break token between rows.
-VISION_MODEL_TYPES = frozenset({"gemma3", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
-                                "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"})
+# Mistral 3 (Mistral Small 3.1 and later) and Pixtral at 1-D positions too: their Pixtral
+# tower reads an image at the image's own size, into rows of tokens with a break token between.
+VISION_MODEL_TYPES = frozenset({"gemma3", "mistral3", "pixtral", "qwen2_vl", "qwen2_5_vl",
+                                "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"})
 EXTRA = "pip install 'mlx-troupe[vision]'"
 # The mlx-vlm versions the tests ran on (pyproject.toml pins the extra to them).
 TESTED_MLX_VLM = ("0.7.10",)
