@@ -297,6 +297,21 @@ class Admission(Actor):
         self._large = asyncio.Semaphore(self.workers - 1)
         self._load_gate = asyncio.Lock()
 
+    @staticmethod
+    def _card(entry: ModelEntry) -> ModelCard:
+        """A model's card with what it does here and whether it is loaded now."""
+        card = entry.card
+        if card.task == "embed":
+            found: tuple[str, ...] = ("embedding",)
+        elif card.task != "generate":
+            found = ()
+        else:
+            # Every chat model calls tools: in its template's format, or through a grammar.
+            found = ("completion", "tools",
+                     *(("thinking",) if entry.think or entry.tool_format == "harmony" else ()),
+                     *(("vision",) if entry.no_images is None else ()))
+        return msgspec.structs.replace(card, capabilities=found, loaded=entry.loaded)
+
     async def on_stop(self, error: BaseException | None) -> None:
         if error is None and self._pending:
             # A graceful stop: what was admitted before it is answered, within a bound.
@@ -354,12 +369,12 @@ class Admission(Actor):
                 self._defer(self._count_tokens(entry, msg, tools))
             case ListModels():
                 # The served models, then an alias's card for each name that is not a pattern.
-                cards = [entry.card for entry in self.models.values()]
-                return cards + [msgspec.structs.replace(self.models[model].card, id=name,
+                cards = [self._card(entry) for entry in self.models.values()]
+                return cards + [msgspec.structs.replace(self._card(self.models[model]), id=name,
                                                         alias_of=model)
                                 for name, model in self.exact_aliases.items()]
             case DescribeModel(name=name):
-                card = self._model(name).card
+                card = self._card(self._model(name))
                 return card if name == card.id else msgspec.structs.replace(
                     card, id=name, alias_of=card.id)
             case MemoryLimits():

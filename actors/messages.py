@@ -224,6 +224,10 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
     task: str = "generate"
     # The draft model that drafts for it (``--draft-model``), resolved; None: none.
     draft_path: str | None = None
+    # What it does here and whether it is in memory, as admission answers ``ListModels`` and
+    # ``DescribeModel``: "completion", "tools", "thinking", "vision", "embedding".
+    capabilities: tuple[str, ...] = ()
+    loaded: bool | None = None
 
 
 class Admitted(msgspec.Struct, frozen=True, kw_only=True):

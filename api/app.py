@@ -21,6 +21,7 @@ from troupe.api.embeddings import EmbeddingRoutes
 from troupe.api.errors import ApiError, error_middleware
 from troupe.api.introspection import IntrospectionRoutes
 from troupe.api.metrics import METRICS, Metrics, metrics_handler
+from troupe.api.ollama import OllamaRoutes
 from troupe.api.openai import OpenAIRoutes
 from troupe.api.openapi import OpenApiRoute
 from troupe.api.responses import ResponsesRoutes
@@ -214,7 +215,8 @@ def create_app(*, system: ActorSystem, admission: ActorRef, config: ServeConfig)
     """Build the HTTP application serving through ``admission`` (a running actor).
 
     Its routes: OpenAI's (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``),
-    Anthropic's (``/v1/messages``, ``/v1/messages/count_tokens``), ``/actors``,
+    Anthropic's (``/v1/messages``, ``/v1/messages/count_tokens``), Ollama's (``/api/...``),
+    ``/actors``,
     ``/metrics`` and ``/health``. Shutting the application down (``AppRunner.cleanup``)
     gives requests in flight ``config.shutdown_grace`` seconds, then ends them cleanly.
     """
@@ -245,6 +247,7 @@ def create_app(*, system: ActorSystem, admission: ActorRef, config: ServeConfig)
     OpenAIRoutes(admission, config).register(app.router)
     EmbeddingRoutes(admission).register(app.router)
     AnthropicRoutes(admission, config).register(app.router)
+    OllamaRoutes(admission, config).register(app.router)
     ResponsesRoutes(admission, config).register(app)
     # Before the introspection routes: /actors/events must win over /actors/{name}.
     DashboardRoutes(system).register(app)

@@ -26,10 +26,11 @@ ADMISSION_TIMEOUT_S = 600.0
 # How long a client should wait after a 429 whose cause did not say.
 DEFAULT_RETRY_AFTER_S = 1.0
 
-Shape = Literal["openai", "anthropic"]
+Shape = Literal["openai", "anthropic", "ollama"]
 
-# Anthropic's routes; everything else answers in OpenAI's shape.
+# Anthropic's routes and Ollama's; everything else answers in OpenAI's shape.
 ANTHROPIC_PREFIX = "/v1/messages"
+OLLAMA_PREFIX = "/api/"
 
 
 # Content part (block) types that carry a medium other than images, in each API's names.
@@ -49,6 +50,8 @@ def shape_for(path: str) -> Shape:
     """The error shape of the route at ``path``."""
     if path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/"):
         return "anthropic"
+    if path.startswith(OLLAMA_PREFIX):
+        return "ollama"
     return "openai"
 
 
@@ -71,6 +74,12 @@ class AnthropicErrorDetail(msgspec.Struct, kw_only=True):
 class AnthropicErrorBody(msgspec.Struct, kw_only=True):
     type: str
     error: AnthropicErrorDetail
+
+
+class OllamaErrorBody(msgspec.Struct, kw_only=True):
+    """Ollama's error: the message alone (also the last line of a stream that failed)."""
+
+    error: str
 
 
 _encoder = msgspec.json.Encoder()
@@ -170,6 +179,8 @@ class ApiError(Exception):
                 type="error", error=AnthropicErrorDetail(type=kind, message=self.message)
             )
             return _encoder.encode(body)
+        if shape == "ollama":
+            return _encoder.encode(OllamaErrorBody(error=self.message))
         detail = ErrorDetail(message=self.message, type=self.type, param=self.param, code=self.code)
         return _encoder.encode(ErrorBody(error=detail))
 

@@ -35,6 +35,9 @@ _ENDED_EARLY = "The request ended without a result."
 class Renderer(ABC):
     """Turns one request's events into one API's response bytes."""
 
+    # Streamed as newline-delimited JSON (Ollama's) instead of server-sent events.
+    ndjson = False
+
     @abstractmethod
     def opening(self, first: RequestEvent) -> list[Frame]:
         """Events sent right after the SSE headers (``first`` is the request's first event)."""
@@ -129,7 +132,7 @@ async def _answer_stream(
         raise ApiError(500, _ENDED_EARLY)
     if isinstance(first, RequestFinished) and (failure := failure_of(first)):
         raise failure  # refused before it started (a full queue): no header was sent yet
-    stream = await EventStream.open(request)
+    stream = await EventStream.open(request, renderer.ndjson)
     try:
         await stream.send(renderer.opening(first))
         event = first

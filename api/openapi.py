@@ -23,14 +23,15 @@ import msgspec
 from aiohttp import web
 
 from troupe.actors.config import ServeConfig
-from troupe.api import anthropic, embeddings, openai, responses
-from troupe.api.errors import AnthropicErrorBody, ErrorBody, shape_for
+from troupe.api import anthropic, embeddings, ollama, openai, responses
+from troupe.api.errors import AnthropicErrorBody, ErrorBody, OllamaErrorBody, shape_for
 from troupe.runtime import ActorSnapshot
 
 OPENAPI_PATH = "/openapi.json"
 _REF = "#/components/schemas/{name}"
 _JSON = "application/json"
 _SSE = "text/event-stream"
+_NDJSON = "application/x-ndjson"
 
 # What each error status means on this server (the body says more, in the route's shape).
 _ERROR_MEANINGS = {
@@ -87,6 +88,8 @@ class _Operation:
     stream_description: str = ""
     # The stream's last event is ``data: [DONE]`` (OpenAI's), which is not JSON.
     done: bool = False
+    # The stream is newline-delimited JSON (Ollama's), each line one of ``stream``.
+    ndjson: bool = False
     errors: tuple[int, ...] = (500,)
     # Other statuses than 200 that are not failures (a redirect), with their answers.
     extra: dict[str, Any] = field(default_factory=dict)
@@ -240,6 +243,71 @@ _OPERATIONS: dict[tuple[str, str], _Operation] = {
         response=responses.DeletedResponse,
         errors=(404, 500),
     ),
+    ("POST", "/api/chat"): _Operation(
+        summary="Chat (Ollama)",
+        description="A chat streamed as newline-delimited JSON, or answered whole with "
+        "`stream: false`. `options` carry the sampling settings (`temperature`, `top_p`, "
+        "`top_k`, `min_p`, `seed`, `num_predict`, `stop`, `repeat_penalty`; load-time ones "
+        "such as `num_ctx` are ignored); `format` is \"json\" or a JSON Schema; `think` the "
+        "template's thinking switch. Errors are `{\"error\": ...}`.",
+        request=ollama.OllamaChatRequest,
+        response=ollama.OllamaChatChunk,
+        stream=(ollama.OllamaChatChunk, OllamaErrorBody),
+        ndjson=True,
+        stream_description="One object a line: deltas with `done: false`, then one with "
+        "`done: true`, `done_reason` and the counts and durations (ns). A failure after the "
+        "stream began is a last line `{\"error\": ...}`.",
+        errors=_BODY_ERRORS,
+    ),
+    ("POST", "/api/generate"): _Operation(
+        summary="Generate (Ollama)",
+        description="A prompt (through the chat template, with `system`; as it is with "
+        "`raw: true`) streamed as newline-delimited JSON, or answered whole with "
+        "`stream: false`. `suffix`, `template` and `context` are refused.",
+        request=ollama.OllamaGenerateRequest,
+        response=ollama.OllamaGenerateChunk,
+        stream=(ollama.OllamaGenerateChunk, OllamaErrorBody),
+        ndjson=True,
+        stream_description="One object a line, `response` the text's delta; the last has "
+        "`done: true`, `done_reason`, the counts and durations (ns).",
+        errors=_BODY_ERRORS,
+    ),
+    ("POST", "/api/embed"): _Operation(
+        summary="Embeddings (Ollama)",
+        description="Unit vectors of `input` (a string or a list of strings) from an "
+        "embedding model; inputs over the context are cut unless `truncate: false`.",
+        request=ollama.OllamaEmbedRequest,
+        response=ollama.OllamaEmbedResponse,
+        errors=_BODY_ERRORS,
+    ),
+    ("POST", "/api/embeddings"): _Operation(
+        summary="One embedding (Ollama, older)",
+        request=ollama.OllamaEmbeddingsRequest,
+        response=ollama.OllamaEmbeddingsResponse,
+        errors=_BODY_ERRORS,
+    ),
+    ("GET", "/api/tags"): _Operation(
+        summary="The models served (Ollama)",
+        response=ollama.OllamaModelsResponse,
+        errors=_ADMISSION_ERRORS,
+    ),
+    ("GET", "/api/ps"): _Operation(
+        summary="The models loaded (Ollama): every served model stays loaded",
+        response=ollama.OllamaModelsResponse,
+        errors=_ADMISSION_ERRORS,
+    ),
+    ("POST", "/api/show"): _Operation(
+        summary="One model's details (Ollama)",
+        description="Its family, context length (`model_info`), chat template and "
+        "`capabilities` (`completion`, `tools`, `vision`; `embedding`).",
+        request=ollama.OllamaShowRequest,
+        response=ollama.OllamaShowResponse,
+        errors=_BODY_ERRORS,
+    ),
+    ("GET", "/api/version"): _Operation(
+        summary="The Ollama release whose API these routes follow",
+        response=ollama.OllamaVersionResponse,
+    ),
     ("GET", "/health"): _Operation(
         summary="Liveness",
         description="200 while the server accepts requests; 503 while it stops or when its "
@@ -382,8 +450,11 @@ class _Schemas:
         return resolved
 
 
+_ERROR_BODIES = {"anthropic": AnthropicErrorBody, "ollama": OllamaErrorBody, "openai": ErrorBody}
+
+
 def _error_response(status: int, path: str, schemas: _Schemas) -> dict[str, Any]:
-    body = AnthropicErrorBody if shape_for(path) == "anthropic" else ErrorBody
+    body = _ERROR_BODIES[shape_for(path)]
     answer: dict[str, Any] = {
         "description": _ERROR_MEANINGS.get(status, "A failure."),
         "content": {_JSON: {"schema": schemas.ref(body)}},
@@ -423,10 +494,17 @@ def _ok_response(op: _Operation, schemas: _Schemas) -> dict[str, Any]:
         content[_JSON] = {"schema": schema}
     elif op.media_type != _SSE:
         content[op.media_type] = {"schema": {"type": "string"}}
-    if op.stream is not None:
+    if op.stream is not None and op.ndjson:
+        content[_NDJSON] = {"schema": {
+            "type": "string", "description": op.stream_description,
+            "x-line-schema": {"anyOf": [schemas.schema(kind) for kind in op.stream]}}}
+    elif op.stream is not None:
         content[_SSE] = {"schema": _event_schema(op, schemas)}
     description = "The answer."
-    if op.media_type == _JSON and op.stream is not None:
+    if op.ndjson:
+        description = ("The answer as newline-delimited JSON (streamed, the default), or whole "
+                       "(JSON) with `stream: false`.")
+    elif op.media_type == _JSON and op.stream is not None:
         description = "The whole answer (JSON), or with `stream: true` its server-sent events."
     answer: dict[str, Any] = {"description": description, "content": content}
     if op.headers:

@@ -200,7 +200,8 @@ def _script(msg: AdmitChat | AdmitCompletion) -> str:
     return msg.prompt if isinstance(msg.prompt, str) else "token ids"
 
 
-_CARD = ModelCard(id=MODEL, context_length=4096, source="test", path="/nowhere")
+_CARD = ModelCard(id=MODEL, context_length=4096, source="test", path="/nowhere",
+                  capabilities=("completion", "tools"), loaded=True)
 
 
 class ScriptedAdmission(Actor):

@@ -327,6 +327,15 @@ _SCRIPTED = [
                                  {"type": "web_search"}]}),
     ("/v1/responses", {"model": MODEL, "input": "shell-call", "tools": [{"type": "local_shell"}]}),
     ("/v1/responses", {"model": MODEL, "input": "hello", "background": True}),
+    ("/api/chat", _chat("hello", stream=False)),
+    ("/api/chat", _chat("tool-call", stream=False)),
+    ("/api/chat", _chat("reasoning", stream=False)),
+    ("/api/chat", _chat("fail-mid-stream", stream=False)),
+    ("/api/chat", {**_chat("hello", stream=False), "model": "no-such-model"}),
+    ("/api/generate", {"model": MODEL, "prompt": "length", "stream": False}),
+    ("/api/generate", {"model": MODEL, "prompt": "hello", "raw": True, "stream": False}),
+    ("/api/embed", {"model": MODEL, "input": ["a", "b"]}),
+    ("/api/show", {"model": MODEL}),
 ]
 
 
@@ -336,7 +345,7 @@ def test_every_scripted_answer_matches_the_document(served: Served, stream: bool
     statuses = set()
     for path, body in _SCRIPTED:
         operation = served.schema[path]["POST"]
-        if stream and path != "/v1/messages/count_tokens":
+        if stream and path not in ("/v1/messages/count_tokens", "/api/embed", "/api/show"):
             body = {**body, "stream": True}
         case = operation.Case(body=body, media_type="application/json")
         answer = _call(served, case, session)
@@ -344,9 +353,27 @@ def test_every_scripted_answer_matches_the_document(served: Served, stream: bool
         # The scripted failures are 503 (out of memory mid-request), never a 500.
         assert answer.status_code < 500 or answer.status_code == 503, (path, answer.text)
         if stream and answer.status_code == 200 and "stream" in body:
-            assert answer.headers["content-type"][0].startswith("text/event-stream"), path
+            # Ollama's routes stream newline-delimited JSON.
+            media = "application/x-ndjson" if path.startswith("/api/") else "text/event-stream"
+            assert answer.headers["content-type"][0].startswith(media), path
+            if media == NDJSON:
+                _check_lines(served, path, answer.text)
         case.validate_response(answer, checks=CONFORMANCE)
     assert {200, 400, 404, 429} <= statuses
+
+
+NDJSON = "application/x-ndjson"
+
+
+def _check_lines(served: Served, path: str, body: str) -> None:
+    """Every line of an NDJSON answer is one of the objects the document says a line is."""
+    content = served.document["paths"][path]["post"]["responses"]["200"]["content"]
+    line = {**content[NDJSON]["schema"]["x-line-schema"],
+            "components": served.document["components"]}
+    validator = Draft202012Validator(line)
+    assert body.endswith("\n") and body.count("\n") >= 2, body
+    for text in body.splitlines():
+        validator.validate(json.loads(text))
 
 
 def _path_parameters(path: str, response_id: str) -> dict[str, str]:

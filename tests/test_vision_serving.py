@@ -15,6 +15,7 @@ from typing import Any
 import anthropic
 import httpx
 import mlx_lm
+import ollama
 import openai
 import pytest
 from http_stack import RealStack, real_client_with_room, real_stack
@@ -186,12 +187,21 @@ async def test_each_family_reads_images_as_mlx_vlm_does_and_from_the_cache(
     monkeypatch.setenv("TROUPE_HOME", str(tmp_path))
     async with real_stack(family_vlm[0]) as s:
         oai = openai.AsyncOpenAI(base_url=f"{s.server.url}/v1", api_key="x", max_retries=0)
+        olla = ollama.AsyncClient(host=s.server.url)
         try:
             got = [await oai.chat.completions.create(model=s.model, max_tokens=8, temperature=0,
                                                      messages=openai_chat(seed))
                    for seed in (0, 1, 0)]
+            # Ollama's client: the image as its base64, the same answer; the model says it
+            # reads images.
+            through_ollama = await olla.chat(model=s.model, options={
+                "temperature": 0, "num_predict": 8}, messages=[
+                    {"role": "user", "content": QUESTION, "images": [png(1)]}])
+            capabilities = (await olla.show(s.model)).capabilities
         finally:
             await oai.close()
+    assert through_ollama.message.content == expected(family_vlm, 1)
+    assert capabilities is not None and "vision" in capabilities
     answers = [g.choices[0].message.content for g in got]
     assert answers[:2] == [expected(family_vlm, 0), expected(family_vlm, 1)]
     assert answers[0] != answers[1]
