@@ -280,6 +280,13 @@ _encoder = msgspec.json.Encoder()
 # --- requests as admission messages -------------------------------------------------------
 
 
+def served_name(model: str) -> str:
+    """The served model an Ollama name means: Ollama's names carry a tag, and a name without
+    one means ``:latest``, so a client that adds ``:latest`` to a name it was given gets the
+    model of that name."""
+    return model.removesuffix(":latest")
+
+
 def _sampling(options: OllamaOptions | None, default_max_tokens: int
               ) -> tuple[SamplingParams, tuple[str, ...]]:
     """The request's sampling, and the fields it left to the model's defaults."""
@@ -405,7 +412,7 @@ def admit_chat(req: OllamaChatRequest, request_id: str, default_max_tokens: int)
     messages = [_template_message(m, i, ids) for i, m in enumerate(req.messages)]
     return AdmitChat(
         request_id=request_id,
-        model=req.model,
+        model=served_name(req.model),
         messages=messages,
         sampling=sampling,
         unset=unset,
@@ -430,14 +437,15 @@ def admit_generate(req: OllamaGenerateRequest, request_id: str, default_max_toke
     if req.raw:
         if req.images:
             raise ApiError(400, "A raw prompt cannot hold images.", param="images")
-        return AdmitCompletion(request_id=request_id, model=req.model, prompt=req.prompt,
+        return AdmitCompletion(request_id=request_id, model=served_name(req.model),
+                               prompt=req.prompt,
                                sampling=sampling, unset=unset,
                                response_format=_format(req.format))
     messages: list[dict[str, Any]] = []
     if req.system:
         messages.append({"role": "system", "content": req.system})
     messages.append({"role": "user", "content": _content(req.prompt, req.images, "images")})
-    return AdmitChat(request_id=request_id, model=req.model, messages=messages,
+    return AdmitChat(request_id=request_id, model=served_name(req.model), messages=messages,
                      sampling=sampling, unset=unset, chat_template_kwargs=_think(req.think),
                      response_format=_format(req.format))
 
@@ -640,7 +648,8 @@ class OllamaRoutes:
         started = time.monotonic_ns()
         req = decode_body(await request.read(), _embed_decoder)
         inputs = [req.input] if isinstance(req.input, str) else req.input
-        model, vectors, tokens = await self._embed(request, req.model, inputs, req.truncate)
+        model, vectors, tokens = await self._embed(request, served_name(req.model), inputs,
+                                                   req.truncate)
         if req.dimensions is not None:
             if req.dimensions > len(vectors[0]):
                 raise ApiError(400, f"'dimensions' is {req.dimensions}, over this model's "
@@ -655,7 +664,7 @@ class OllamaRoutes:
     async def embeddings(self, request: web.Request) -> web.Response:
         """``POST /api/embeddings`` (Ollama's older route): one text's vector."""
         req = decode_body(await request.read(), _embeddings_decoder)
-        _, vectors, _ = await self._embed(request, req.model, [req.prompt], True)
+        _, vectors, _ = await self._embed(request, served_name(req.model), [req.prompt], True)
         body = OllamaEmbeddingsResponse(embedding=vectors[0])
         return web.Response(body=_encoder.encode(body), content_type="application/json")
 
@@ -690,7 +699,7 @@ class OllamaRoutes:
     async def show(self, request: web.Request) -> web.Response:
         """``POST /api/show``: a model's details, context length and capabilities."""
         req = decode_body(await request.read(), _show_decoder)
-        name = req.model or req.name
+        name = served_name(req.model or req.name or "")
         if not name:
             raise ApiError(400, "'model' names the model to show.", param="model")
         card: ModelCard = await ask_admission(self.admission, DescribeModel(name=name))

@@ -298,6 +298,11 @@ async def test_tags_ps_show_and_version_describe_the_served_models(client: TestC
     assert data["capabilities"][:2] == ["completion", "tools"]
     arch = data["model_info"]["general.architecture"]
     assert data["model_info"][f"{arch}.context_length"] == 4096
+    # Ollama's default tag: a name with ":latest" is the name.
+    tagged = await (await client.post("/api/show", json={"model": f"{MODEL}:latest"})).json()
+    assert tagged["capabilities"] == data["capabilities"]
+    answer = await client.post(CHAT, json={**chat(stream=False), "model": f"{MODEL}:latest"})
+    assert (await answer.json())["message"]["content"] == "Hello world"
     missing = await client.post("/api/show", json={"model": "nope"})
     assert missing.status == 404 and "error" in await missing.json()
     version = await (await client.get("/api/version")).json()
