@@ -95,10 +95,12 @@ from troupe.actors.prompts import (
     embed_tokens,
     encode,
     encode_with_images,
+    fim_tokens_of,
     fit_answer,
     format_constraint,
     prepare_chat,
     prepare_chat_if_short,
+    prepare_fim,
     prepare_text,
     prompt_bound,
     render_chat,
@@ -275,6 +277,7 @@ class Admission(Actor):
                             else served_memory(entry.card.path, entry.card.draft_path))
             entry.tool_format = tool_format_of(entry.tokenizer)
             entry.think = think_tags_of(entry.tokenizer)
+            entry.fim = fim_tokens_of(entry.tokenizer)
             entry.grammars = Grammars(entry.tokenizer)
             entry.bound = prompt_bound(entry.tokenizer)
             entry.no_images = ("a model sharded across processes reads text alone"
@@ -344,7 +347,12 @@ class Admission(Actor):
             case AdmitCompletion():
                 entry = self._model(msg.model)
                 _check_task(entry, "generate")
-                if isinstance(msg.prompt, str):
+                if msg.suffix is not None:
+                    if not isinstance(msg.prompt, str):
+                        raise AdmissionError("invalid", "a suffix goes with a text prompt, not "
+                                             "token ids", param="suffix")
+                    self._defer(self._admit_fim(entry, msg, msg.prompt, msg.suffix))
+                elif isinstance(msg.prompt, str):
                     self._defer(self._admit_text(entry, msg, msg.prompt))
                 else:
                     tokens = list(msg.prompt)
@@ -460,6 +468,14 @@ class Admission(Actor):
             await self._work(check_floor, entry, prompt, "prompt")
             tokens, constraint = await self._large_turn(prepare_text, entry, prompt,
                                                         msg.response_format)
+        return await self._admit(entry, msg.request_id, tokens, msg.sampling, "prompt",
+                                 unset=msg.unset, constraint=constraint,
+                                 namespace=msg.cache_namespace)
+
+    async def _admit_fim(self, entry: ModelEntry, msg: AdmitCompletion, prefix: str,
+                         suffix: str) -> AdmissionTicket:
+        tokens, constraint = await self._work(prepare_fim, entry, prefix, suffix,
+                                              msg.response_format)
         return await self._admit(entry, msg.request_id, tokens, msg.sampling, "prompt",
                                  unset=msg.unset, constraint=constraint,
                                  namespace=msg.cache_namespace)

@@ -149,6 +149,9 @@ class AdmitCompletion(Message, frozen=True, kw_only=True):
     response_format: OutputFormat | None = None
     # Whose prefix-cache blocks it may read and write ("": the shared namespace).
     cache_namespace: str = ""
+    # Code completion: the text after the gap the answer fills, ``prompt`` the text before
+    # (the model's fill-in-the-middle tokens around them). None: a plain completion.
+    suffix: str | None = None
 
 
 class AdmitEmbed(Message, frozen=True, kw_only=True):

@@ -94,6 +94,8 @@ class PromptModel:
         self.no_images: str | None = "it is not loaded"
         self.processor: Any = None
         self.image_token = -1
+        # Code completion: the fill-in-the-middle tokens of its vocabulary (None: none).
+        self.fim: FimTokens | None = None
 
 
 # -- a floor on a prompt's tokens, without tokenizing it ----------------------------------------
@@ -425,6 +427,65 @@ def prepare_text(entry: PromptModel, prompt: str,
     cannot fit."""
     check_floor(entry, prompt, "prompt")
     return encode(entry, prompt, True), format_constraint(entry, fmt)
+
+
+# -- fill in the middle: a completion between a prefix and a suffix ----------------------------
+
+
+@dataclass(frozen=True)
+class FimTokens:
+    """A code model's fill-in-the-middle tokens, and their order: ``psm`` writes prefix,
+    suffix, then the middle token the answer follows; ``spm`` (Codestral's) the suffix first,
+    the answer following the prefix."""
+
+    prefix: int
+    suffix: int
+    middle: int | None
+    order: str
+
+
+# The vocabularies' names for them: Qwen2.5-Coder, Qwen3-Coder and CodeGemma; StarCoder and
+# StarCoder2; DeepSeek-Coder; Codestral.
+FIM_STYLES = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "psm"),
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>", "psm"),
+    ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>", "psm"),
+    ("[PREFIX]", "[SUFFIX]", None, "spm"),
+)
+
+
+def fim_tokens_of(tokenizer: Any) -> FimTokens | None:
+    """The first style of ``FIM_STYLES`` whose every token is one token of the vocabulary."""
+    try:
+        vocab = tokenizer.get_vocab()
+    except (AttributeError, NotImplementedError):
+        return None
+    for prefix, suffix, middle, order in FIM_STYLES:
+        names = (prefix, suffix) + ((middle,) if middle else ())
+        if all(name in vocab for name in names):
+            return FimTokens(prefix=vocab[prefix], suffix=vocab[suffix],
+                             middle=vocab[middle] if middle else None, order=order)
+    return None
+
+
+def prepare_fim(entry: PromptModel, prefix: str, suffix: str,
+                fmt: OutputFormat | None) -> tuple[list[int], Constraint | None]:
+    """A fill-in-the-middle prompt's tokens (the prefix and the suffix each encoded alone,
+    between the model's tokens, as llama.cpp's infill builds it) and its grammar."""
+    fim = entry.fim
+    if fim is None:
+        raise AdmissionError("invalid", "this model has no fill-in-the-middle tokens, so it "
+                             "cannot complete between a prompt and a suffix", param="suffix")
+    check_floor(entry, prefix + suffix, "prompt")
+    head = encode(entry, "", True)  # the tokenizer's own leading tokens (a BOS), if any
+    before, after = encode(entry, prefix, False), encode(entry, suffix, False)
+    if fim.order == "spm":
+        tokens = [*head, fim.suffix, *after, fim.prefix, *before]
+    else:
+        tokens = [*head, fim.prefix, *before, fim.suffix, *after]
+    if fim.middle is not None:
+        tokens.append(fim.middle)
+    return tokens, format_constraint(entry, fmt)
 
 
 def encode(entry: PromptModel, text: str, special: bool) -> list[int]:

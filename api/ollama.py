@@ -430,10 +430,17 @@ def admit_generate(req: OllamaGenerateRequest, request_id: str, default_max_toke
     if not req.prompt and not req.images:
         raise ApiError(400, "prompt must not be empty (an empty prompt only loads a model, and "
                        "models here are loaded when they are served).", param="prompt")
-    for name in ("suffix", "template", "context"):
+    for name in ("template", "context"):
         if getattr(req, name):
             raise ApiError(400, f"'{name}' is not supported here.", param=name)
     sampling, unset = _sampling(req.options, default_max_tokens)
+    if req.suffix:
+        # Code completion: the model's fill-in-the-middle tokens, not its chat template.
+        if req.images:
+            raise ApiError(400, "A prompt with a suffix cannot hold images.", param="images")
+        return AdmitCompletion(request_id=request_id, model=served_name(req.model),
+                               prompt=req.prompt, suffix=req.suffix, sampling=sampling,
+                               unset=unset, response_format=_format(req.format))
     if req.raw:
         if req.images:
             raise ApiError(400, "A raw prompt cannot hold images.", param="images")

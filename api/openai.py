@@ -487,8 +487,6 @@ def admit_completion(
         raise ApiError(400, "echo is not supported.", param="echo")
     if req.best_of is not None and req.best_of != 1:
         raise ApiError(400, "Only best_of=1 is supported.", param="best_of")
-    if req.suffix:
-        raise ApiError(400, "suffix is not supported.", param="suffix")
     sampling = _sampling(
         req,
         max_tokens=req.max_tokens or default_max_tokens,
@@ -502,6 +500,8 @@ def admit_completion(
         sampling=sampling,
         unset=_unset(req),
         response_format=output_format(req.response_format),
+        # Code completion between the prompt and the suffix (an empty suffix: none).
+        suffix=req.suffix or None,
     )
 
 

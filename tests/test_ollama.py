@@ -229,6 +229,12 @@ async def test_generate_goes_through_the_template_unless_raw(client: TestClient,
     msg = scripted.seen[-1]
     assert isinstance(msg, AdmitCompletion)
     assert (msg.prompt, msg.response_format) == ("hello", OutputFormat(type="json_object"))
+    assert msg.suffix is None
+    # A suffix: code completion between the two (the model's fill-in-the-middle tokens).
+    await client.post(GENERATE, json={"model": MODEL, "prompt": "hello", "suffix": "world",
+                                      "system": "ignored", "stream": False})
+    msg = scripted.seen[-1]
+    assert isinstance(msg, AdmitCompletion) and (msg.prompt, msg.suffix) == ("hello", "world")
 
 
 # --- errors --------------------------------------------------------------------------------
@@ -270,7 +276,10 @@ async def test_a_failure_after_the_start_is_the_stream_s_last_line(client: TestC
 
 async def test_generate_refuses_what_it_does_not_serve(client: TestClient) -> None:
     for body, words in (({"model": MODEL, "prompt": ""}, "prompt must not be empty"),
-                        ({"model": MODEL, "prompt": "x", "suffix": "y"}, "'suffix'"),
+                        ({"model": MODEL, "prompt": "x", "template": "{{ .Prompt }}"},
+                         "'template'"),
+                        ({"model": MODEL, "prompt": "x", "suffix": "y", "images": [png()]},
+                         "suffix cannot hold images"),
                         ({"model": MODEL, "prompt": "x", "raw": True, "images": [png()]},
                          "raw prompt")):
         resp = await client.post(GENERATE, json=body)

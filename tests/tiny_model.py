@@ -83,6 +83,8 @@ QWEN3_TEMPLATE = (
 QWEN3_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>",
                 "</tool_response>"]
 
+FIM_TOKENS = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"]
+
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "What is the capital of France? The capital of France is Paris.",
@@ -346,6 +348,7 @@ def make_tiny_model(
     bits: int = 0,
     group_size: int = 64,
     high_bits: int = 0,
+    fim: bool = False,
 ) -> Path:
     """Write a random-weight mlx-lm model directory (config, weights, tokenizer) to ``out``.
 
@@ -363,7 +366,8 @@ def make_tiny_model(
     those the model's ``quant_predicate`` keeps, stay as they are), and the config says so as
     mlx-lm writes it. ``high_bits``: mixed precision as mlx-lm's recipes choose, the
     ``v_proj`` and ``down_proj`` layers (and the embedding and head) at this many bits,
-    recorded per layer in the config.
+    recorded per layer in the config. ``fim``: the vocabulary has Qwen2.5-Coder's
+    fill-in-the-middle tokens (``FIM_TOKENS``).
     """
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -373,7 +377,7 @@ def make_tiny_model(
     if template == "qwen3":
         vocab = write_tokenizer(out, template=QWEN3_TEMPLATE, added=QWEN3_TOKENS)
     else:
-        vocab = write_tokenizer(out)
+        vocab = write_tokenizer(out, added=FIM_TOKENS if fim else None)
     config: dict = {
         "model_type": arch,
         "hidden_size": hidden,
