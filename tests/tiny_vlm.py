@@ -29,6 +29,22 @@ VLM_TEMPLATE = (
 )
 
 
+def save_random(out: Path, model: Any, config: dict, head: str | None = None) -> None:
+    """Write ``model``'s weights, drawn wider than the default initialisation (varied greedy
+    output, and an image's features that reach the answer), and ``config`` to ``out``;
+    ``head``: the weight the text model's output head is tied to."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    weights = dict(tree_flatten(model.parameters()))
+    weights = {k: (mx.random.normal(v.shape) * 2.0 / v.shape[-1] ** 0.5 if v.ndim >= 2
+                   and "norm" not in k else v) for k, v in weights.items()}
+    if head is not None:
+        weights["language_model.lm_head.weight"] = weights[head]
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
 def make_tiny_gemma3_vlm(out: Path, *, hidden: int = 64, layers: int = 4, image_size: int = 32,
                          patch: int = 8, image_tokens: int = 16, seed: int = 0,
                          heads: int = 4, kv_heads: int = 2, vision_hidden: int = 32,
@@ -36,7 +52,6 @@ def make_tiny_gemma3_vlm(out: Path, *, hidden: int = 64, layers: int = 4, image_
     """Write a random-weight Gemma 3 vision-language checkpoint to ``out`` (the defaults:
     the tests' tiny one; benchmarks/bench_vision.py makes a larger one)."""
     import mlx.core as mx
-    from mlx.utils import tree_flatten
     from mlx_vlm.models.gemma3 import Model
     from mlx_vlm.models.gemma3.config import ModelConfig, TextConfig, VisionConfig
     from transformers import AutoTokenizer
@@ -81,16 +96,9 @@ def make_tiny_gemma3_vlm(out: Path, *, hidden: int = 64, layers: int = 4, image_
     model_config = ModelConfig.from_dict(config)
     model_config.text_config = TextConfig.from_dict(text)
     model_config.vision_config = VisionConfig.from_dict(vision)
-    model = Model(model_config)
-    weights = dict(tree_flatten(model.parameters()))
-    # Wider normal weights than the default initialisation: varied greedy output, and an
-    # image's features that reach the answer.
-    weights = {k: (mx.random.normal(v.shape) * 2.0 / v.shape[-1] ** 0.5 if v.ndim >= 2
-                   and "norm" not in k else v) for k, v in weights.items()}
     # Gemma 3 ties its output head to the embedding (mlx-lm's text model reads no head).
-    weights["language_model.lm_head.weight"] = weights["language_model.model.embed_tokens.weight"]
-    mx.save_safetensors(str(out / "model.safetensors"), weights)
-    (out / "config.json").write_text(json.dumps(config, indent=2))
+    save_random(out, Model(model_config), config,
+                head="language_model.model.embed_tokens.weight")
     (out / "preprocessor_config.json").write_text(json.dumps({
         "image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
         "do_resize": True, "size": {"height": image_size, "width": image_size},
@@ -158,7 +166,6 @@ def make_tiny_qwen_vl(out: Path, kind: str, *, hidden: int = 64, layers: int = 4
     import importlib
 
     import mlx.core as mx
-    from mlx.utils import tree_flatten
     from transformers import AutoTokenizer
 
     family = importlib.import_module(f"mlx_vlm.models.{kind}")
@@ -239,13 +246,7 @@ def make_tiny_qwen_vl(out: Path, kind: str, *, hidden: int = 64, layers: int = 4
     else:
         config["text_config"] = text
         model_config = configs.ModelConfig.from_dict(json.loads(json.dumps(config)))
-    model = family.Model(model_config)
-    weights = dict(tree_flatten(model.parameters()))
-    # Wider normal weights than the default initialisation (as the Gemma 3 above).
-    weights = {k: (mx.random.normal(v.shape) * 2.0 / v.shape[-1] ** 0.5 if v.ndim >= 2
-                   and "norm" not in k else v) for k, v in weights.items()}
-    mx.save_safetensors(str(out / "model.safetensors"), weights)
-    (out / "config.json").write_text(json.dumps(config, indent=2))
+    save_random(out, family.Model(model_config), config)
     image = {
         "image_processor_type": "Qwen2VLImageProcessor", "processor_class": f"{name}Processor",
         "patch_size": patch, "temporal_patch_size": 2, "merge_size": 2,
@@ -289,7 +290,6 @@ def make_tiny_pixtral_family(out: Path, kind: str, *, hidden: int = 64, layers: 
     import importlib
 
     import mlx.core as mx
-    from mlx.utils import tree_flatten
     from transformers import AutoTokenizer
 
     family = importlib.import_module(f"mlx_vlm.models.{kind}")
@@ -329,13 +329,7 @@ def make_tiny_pixtral_family(out: Path, kind: str, *, hidden: int = 64, layers: 
     model_config = configs.ModelConfig.from_dict(json.loads(json.dumps(config)))
     model_config.text_config = configs.TextConfig.from_dict(text)
     model_config.vision_config = configs.VisionConfig.from_dict(vision)
-    model = family.Model(model_config)
-    weights = dict(tree_flatten(model.parameters()))
-    # Wider normal weights than the default initialisation (as the Gemma 3 above).
-    weights = {k: (mx.random.normal(v.shape) * 2.0 / v.shape[-1] ** 0.5 if v.ndim >= 2
-                   and "norm" not in k else v) for k, v in weights.items()}
-    mx.save_safetensors(str(out / "model.safetensors"), weights)
-    (out / "config.json").write_text(json.dumps(config, indent=2))
+    save_random(out, family.Model(model_config), config)
     (out / "preprocessor_config.json").write_text(json.dumps({
         "image_processor_type": "PixtralImageProcessor", "processor_class": "PixtralProcessor",
         "size": {"longest_edge": longest_edge}, "patch_size": {"height": patch, "width": patch},
