@@ -118,6 +118,29 @@ def shorten(vector: list[float], dimensions: int) -> list[float]:
     return (head / norm if norm > 0 else head).tolist()
 
 
+def shortened(vectors: list[list[float]], dimensions: int | None) -> list[list[float]]:
+    """The vectors cut to ``dimensions`` (``shorten``; None: as they are); more dimensions
+    than the model's is a 400."""
+    if dimensions is None:
+        return vectors
+    size = len(vectors[0])
+    if dimensions > size:
+        raise ApiError(400, f"'dimensions' is {dimensions}, over this model's {size}.",
+                       param="dimensions")
+    return [shorten(v, dimensions) for v in vectors]
+
+
+async def ask_embedding(admission: ActorRef, msg: AdmitEmbed | AdmitRerank) -> EmbedAnswer:
+    """Ask admission; a client that goes away meanwhile (the handler is cancelled) has its
+    inputs dropped from the model's queue."""
+    try:
+        return await ask_admission(admission, msg)
+    except asyncio.CancelledError:
+        with contextlib.suppress(MailboxFull, ActorDead):
+            admission.try_tell(AbortRequest(request_id=msg.request_id))
+        raise
+
+
 def as_base64(vector: list[float]) -> str:
     """A vector as OpenAI's base64 encoding: little-endian float32s."""
     return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
@@ -136,14 +159,7 @@ class EmbeddingRoutes:
             router.add_post(path, self.rerank)
 
     async def _ask(self, msg: AdmitEmbed | AdmitRerank) -> EmbedAnswer:
-        """Ask admission; a client that goes away meanwhile (the handler is cancelled) has
-        its inputs dropped from the model's queue."""
-        try:
-            return await ask_admission(self.admission, msg)
-        except asyncio.CancelledError:
-            with contextlib.suppress(MailboxFull, ActorDead):
-                self.admission.try_tell(AbortRequest(request_id=msg.request_id))
-            raise
+        return await ask_embedding(self.admission, msg)
 
     @generation
     async def embeddings(self, request: web.Request) -> web.Response:
@@ -157,13 +173,7 @@ class EmbeddingRoutes:
         answer = await self._ask(AdmitEmbed(
             request_id=request_id, model=req.model, inputs=inputs, input_type=req.input_type,
             truncate=req.truncate))
-        vectors = answer.results
-        if req.dimensions is not None:
-            size = len(vectors[0])
-            if req.dimensions > size:
-                raise ApiError(400, f"'dimensions' is {req.dimensions}, over this model's "
-                               f"{size}.", param="dimensions")
-            vectors = [shorten(v, req.dimensions) for v in vectors]
+        vectors = shortened(answer.results, req.dimensions)
         encode = as_base64 if req.encoding_format == "base64" else (lambda v: v)
         body = EmbeddingResponse(
             object="list", model=answer.model,

@@ -43,6 +43,7 @@ from troupe.actors.messages import (
 )
 from troupe.api.cache_namespace import CacheSalt
 from troupe.api.decode import decode_body
+from troupe.api.embeddings import ask_embedding, shortened
 from troupe.api.errors import ApiError, ask_admission
 from troupe.api.generation import Renderer
 from troupe.api.generation_route import generate
@@ -643,25 +644,19 @@ class OllamaRoutes:
                      truncate: bool) -> tuple[str, list[list[float]], int]:
         request_id = f"embd-{uuid.uuid4().hex}"
         request[RECORD].request_id, request[RECORD].model = request_id, model
-        answer = await ask_admission(self.admission, AdmitEmbed(
+        answer = await ask_embedding(self.admission, AdmitEmbed(
             request_id=request_id, model=model, inputs=list(inputs), truncate=truncate))
         return answer.model, answer.results, answer.prompt_tokens
 
     @generation
     async def embed(self, request: web.Request) -> web.Response:
         """``POST /api/embed``: one unit vector per input."""
-        from troupe.api.embeddings import shorten
-
         started = time.monotonic_ns()
         req = decode_body(await request.read(), _embed_decoder)
         inputs = [req.input] if isinstance(req.input, str) else req.input
         model, vectors, tokens = await self._embed(request, served_name(req.model), inputs,
                                                    req.truncate)
-        if req.dimensions is not None:
-            if req.dimensions > len(vectors[0]):
-                raise ApiError(400, f"'dimensions' is {req.dimensions}, over this model's "
-                               f"{len(vectors[0])}.", param="dimensions")
-            vectors = [shorten(v, req.dimensions) for v in vectors]
+        vectors = shortened(vectors, req.dimensions)
         body = OllamaEmbedResponse(model=model, embeddings=vectors,
                                    total_duration=time.monotonic_ns() - started,
                                    load_duration=0, prompt_eval_count=tokens)
