@@ -52,6 +52,7 @@ from troupe.actors.engine.memory_estimate import (
     admission_estimate,
     embed_need,
     idle_floor,
+    parameter_count,
     prompt_need,
     served_memory,
     too_large,
@@ -196,6 +197,7 @@ class ModelEntry(PromptModel):
         self.scheduler = scheduler
         self.memory: ModelMemory | None = None
         self.vision: dict = {}  # its checkpoint's vision_config
+        self.parameters: int | None = None  # counted from its weights' headers
         self.drain = Drain()
 
     @property
@@ -278,6 +280,7 @@ class Admission(Actor):
             entry.tool_format = tool_format_of(entry.tokenizer)
             entry.think = think_tags_of(entry.tokenizer)
             entry.fim = fim_tokens_of(entry.tokenizer)
+            entry.parameters = parameter_count(entry.card.path)
             entry.grammars = Grammars(entry.tokenizer)
             entry.bound = prompt_bound(entry.tokenizer)
             entry.no_images = ("a model sharded across processes reads text alone"
@@ -313,7 +316,8 @@ class Admission(Actor):
             found = ("completion", "tools",
                      *(("thinking",) if entry.think or entry.tool_format == "harmony" else ()),
                      *(("vision",) if entry.no_images is None else ()))
-        return msgspec.structs.replace(card, capabilities=found, loaded=entry.loaded)
+        return msgspec.structs.replace(card, capabilities=found, loaded=entry.loaded,
+                                       parameters=entry.parameters)
 
     async def on_stop(self, error: BaseException | None) -> None:
         if error is None and self._pending:

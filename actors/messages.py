@@ -231,6 +231,8 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True):
     # ``DescribeModel``: "completion", "tools", "thinking", "vision", "embedding".
     capabilities: tuple[str, ...] = ()
     loaded: bool | None = None
+    # Its parameters, counted from its weights' headers (None: not counted).
+    parameters: int | None = None
 
 
 class Admitted(msgspec.Struct, frozen=True, kw_only=True):

@@ -572,6 +572,15 @@ class _Facts(msgspec.Struct, kw_only=True):
     template: str
 
 
+def _size(parameters: int | None) -> str:
+    """A parameter count as Ollama writes one: 494.03M, 7.6B."""
+    if not parameters:
+        return ""
+    if parameters >= 10**9:
+        return f"{parameters / 1e9:.1f}B"
+    return f"{parameters / 1e6:.2f}M"
+
+
 def _facts(card: ModelCard) -> _Facts:
     path = Path(card.path)
     try:
@@ -596,7 +605,8 @@ def _facts(card: ModelCard) -> _Facts:
     if not template and (path / "chat_template.jinja").is_file():
         template = (path / "chat_template.jinja").read_text()
     details = OllamaModelDetails(
-        parent_model="", format="mlx", family=family, families=[family], parameter_size="",
+        parent_model="", format="mlx", family=family, families=[family],
+        parameter_size=_size(card.parameters),
         quantization_level=f"Q{bits}" if bits else dtype.upper().replace("BFLOAT", "BF")
         .replace("FLOAT", "F"))
     modified = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(mtime))
@@ -710,6 +720,8 @@ class OllamaRoutes:
         family = facts.details.family
         info: dict[str, Any] = {"general.architecture": family,
                                 f"{family}.context_length": card.context_length}
+        if card.parameters:
+            info["general.parameter_count"] = card.parameters
         for key, name_ in (("hidden_size", "embedding_length"),
                            ("num_hidden_layers", "block_count"),
                            ("num_attention_heads", "attention.head_count"),

@@ -25,6 +25,7 @@ from troupe.actors.engine.memory_estimate import (
     idle_floor,
     model_memory,
     model_memory_of,
+    parameter_count,
     plan_step,
     prefill_transient,
     pressure_level,
@@ -305,3 +306,24 @@ def test_the_idle_floor_is_at_least_the_weights_and_counts_them_again_until_load
 def test_a_prompt_is_too_large_only_when_it_cannot_fit_beside_the_idle_floor():
     assert not too_large(600, limit=1000, idle=400)
     assert too_large(601, limit=1000, idle=400)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_quantized_model_counts_the_parameters_of_its_float_weights(
+        tmp_path: Path, bits: int) -> None:
+    """Packed words count 32 / bits parameters each, scales and biases none: the same count
+    as the float model's, which is the sum of its tensors' elements."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm import load
+    from tiny_model import make_tiny_model
+
+    plain = make_tiny_model(tmp_path / "plain", hidden=128)
+    model, _ = load(str(plain))
+    elements = sum(v.size for _, v in tree_flatten(model.parameters()))
+    quantized = make_tiny_model(tmp_path / f"q{bits}", hidden=128, bits=bits)
+    packed = load(str(quantized))[0]
+    assert any(v.dtype == mx.uint32 for _, v in tree_flatten(packed.parameters()))
+    assert parameter_count(plain) == elements
+    assert parameter_count(quantized) == elements
+    assert parameter_count(tmp_path) is None  # no weights at all

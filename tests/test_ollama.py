@@ -412,6 +412,8 @@ async def test_the_ollama_client_gets_the_openai_route_s_greedy_answer_on_the_re
             assert show.modelinfo[f"{show.modelinfo['general.architecture']}.context_length"] > 0
             # The tiny model's template has no reasoning tags and it reads no images.
             assert show.capabilities == ["completion", "tools"]
+            count = show.modelinfo["general.parameter_count"]
+            assert count > 0 and show.details.parameter_size == f"{count / 1e6:.2f}M"
             assert (await client.list()).models[0].size > 0
             assert [m.model for m in (await client.ps()).models] == [stack.model]
         finally:

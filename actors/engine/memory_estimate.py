@@ -218,6 +218,41 @@ def model_memory_of(model_dir: str | Path) -> ModelMemory:
     return model_memory(config, dtype_bytes=weights_dtype_bytes(totals), weights_bytes=weights)
 
 
+def parameter_count(model_dir: str | Path) -> int | None:
+    """The model's parameters, from its weights' headers (no tensor is read): a quantized
+    weight's packed words count ``32 / bits`` parameters each (its layer's bits in the
+    config), its scales and biases none. None when no header can be read."""
+    model_dir = Path(model_dir)
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    quant = config.get("quantization") or config.get("quantization_config") or {}
+    default_bits = quant.get("bits") if isinstance(quant, dict) else None
+    total, read = 0, False
+    for f in sorted(model_dir.glob("model*.safetensors")):
+        try:
+            with open(f, "rb") as fh:
+                (size,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(size))
+        except (OSError, ValueError, struct.error):
+            continue
+        read = True
+        for name, info in header.items():
+            if name == "__metadata__" or not isinstance(info, dict):
+                continue
+            layer = name.rpartition(".")[0]
+            if name.endswith((".scales", ".biases")) and f"{layer}.weight" in header:
+                continue
+            n = math.prod(info.get("shape") or [0])
+            if info.get("dtype") == "U32" and f"{layer}.scales" in header:
+                own = quant.get(layer) if isinstance(quant, dict) else None
+                bits = own.get("bits", default_bits) if isinstance(own, dict) else default_bits
+                n = n * 32 // int(bits or 32)
+            total += n
+    return total if read else None
+
+
 # --- what a prompt needs ---------------------------------------------------------------------
 
 
