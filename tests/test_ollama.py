@@ -418,3 +418,28 @@ async def test_the_ollama_client_gets_the_openai_route_s_greedy_answer_on_the_re
             assert [m.model for m in (await client.ps()).models] == [stack.model]
         finally:
             await oai.close()
+
+
+async def test_a_reasoning_model_says_it_thinks_and_its_thinking_comes_apart(
+        tiny_qwen3_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiny qwen3's template has <think> tags: /api/show says `thinking`, and a chat's
+    answer splits as OpenAI's route splits it (the scripted tests above show where the
+    reasoning goes)."""
+    monkeypatch.setenv("TROUPE_HOME", str(tmp_path))
+    async with real_stack(tiny_qwen3_dir) as stack:
+        oai = openai.AsyncOpenAI(base_url=f"{stack.server.url}/v1", api_key="x", max_retries=0)
+        client = ollama.AsyncClient(host=stack.server.url)
+        try:
+            show = await client.show(stack.model)
+            assert show.capabilities == ["completion", "tools", "thinking"]
+            messages = [{"role": "user", "content": "What is the capital of France?"}]
+            reference = await oai.chat.completions.create(
+                model=stack.model, temperature=0, max_tokens=48, messages=messages,
+                extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+            got = await client.chat(model=stack.model, messages=messages, think=True,
+                                    options={"temperature": 0, "num_predict": 48})
+            want = reference.choices[0].message
+            assert got.message.content == (want.content or "")
+            assert got.message.thinking == (getattr(want, "reasoning_content", None) or None)
+        finally:
+            await oai.close()
