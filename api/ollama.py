@@ -115,6 +115,9 @@ class OllamaGenerationFields(msgspec.Struct, kw_only=True):
     think: bool | Literal["low", "medium", "high"] | None = None
     keep_alive: str | int | float | None = None  # models stay loaded: ignored
     cache_salt: CacheSalt | None = None
+    # Each answer token's log probability, and this many of the likeliest beside it.
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
 
 
 class OllamaChatRequest(OllamaGenerationFields, kw_only=True):
@@ -186,6 +189,16 @@ class OllamaMessageOut(msgspec.Struct, kw_only=True, omit_defaults=True):
     tool_calls: list[OllamaToolCallOut] | None = None
 
 
+class OllamaTokenLogprob(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class OllamaLogprob(OllamaTokenLogprob, kw_only=True):
+    top_logprobs: list[OllamaTokenLogprob]
+
+
 class OllamaStats(msgspec.Struct, kw_only=True, omit_defaults=True):
     """What a finished answer adds: why it ended, its token counts and its times (ns)."""
 
@@ -205,6 +218,7 @@ class OllamaChatChunk(OllamaStats, kw_only=True, omit_defaults=True):
     created_at: str
     message: OllamaMessageOut
     done: bool
+    logprobs: list[OllamaLogprob] | None = None
 
 
 class OllamaGenerateChunk(OllamaStats, kw_only=True, omit_defaults=True):
@@ -215,6 +229,7 @@ class OllamaGenerateChunk(OllamaStats, kw_only=True, omit_defaults=True):
     response: str
     thinking: str | None = None
     done: bool
+    logprobs: list[OllamaLogprob] | None = None
 
 
 class OllamaEmbedResponse(msgspec.Struct, kw_only=True):
@@ -288,10 +303,12 @@ def served_name(model: str) -> str:
     return model.removesuffix(":latest")
 
 
-def _sampling(options: OllamaOptions | None, default_max_tokens: int
+def _sampling(req: OllamaGenerationFields, default_max_tokens: int
               ) -> tuple[SamplingParams, tuple[str, ...]]:
     """The request's sampling, and the fields it left to the model's defaults."""
-    o = options or OllamaOptions()
+    if req.top_logprobs and not req.logprobs:
+        raise ApiError(400, "top_logprobs requires logprobs to be true.", param="top_logprobs")
+    o = req.options or OllamaOptions()
     stop = [o.stop] if isinstance(o.stop, str) else list(o.stop or [])
     sent = {"temperature": o.temperature, "top_p": o.top_p, "top_k": o.top_k, "min_p": o.min_p,
             "repetition_penalty": o.repeat_penalty}
@@ -303,6 +320,8 @@ def _sampling(options: OllamaOptions | None, default_max_tokens: int
     sampling = SamplingParams(
         max_tokens=max_tokens,
         stop=stop_sequences(stop, "options.stop"),
+        logprobs=bool(req.logprobs),
+        top_logprobs=req.top_logprobs or 0,
         **{name: value for name, value in fields.items() if value is not None},
     )
     return sampling, unset_sampling(sent)
@@ -408,7 +427,7 @@ def admit_chat(req: OllamaChatRequest, request_id: str, default_max_tokens: int)
     if not req.messages:
         raise ApiError(400, "messages must not be empty (an empty chat only loads a model, "
                        "and models here are loaded when they are served).", param="messages")
-    sampling, unset = _sampling(req.options, default_max_tokens)
+    sampling, unset = _sampling(req, default_max_tokens)
     ids: list[str] = []
     messages = [_template_message(m, i, ids) for i, m in enumerate(req.messages)]
     return AdmitChat(
@@ -434,7 +453,7 @@ def admit_generate(req: OllamaGenerateRequest, request_id: str, default_max_toke
     for name in ("template", "context"):
         if getattr(req, name):
             raise ApiError(400, f"'{name}' is not supported here.", param=name)
-    sampling, unset = _sampling(req.options, default_max_tokens)
+    sampling, unset = _sampling(req, default_max_tokens)
     if req.suffix:
         # Code completion: the model's fill-in-the-middle tokens, not its chat template.
         if req.images:
@@ -465,6 +484,18 @@ def _now() -> str:
     """The time as Ollama writes ``created_at`` (RFC 3339, UTC)."""
     t = time.time()
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1e6):06d}Z"
+
+
+def _logprobs(events: list[TokensGenerated]) -> list[OllamaLogprob] | None:
+    """The deltas' token log probabilities (None: not asked for)."""
+    items = [item for event in events for item in event.logprobs or ()]
+    if not items:
+        return None
+    return [OllamaLogprob(token=i.token, logprob=i.logprob, bytes=i.bytes,
+                          top_logprobs=[OllamaTokenLogprob(token=t.token, logprob=t.logprob,
+                                                           bytes=t.bytes)
+                                        for t in i.top_logprobs])
+            for i in items]
 
 
 def _call(call: ToolCall) -> OllamaToolCallOut:
@@ -512,12 +543,12 @@ class _ChatRenderer(_OllamaRenderer):
                                                message=message, done=done, **stats))
 
     def delta(self, event: TokensGenerated) -> list[Frame]:
-        if not (event.text or event.reasoning or event.tool_calls):
+        if not (event.text or event.reasoning or event.tool_calls or event.logprobs):
             return []
         message = OllamaMessageOut(role="assistant", content=event.text,
                                    thinking=event.reasoning or None,
                                    tool_calls=[_call(c) for c in event.tool_calls or []] or None)
-        return [(None, self._chunk(message, False))]
+        return [(None, self._chunk(message, False, logprobs=_logprobs([event])))]
 
     def closing(self, finished: RequestFinished) -> list[Frame]:
         message = OllamaMessageOut(role="assistant", content="")
@@ -528,7 +559,7 @@ class _ChatRenderer(_OllamaRenderer):
         message = OllamaMessageOut(role="assistant", content="".join(e.text for e in deltas),
                                    thinking="".join(e.reasoning for e in deltas) or None,
                                    tool_calls=calls or None)
-        return self._chunk(message, True, **self._stats(finished))
+        return self._chunk(message, True, logprobs=_logprobs(deltas), **self._stats(finished))
 
 
 class _GenerateRenderer(_OllamaRenderer):
@@ -538,16 +569,17 @@ class _GenerateRenderer(_OllamaRenderer):
             done=done, **stats))
 
     def delta(self, event: TokensGenerated) -> list[Frame]:
-        if not (event.text or event.reasoning):
+        if not (event.text or event.reasoning or event.logprobs):
             return []
-        return [(None, self._chunk(event.text, event.reasoning, False))]
+        return [(None, self._chunk(event.text, event.reasoning, False,
+                                   logprobs=_logprobs([event])))]
 
     def closing(self, finished: RequestFinished) -> list[Frame]:
         return [(None, self._chunk("", "", True, **self._stats(finished)))]
 
     def whole(self, deltas: list[TokensGenerated], finished: RequestFinished) -> bytes:
         return self._chunk("".join(e.text for e in deltas), "".join(e.reasoning for e in deltas),
-                           True, **self._stats(finished))
+                           True, logprobs=_logprobs(deltas), **self._stats(finished))
 
 
 def _chat_renderer(req: OllamaChatRequest, msg: AdmitChat, admitted: Admitted) -> Renderer:

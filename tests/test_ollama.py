@@ -114,6 +114,24 @@ async def test_reasoning_is_the_message_s_thinking(client: TestClient, stream: b
                            "thinking": "".join(REASONING)}
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_logprobs_come_with_each_token_and_its_likeliest_neighbours(
+        client: TestClient, scripted: Scripted, stream: bool) -> None:
+    resp = await client.post(CHAT, json=chat(stream=stream, logprobs=True, top_logprobs=2))
+    assert resp.status == 200
+    msg = scripted.seen[-1]
+    assert (msg.sampling.logprobs, msg.sampling.top_logprobs) == (True, 2)
+    objects = lines(await resp.text()) if stream else [await resp.json()]
+    items = [item for o in objects for item in o.get("logprobs") or []]
+    assert [item["token"] for item in items] == DELTAS
+    first = items[0]
+    assert first == {"token": "Hel", "logprob": -0.25, "bytes": list(b"Hel"),
+                     "top_logprobs": [{"token": "Hel", "logprob": -0.25, "bytes": list(b"Hel")},
+                                      {"token": "X", "logprob": -2.5, "bytes": [88]}]}
+    plain = await client.post(CHAT, json=chat(stream=False))
+    assert "logprobs" not in await plain.json()
+
+
 async def test_generate_answers_in_response_whole_and_streamed(client: TestClient) -> None:
     whole = await (await client.post(GENERATE, json={"model": MODEL, "prompt": "hello",
                                                      "stream": False})).json()
@@ -247,6 +265,7 @@ async def test_generate_goes_through_the_template_unless_raw(client: TestClient,
     (chat(format="yaml"), 400, "format 'yaml'"),
     (chat(options={"num_predict": 0}), 400, "num_predict"),
     (chat(options={"temperature": 9}), 400, "temperature"),
+    (chat(top_logprobs=2), 400, "top_logprobs requires logprobs"),
     ({"model": MODEL, "messages": [{"role": "assistant", "content": "", "tool_calls": [
         {"function": {"name": "f", "arguments": "[1]"}}]}]}, 400, "must be an object"),
     ({"model": MODEL, "messages": [{"role": "assistant", "content": "x", "images": [png()]}]},
@@ -408,6 +427,18 @@ async def test_the_ollama_client_gets_the_openai_route_s_greedy_answer_on_the_re
                 answers.append(expected)
             # Two prompts, two answers: the equalities above compare something.
             assert answers[0] != answers[1]
+            # Log probabilities: the OpenAI route's, token by token.
+            with_logprobs = await client.chat(model=stack.model, messages=conversation,
+                                              options=options, logprobs=True, top_logprobs=2)
+            reference = await oai.chat.completions.create(
+                model=stack.model, temperature=0, max_tokens=24, messages=conversation,
+                logprobs=True, top_logprobs=2)
+            want = reference.choices[0].logprobs.content
+            got_items = with_logprobs.logprobs or []
+            assert [i.token for i in got_items] == [w.token for w in want]
+            assert [i.logprob for i in got_items] == pytest.approx([w.logprob for w in want])
+            assert [[t.token for t in i.top_logprobs or []] for i in got_items] == [
+                [t.token for t in w.top_logprobs] for w in want]
             show = await client.show(stack.model)
             assert show.modelinfo[f"{show.modelinfo['general.architecture']}.context_length"] > 0
             # The tiny model's template has no reasoning tags and it reads no images.
