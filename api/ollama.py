@@ -107,7 +107,7 @@ class OllamaGenerationFields(msgspec.Struct, kw_only=True):
 
     model: str
     options: OllamaOptions | None = None
-    # "json" (any JSON value), or a JSON Schema the answer must satisfy.
+    # "json" (a JSON object, as Ollama's JSON mode gives), or a JSON Schema the answer obeys.
     format: str | dict[str, Any] | None = None
     stream: bool = True
     # Whether the model thinks first (its template's ``enable_thinking``); "low", "medium"
@@ -328,7 +328,7 @@ def _sampling(req: OllamaGenerationFields, default_max_tokens: int
 
 
 def _format(fmt: str | dict[str, Any] | None) -> OutputFormat | None:
-    """``format``: "json" for any JSON value, or a JSON Schema."""
+    """``format``: "json" for a JSON object, or a JSON Schema."""
     if fmt is None or fmt == "":
         return None
     if fmt == "json":
