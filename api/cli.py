@@ -450,7 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve_cmd = commands.add_parser(
-        "serve", help="serve a model over the OpenAI and Anthropic APIs"
+        "serve", help="serve a model over the OpenAI, Anthropic and Ollama APIs"
     )
     serve_cmd.set_defaults(run=_serve)
     for flag in setting_flags():
