@@ -478,8 +478,11 @@ class Admission(Actor):
 
     async def _admit_fim(self, entry: ModelEntry, msg: AdmitCompletion, prefix: str,
                          suffix: str) -> AdmissionTicket:
-        tokens, constraint = await self._work(prepare_fim, entry, prefix, suffix,
-                                              msg.response_format)
+        # A large file around the gap waits its turn as a large prompt does.
+        work = self._work if len(prefix) + len(suffix) <= self.large_prompt_chars \
+            else self._large_turn
+        tokens, constraint = await work(prepare_fim, entry, prefix, suffix,
+                                        msg.response_format)
         return await self._admit(entry, msg.request_id, tokens, msg.sampling, "prompt",
                                  unset=msg.unset, constraint=constraint,
                                  namespace=msg.cache_namespace)

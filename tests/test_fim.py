@@ -80,6 +80,23 @@ async def test_a_suffix_completes_the_middle_as_the_fim_prompt_written_out_does(
         assert ids.status_code == 400 and ids.json()["error"]["param"] == "suffix"
 
 
+async def test_a_large_file_around_the_gap_completes_the_same_on_the_large_prompt_path(
+        fim_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over the admission's large-prompt size, the prompt is built by the same code, on the
+    large prompts' turn."""
+    from troupe.actors import admission
+
+    monkeypatch.setenv("TROUPE_HOME", str(tmp_path))
+    answers = []
+    for large in (10**9, 8):
+        monkeypatch.setattr(admission, "LARGE_PROMPT_CHARS", large)
+        async with real_stack(fim_model_dir) as stack, \
+                httpx.AsyncClient(base_url=stack.server.url, timeout=120) as http:
+            answers.append(await _complete(http, stack.model, prompt=PREFIX, suffix=SUFFIX))
+    assert answers[0]["choices"] == answers[1]["choices"]
+    assert answers[0]["usage"] == answers[1]["usage"]
+
+
 async def test_a_model_without_fim_tokens_refuses_a_suffix(
         tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TROUPE_HOME", str(tmp_path))
