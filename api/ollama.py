@@ -724,7 +724,8 @@ class OllamaRoutes:
                 name=card.id, model=card.id, size=facts.size,
                 digest=card.fingerprint or card.id, details=facts.details,
                 modified_at=None if loaded else facts.modified_at,
-                # A loaded model stays loaded until memory is wanted for another.
+                # A loaded model stays until memory is wanted for another: the far date
+                # Ollama writes for a model kept loaded for good.
                 expires_at="2318-01-01T00:00:00Z" if loaded else None,
                 size_vram=facts.size if loaded else None,
                 context_length=card.context_length if loaded else None))
