@@ -27,6 +27,7 @@ too); ``reasoning.effort`` is accepted and ignored.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -907,7 +908,7 @@ class ResponsesRoutes:
             turn = prepare_turn(req, request_id, self.config.default_max_tokens, self.store)
             if turn.tools.dropped:
                 log.warning("%s: tools this server cannot run were dropped: %s", request_id,
-                            ", ".join(turn.tools.dropped))
+                            _named(turn.tools.dropped))
                 request[_DROPPED] = turn.tools.dropped
             turns.append(turn)
             return turn.msg
@@ -943,7 +944,13 @@ async def _warn_dropped(request: web.Request, response: web.StreamResponse) -> N
     """on_response_prepare: name the dropped tools in a header, streamed answers included."""
     dropped = request.get(_DROPPED)
     if dropped:
-        names = ", ".join(dict.fromkeys(dropped))
         response.headers[WARNING_HEADER] = (
-            f'299 mlx-troupe "tools this server cannot run were dropped: {names}"'
+            f'299 mlx-troupe "tools this server cannot run were dropped: {_named(dropped)}"'
         )
+
+
+def _named(types: list[str]) -> str:
+    """The dropped tools' types, once each, as printable ASCII: a type is the client's text,
+    and a line break or a quote in it would end the header (aiohttp refuses to send it, and
+    the client got no answer at all) or the log line."""
+    return ", ".join(json.dumps(kind, ensure_ascii=True)[1:-1] for kind in dict.fromkeys(types))

@@ -1001,6 +1001,14 @@ async def test_hosted_tools_are_dropped_and_named_in_a_warning(
                if r.levelname == "WARNING") == 2
     resp = await client.post(RESPONSES, json=body(tools=[WEATHER]))
     assert "Warning" not in resp.headers
+    # A type is the client's text: a line break or a quote in it stays inside the header
+    # (aiohttp would refuse to send the header, and the client would get no answer at all).
+    odd = 'x"\r\nX-Injected: 1\u0000é'
+    resp = await client.post(RESPONSES, json=body(tools=[{"type": odd}, WEATHER]))
+    assert resp.status == 200, await resp.text()
+    assert "X-Injected" not in resp.headers
+    assert resp.headers["Warning"] == ('299 mlx-troupe "tools this server cannot run were '
+                                       'dropped: x\\"\\r\\nX-Injected: 1\\u0000\\u00e9"')
     # Only hosted tools: the request is served without tools.
     response = await whole(client, tools=[{"type": "web_search_preview"}])
     assert response.tools == [] and admitted(scripted).tools is None
