@@ -908,7 +908,7 @@ class ResponsesRoutes:
             turn = prepare_turn(req, request_id, self.config.default_max_tokens, self.store)
             if turn.tools.dropped:
                 log.warning("%s: tools this server cannot run were dropped: %s", request_id,
-                            _named(turn.tools.dropped))
+                            _printable(turn.tools.dropped))
                 request[_DROPPED] = turn.tools.dropped
             turns.append(turn)
             return turn.msg
@@ -945,11 +945,11 @@ async def _warn_dropped(request: web.Request, response: web.StreamResponse) -> N
     dropped = request.get(_DROPPED)
     if dropped:
         response.headers[WARNING_HEADER] = (
-            f'299 mlx-troupe "tools this server cannot run were dropped: {_named(dropped)}"'
+            f'299 mlx-troupe "tools this server cannot run were dropped: {_printable(dropped)}"'
         )
 
 
-def _named(types: list[str]) -> str:
+def _printable(types: list[str]) -> str:
     """The dropped tools' types, once each, as printable ASCII: a type is the client's text,
     and a line break or a quote in it would end the header (aiohttp refuses to send it, and
     the client got no answer at all) or the log line."""
